@@ -1,0 +1,289 @@
+"""The wire schema: what one trainer rank receives for one step.
+
+A step's payload for a rank is a list of `MicroBatch`. The 16 fields and their order are
+fixed by the prime-rl trainer wire format (SPEC.md, "Wire format"). Fields are held as
+numpy arrays so the packer and encoder never build Python lists of tokens; validation
+runs at construction, so a malformed batch fails where it is built, naming the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+
+class SchemaError(ValueError):
+    """A micro-batch or sample whose fields do not agree with each other or the spec."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedExperts:
+    """Per-token expert routing (MoE), carried as raw bytes with their shape and dtype."""
+
+    data: bytes
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data", bytes(self.data))
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        try:
+            itemsize = np.dtype(self.dtype).itemsize
+        except TypeError as exc:
+            raise SchemaError(f"routed_experts.dtype: unknown dtype {self.dtype!r}") from exc
+        expected = itemsize * int(np.prod(self.shape, dtype=np.int64))
+        if len(self.data) != expected:
+            raise SchemaError(
+                f"routed_experts.data: length {len(self.data)} does not match shape {self.shape} "
+                f"of {self.dtype} (expected {expected} bytes)"
+            )
+
+    @classmethod
+    def from_array(cls, array: np.ndarray) -> RoutedExperts:
+        array = np.ascontiguousarray(array)
+        return cls(data=array.tobytes(), shape=array.shape, dtype=array.dtype.name)
+
+    def to_array(self) -> np.ndarray:
+        return np.frombuffer(self.data, dtype=self.dtype).reshape(self.shape)
+
+
+# Wire order of the 16 MicroBatch fields, and the numpy dtype each per-token/per-sample
+# array is held in (None: not a numeric array).
+MICROBATCH_FIELDS: tuple[str, ...] = (
+    "input_ids",
+    "loss_mask",
+    "advantages",
+    "inference_logprobs",
+    "position_ids",
+    "sequence_lengths",
+    "temperatures",
+    "env_names",
+    "seq_lens",
+    "ref_logprobs",
+    "routed_experts",
+    "mm_kwargs",
+    "mm_token_type_ids",
+    "rl_weights",
+    "ce_weights",
+    "ref_kl_weights",
+)
+
+ARRAY_DTYPES: dict[str, np.dtype] = {
+    "input_ids": np.dtype(np.int64),
+    "loss_mask": np.dtype(np.bool_),
+    "advantages": np.dtype(np.float64),
+    "inference_logprobs": np.dtype(np.float64),
+    "position_ids": np.dtype(np.int64),
+    "sequence_lengths": np.dtype(np.int64),
+    "temperatures": np.dtype(np.float64),
+    "seq_lens": np.dtype(np.int64),
+    "ref_logprobs": np.dtype(np.float64),
+    "mm_token_type_ids": np.dtype(np.int64),
+    "rl_weights": np.dtype(np.float64),
+    "ce_weights": np.dtype(np.float64),
+    "ref_kl_weights": np.dtype(np.float64),
+}
+
+PER_TOKEN_FIELDS: tuple[str, ...] = (
+    "loss_mask",
+    "advantages",
+    "inference_logprobs",
+    "position_ids",
+    "temperatures",
+    "env_names",
+    "ref_logprobs",
+    "mm_token_type_ids",
+    "rl_weights",
+    "ce_weights",
+    "ref_kl_weights",
+)
+
+OPTIONAL_FIELDS: frozenset[str] = frozenset(
+    {"ref_logprobs", "routed_experts", "mm_kwargs", "mm_token_type_ids", "rl_weights", "ce_weights",
+     "ref_kl_weights"}
+)
+
+
+def as_array(name: str, value: Any) -> np.ndarray:
+    """Convert a sequence or array to the field's dtype, one-dimensional, without copying
+    when it already is one."""
+    dtype = ARRAY_DTYPES[name]
+    try:
+        if isinstance(value, np.ndarray) and value.dtype == dtype:
+            array = value
+        elif dtype.kind in "iu":
+            array = np.asarray(value)
+            if array.size and array.dtype.kind not in "iub":
+                raise SchemaError(f"{name}: expected integers, got dtype {array.dtype}")
+            if array.dtype.kind == "u" and array.size and int(array.max()) > np.iinfo(np.int64).max:
+                raise SchemaError(f"{name}: value {int(array.max())} exceeds int64")
+            array = array.astype(dtype, copy=False)
+        elif dtype.kind == "b":
+            array = np.asarray(value)
+            if array.size and array.dtype.kind != "b":
+                raise SchemaError(f"{name}: expected booleans, got dtype {array.dtype}")
+            array = array.astype(dtype, copy=False)
+        else:
+            array = np.asarray(value, dtype=dtype)
+    except (TypeError, ValueError, OverflowError) as exc:
+        if isinstance(exc, SchemaError):
+            raise
+        raise SchemaError(f"{name}: cannot be read as {dtype}: {exc}") from exc
+    if array.ndim != 1:
+        raise SchemaError(f"{name}: expected a one-dimensional sequence, got shape {array.shape}")
+    return array
+
+
+def _as_strings(name: str, value: Sequence[str]) -> list[str]:
+    items = list(value)
+    for index, item in enumerate(items):
+        if not isinstance(item, str):
+            raise SchemaError(f"{name}[{index}]: expected str, got {type(item).__name__} {item!r}")
+    return items
+
+
+@dataclass(slots=True, eq=False)
+class MicroBatch:
+    """One packed micro-batch: several samples concatenated along the token axis."""
+
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    advantages: np.ndarray
+    inference_logprobs: np.ndarray
+    position_ids: np.ndarray
+    sequence_lengths: np.ndarray
+    temperatures: np.ndarray
+    env_names: list[str]
+    seq_lens: np.ndarray
+    ref_logprobs: np.ndarray | None = None
+    routed_experts: RoutedExperts | None = None
+    mm_kwargs: dict[str, Any] | None = None
+    mm_token_type_ids: np.ndarray | None = None
+    rl_weights: np.ndarray | None = None
+    ce_weights: np.ndarray | None = None
+    ref_kl_weights: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        for name in ARRAY_DTYPES:
+            value = getattr(self, name)
+            if value is None:
+                if name not in OPTIONAL_FIELDS:
+                    raise SchemaError(f"{name}: required field is missing")
+                continue
+            setattr(self, name, as_array(name, value))
+        self.env_names = _as_strings("env_names", self.env_names)
+        if self.mm_kwargs is not None:
+            raise SchemaError("mm_kwargs: reserved, must be None")
+        if isinstance(self.routed_experts, dict):
+            self.routed_experts = RoutedExperts(**self.routed_experts)
+        self.validate()
+
+    def validate(self) -> None:
+        """Check the spec's invariants; raise SchemaError naming the first field that breaks one."""
+        num_tokens = len(self.input_ids)
+        for name in PER_TOKEN_FIELDS:
+            value = getattr(self, name)
+            if value is not None and len(value) != num_tokens:
+                raise SchemaError(
+                    f"{name}: length {len(value)}, expected {num_tokens} (len(input_ids))"
+                )
+        if len(self.sequence_lengths) != len(self.seq_lens):
+            raise SchemaError(
+                f"seq_lens: length {len(self.seq_lens)}, expected {len(self.sequence_lengths)} "
+                "(len(sequence_lengths))"
+            )
+        for name in ("sequence_lengths", "seq_lens"):
+            total = int(getattr(self, name).sum())
+            if total != num_tokens:
+                raise SchemaError(f"{name}: sums to {total}, expected {num_tokens} (len(input_ids))")
+        if self.routed_experts is not None and (
+            not self.routed_experts.shape or self.routed_experts.shape[0] != num_tokens
+        ):
+            raise SchemaError(
+                f"routed_experts.shape: {self.routed_experts.shape}, expected first dimension "
+                f"{num_tokens} (len(input_ids))"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    def as_wire_values(self) -> list[Any]:
+        """The 16 positional values as plain Python objects: what `msgpack.packb` would be
+        given by a straightforward encoder (the reference for byte-identity)."""
+        values: list[Any] = []
+        for name in MICROBATCH_FIELDS:
+            value = getattr(self, name)
+            if value is None:
+                values.append(None)
+            elif isinstance(value, np.ndarray):
+                values.append(value.tolist())
+            elif isinstance(value, RoutedExperts):
+                values.append([value.data, list(value.shape), value.dtype])
+            else:
+                values.append(list(value))
+        return values
+
+    def equals(self, other: MicroBatch) -> bool:
+        """Field-by-field equality (NaN equal to NaN), for tests and the reference trainer."""
+        for field in fields(self):
+            mine, theirs = getattr(self, field.name), getattr(other, field.name)
+            if (mine is None) != (theirs is None):
+                return False
+            if isinstance(mine, np.ndarray):
+                if mine.shape != theirs.shape or not np.array_equal(
+                    mine, theirs, equal_nan=mine.dtype.kind == "f"
+                ):
+                    return False
+            elif mine != theirs:
+                return False
+        return True
+
+
+@dataclass(slots=True, eq=False)
+class TrainingSample:
+    """One rollout's trainable sequence before packing: prompt and completion tokens with
+    their per-token masks and logprobs, the group advantage, and where it came from."""
+
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    inference_logprobs: np.ndarray
+    advantage: float
+    temperature: float
+    env_name: str
+    ref_logprobs: np.ndarray | None = None
+    routed_experts: np.ndarray | None = None
+    rl_weights: np.ndarray | None = None
+    ce_weights: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("input_ids", "loss_mask", "inference_logprobs", "ref_logprobs", "rl_weights",
+                     "ce_weights"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, as_array(name, value))
+        if self.routed_experts is not None:
+            self.routed_experts = np.asarray(self.routed_experts)
+        self.advantage = float(self.advantage)
+        self.temperature = float(self.temperature)
+        if not isinstance(self.env_name, str):
+            raise SchemaError(f"env_name: expected str, got {self.env_name!r}")
+        num_tokens = len(self.input_ids)
+        for name in ("loss_mask", "inference_logprobs", "ref_logprobs", "rl_weights", "ce_weights"):
+            value = getattr(self, name)
+            if value is not None and len(value) != num_tokens:
+                raise SchemaError(f"{name}: length {len(value)}, expected {num_tokens} (len(input_ids))")
+        if self.routed_experts is not None and (
+            self.routed_experts.ndim == 0 or self.routed_experts.shape[0] != num_tokens
+        ):
+            raise SchemaError(
+                f"routed_experts.shape: {self.routed_experts.shape}, expected first dimension "
+                f"{num_tokens} (len(input_ids))"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)

@@ -1,0 +1,173 @@
+"""The claim-check store: rollout arrays and per-rank step payloads in Redis.
+
+Messages (stream records, Celery tasks) carry keys; the bytes live here. Arrays are kept
+in a compact binary blob (a MessagePack map of name -> [dtype, shape, raw bytes]) that
+decodes into zero-copy numpy views. Every write carries a TTL as a safety net; the ship
+path deletes a step's keys explicitly when the step is released. Every key a step owns is
+registered in the step's key set, so releasing the step is one call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import msgpack
+import numpy as np
+import redis
+import redis.asyncio as aioredis
+
+from transport.keys import RunKeys
+
+DEFAULT_TTL_SECONDS = 24 * 3600
+
+
+class PayloadMissingError(KeyError):
+    """A claim-check key that is not (or no longer) in Redis."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+    def __str__(self) -> str:
+        return f"payload key {self.key!r} is missing from Redis (never written, expired or released)"
+
+
+class PayloadCorruptError(ValueError):
+    """A stored value that does not decode as an array blob."""
+
+
+def pack_arrays(arrays: Mapping[str, np.ndarray]) -> bytes:
+    """Arrays to one compact blob: no JSON lists, one copy of each array's bytes."""
+    entries: dict[str, list[Any]] = {}
+    for name, value in arrays.items():
+        array = np.ascontiguousarray(value)
+        entries[name] = [array.dtype.str, list(array.shape), memoryview(array).cast("B")]
+    return msgpack.packb(entries, use_bin_type=True)
+
+
+def unpack_arrays(blob: bytes, key: str = "<blob>") -> dict[str, np.ndarray]:
+    """The inverse of `pack_arrays`; arrays are read-only views into `blob`."""
+    try:
+        entries = msgpack.unpackb(blob, raw=False)
+        if not isinstance(entries, dict):
+            raise TypeError(f"expected a map, got {type(entries).__name__}")
+        return {
+            name: np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
+            for name, (dtype, shape, data) in entries.items()
+        }
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise PayloadCorruptError(f"{key}: stored arrays do not decode ({exc})") from exc
+
+
+def _queue_rollout_writes(pipe: Any, keys: RunKeys, rollouts: Mapping[str, Mapping[str, np.ndarray]],
+                          ttl: int) -> None:
+    for rollout_id, arrays in rollouts.items():
+        pipe.set(keys.rollout(rollout_id), pack_arrays(arrays), ex=ttl)
+
+
+def _decode_rollouts(keys: list[str], values: list[bytes | None]) -> dict[str, dict[str, np.ndarray]]:
+    found = _check_found(keys, values)
+    return {key.rsplit(":", 1)[1]: unpack_arrays(v, key) for key, v in zip(keys, found, strict=True)}
+
+
+def _check_found(keys: list[str], values: list[bytes | None]) -> list[bytes]:
+    for key, value in zip(keys, values, strict=True):
+        if value is None:
+            raise PayloadMissingError(key)
+    return values  # type: ignore[return-value]
+
+
+class PayloadStore:
+    """Synchronous store, used by Celery workers and trainer ranks."""
+
+    def __init__(self, client: redis.Redis, run_id: str, ttl_seconds: int = DEFAULT_TTL_SECONDS):
+        self.client = client
+        self.keys = RunKeys(run_id)
+        self.ttl = ttl_seconds
+
+    def put_rollouts(self, rollouts: Mapping[str, Mapping[str, np.ndarray]]) -> None:
+        """Store several rollouts' arrays in one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        _queue_rollout_writes(pipe, self.keys, rollouts, self.ttl)
+        pipe.execute()
+
+    def get_rollouts(self, rollout_ids: Iterable[str]) -> dict[str, dict[str, np.ndarray]]:
+        """Fetch several rollouts in one round trip; a missing one raises PayloadMissingError."""
+        keys = [self.keys.rollout(r) for r in rollout_ids]
+        return _decode_rollouts(keys, self.client.mget(keys) if keys else [])
+
+    def put_step_value(self, step: int, name: str, value: bytes | memoryview) -> str:
+        """Write a step-scoped value and register it with the step; returns its key."""
+        key = self.keys.step(step, name)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.set(key, value, ex=self.ttl)
+        pipe.sadd(self.keys.step_keys(step), key)
+        pipe.expire(self.keys.step_keys(step), self.ttl)
+        pipe.execute()
+        return key
+
+    def get_step_value(self, step: int, name: str) -> bytes:
+        key = self.keys.step(step, name)
+        return _check_found([key], [self.client.get(key)])[0]
+
+    def put_payload(self, step: int, rank: int, payload: bytes | memoryview) -> str:
+        return self.put_step_value(step, f"payload:{rank}", payload)
+
+    def get_payload(self, step: int, rank: int) -> bytes:
+        return self.get_step_value(step, f"payload:{rank}")
+
+    def delete_step(self, step: int) -> int:
+        """Unlink every key registered with the step (and the registry); returns how many."""
+        return int(_unlink_step_keys(self.client, self.keys, step))
+
+
+class AsyncPayloadStore:
+    """The same store on `redis.asyncio`, for the orchestrator and async producers. It moves
+    only small values on the loop; rollout arrays are written by producers."""
+
+    def __init__(self, client: aioredis.Redis, run_id: str, ttl_seconds: int = DEFAULT_TTL_SECONDS):
+        self.client = client
+        self.keys = RunKeys(run_id)
+        self.ttl = ttl_seconds
+
+    async def put_rollouts(self, rollouts: Mapping[str, Mapping[str, np.ndarray]]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        _queue_rollout_writes(pipe, self.keys, rollouts, self.ttl)
+        await pipe.execute()
+
+    async def get_rollouts(self, rollout_ids: Iterable[str]) -> dict[str, dict[str, np.ndarray]]:
+        keys = [self.keys.rollout(r) for r in rollout_ids]
+        return _decode_rollouts(keys, await self.client.mget(keys) if keys else [])
+
+    async def delete_rollouts(self, rollout_ids: Iterable[str]) -> int:
+        """Release rollouts that will never ship (UNLINK frees them off Redis's main thread)."""
+        keys = [self.keys.rollout(r) for r in rollout_ids]
+        return int(await self.client.unlink(*keys)) if keys else 0
+
+    async def register_step_keys(self, step: int, keys: Iterable[str]) -> None:
+        keys = list(keys)
+        if keys:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.sadd(self.keys.step_keys(step), *keys)
+            pipe.expire(self.keys.step_keys(step), self.ttl)
+            await pipe.execute()
+
+    async def delete_step(self, step: int) -> int:
+        return int(await _unlink_step_keys(self.client, self.keys, step))
+
+
+_DELETE_STEP_LUA = """
+local members = redis.call('SMEMBERS', KEYS[1])
+local deleted = 0
+for i = 1, #members, 1000 do
+  deleted = deleted + redis.call('UNLINK', unpack(members, i, math.min(i + 999, #members)))
+end
+redis.call('UNLINK', KEYS[1])
+return deleted
+"""
+
+
+def _unlink_step_keys(client: Any, keys: RunKeys, step: int) -> Any:
+    """Run the release script on a sync or async client (the async one returns an awaitable)."""
+    return client.register_script(_DELETE_STEP_LUA)(keys=[keys.step_keys(step)])
