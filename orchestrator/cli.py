@@ -5,41 +5,40 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Callable
 
-# Subcommand -> (module, description). Each module defines `add_arguments(parser)` and
-# `main(args) -> int`.
-COMMANDS: dict[str, tuple[str, str]] = {
-    "bench encode": ("orchestrator.bench.encode", "encoder/decoder memory and speed, against msgpack and msgspec"),
-}
+# Subcommand -> (module, its argument-adding function, its main function, description).
+COMMANDS: dict[str, tuple[str, str, str, str]] = {
+    "run": ("orchestrator.run", "add_arguments", "main",
+            "the whole system on this machine: Redis, workers, trainer ranks, producer, orchestrator"),
+    "orchestrate": ("orchestrator.run", "add_orchestrate_arguments", "orchestrate_main",
+                    "the orchestrator alone (what `run` starts)"),
+    "trainer": ("orchestrator.run", "add_trainer_arguments", "trainer_main",
+                "one reference trainer rank: receive, check, acknowledge each step"),
+    "produce": ("orchestrator.producer", "add_arguments", "main", "the synthetic rollout producer"),
+    "bench encode": ("orchestrator.bench.encode", "add_arguments", "main",
+                     "encoder/decoder memory and speed, against msgpack and msgspec"),
+}  # fmt: skip
 
 
-def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argparse.Namespace], int]]]:
-    parser = argparse.ArgumentParser(prog="rlship", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    groups: dict[str, argparse._SubParsersAction] = {}
-    mains: dict[str, Callable[[argparse.Namespace], int]] = {}
-    for name, (module_name, help_text) in COMMANDS.items():
-        words = name.split()
-        parent = commands
-        for depth, word in enumerate(words[:-1]):
-            group_name = " ".join(words[: depth + 1])
-            if group_name not in groups:
-                group_parser = parent.add_parser(word, help=f"{word} commands")
-                groups[group_name] = group_parser.add_subparsers(dest=f"{word}_command", required=True)
-            parent = groups[group_name]
-        sub = parent.add_parser(words[-1], help=help_text, description=help_text)
-        module = importlib.import_module(module_name)
-        module.add_arguments(sub)
-        sub.set_defaults(_command=name)
-        mains[name] = module.main
-    return parser, mains
+def usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = [f"  rlship {name:<{width}}  {text}" for name, (*_, text) in COMMANDS.items()]
+    return "usage: rlship COMMAND [options]   (rlship COMMAND --help for its options)\n\n" + "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser, mains = _build_parser()
-    args = parser.parse_args(argv)
-    return mains[args._command](args)
+    """Dispatch to the longest command matching the arguments; import only its module."""
+    argv = sys.argv[1:] if argv is None else argv
+    for name in sorted(COMMANDS, key=lambda n: -len(n.split())):
+        words = name.split()
+        if argv[: len(words)] == words:
+            module_name, add_arguments, main_function, help_text = COMMANDS[name]
+            parser = argparse.ArgumentParser(prog=f"rlship {name}", description=help_text)
+            module = importlib.import_module(module_name)
+            getattr(module, add_arguments)(parser)
+            return int(getattr(module, main_function)(parser.parse_args(argv[len(words) :])) or 0)
+    print(usage(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+    return 0 if argv and argv[0] in ("-h", "--help") else 2
 
 
 if __name__ == "__main__":

@@ -102,8 +102,15 @@ PER_TOKEN_FIELDS: tuple[str, ...] = (
 )
 
 OPTIONAL_FIELDS: frozenset[str] = frozenset(
-    {"ref_logprobs", "routed_experts", "mm_kwargs", "mm_token_type_ids", "rl_weights", "ce_weights",
-     "ref_kl_weights"}
+    {
+        "ref_logprobs",
+        "routed_experts",
+        "mm_kwargs",
+        "mm_token_type_ids",
+        "rl_weights",
+        "ce_weights",
+        "ref_kl_weights",
+    }
 )
 
 
@@ -187,9 +194,7 @@ class MicroBatch:
         for name in PER_TOKEN_FIELDS:
             value = getattr(self, name)
             if value is not None and len(value) != num_tokens:
-                raise SchemaError(
-                    f"{name}: length {len(value)}, expected {num_tokens} (len(input_ids))"
-                )
+                raise SchemaError(f"{name}: length {len(value)}, expected {num_tokens} (len(input_ids))")
         if len(self.sequence_lengths) != len(self.seq_lens):
             raise SchemaError(
                 f"seq_lens: length {len(self.seq_lens)}, expected {len(self.sequence_lengths)} "
@@ -260,8 +265,14 @@ class TrainingSample:
     ce_weights: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        for name in ("input_ids", "loss_mask", "inference_logprobs", "ref_logprobs", "rl_weights",
-                     "ce_weights"):
+        for name in (
+            "input_ids",
+            "loss_mask",
+            "inference_logprobs",
+            "ref_logprobs",
+            "rl_weights",
+            "ce_weights",
+        ):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, as_array(name, value))

@@ -60,8 +60,9 @@ def unpack_arrays(blob: bytes, key: str = "<blob>") -> dict[str, np.ndarray]:
         raise PayloadCorruptError(f"{key}: stored arrays do not decode ({exc})") from exc
 
 
-def _queue_rollout_writes(pipe: Any, keys: RunKeys, rollouts: Mapping[str, Mapping[str, np.ndarray]],
-                          ttl: int) -> None:
+def _queue_rollout_writes(
+    pipe: Any, keys: RunKeys, rollouts: Mapping[str, Mapping[str, np.ndarray]], ttl: int
+) -> None:
     for rollout_id, arrays in rollouts.items():
         pipe.set(keys.rollout(rollout_id), pack_arrays(arrays), ex=ttl)
 
@@ -69,6 +70,19 @@ def _queue_rollout_writes(pipe: Any, keys: RunKeys, rollouts: Mapping[str, Mappi
 def _decode_rollouts(keys: list[str], values: list[bytes | None]) -> dict[str, dict[str, np.ndarray]]:
     found = _check_found(keys, values)
     return {key.rsplit(":", 1)[1]: unpack_arrays(v, key) for key, v in zip(keys, found, strict=True)}
+
+
+def _decode_rollouts_leniently(
+    keys: list[str], values: list[bytes | None]
+) -> dict[str, dict[str, np.ndarray] | PayloadMissingError | PayloadCorruptError]:
+    out: dict[str, dict[str, np.ndarray] | PayloadMissingError | PayloadCorruptError] = {}
+    for key, value in zip(keys, values, strict=True):
+        rollout_id = key.rsplit(":", 1)[1]
+        try:
+            out[rollout_id] = unpack_arrays(_check_found([key], [value])[0], key)
+        except (PayloadMissingError, PayloadCorruptError) as exc:
+            out[rollout_id] = exc
+    return out
 
 
 def _check_found(keys: list[str], values: list[bytes | None]) -> list[bytes]:
@@ -96,6 +110,14 @@ class PayloadStore:
         """Fetch several rollouts in one round trip; a missing one raises PayloadMissingError."""
         keys = [self.keys.rollout(r) for r in rollout_ids]
         return _decode_rollouts(keys, self.client.mget(keys) if keys else [])
+
+    def fetch_rollouts(
+        self, rollout_ids: Iterable[str]
+    ) -> dict[str, dict[str, np.ndarray] | PayloadMissingError | PayloadCorruptError]:
+        """Like `get_rollouts`, but a missing or corrupt rollout maps to its error instead of
+        failing the whole read: one bad rollout must not cost the step."""
+        keys = [self.keys.rollout(r) for r in rollout_ids]
+        return _decode_rollouts_leniently(keys, self.client.mget(keys) if keys else [])
 
     def put_step_value(self, step: int, name: str, value: bytes | memoryview) -> str:
         """Write a step-scoped value and register it with the step; returns its key."""

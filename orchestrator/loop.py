@@ -1,0 +1,361 @@
+"""The orchestrator: an asyncio loop that never touches payload bytes.
+
+It reads rollout records from the Redis stream, completes groups, decides each rollout's
+fate, releases what cannot train at once, cuts a step when enough trainable rollouts are
+pending, waits for the policy gate, writes the step manifest and enqueues the step's
+first task. A follower reads the published records, mirrors them to `metrics.jsonl`,
+prints one line per step and schedules the release of each shipped step (at most one
+pending). A probe measures the loop's own lag every 10 ms.
+
+Celery's `apply_async` is synchronous, so it runs on one dedicated publisher thread;
+completions are learned from Redis through `redis.asyncio`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+from array import array
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import redis.asyncio as aioredis
+
+from orchestrator.groups import TRAINABLE, GroupBuffer, Outcome, decide_group
+from orchestrator.records import IDENTIFIER, RecordRejected, RolloutRecord, parse_record
+from orchestrator.settings import RunSettings
+from tasks.cohort import CohortBuilder
+from tasks.manifest import StepManifest
+from tasks.ship import RunState, finalize, release
+from transport.store import AsyncPayloadStore
+
+log = logging.getLogger("rlship.orchestrator")
+
+READ_BATCH = 512
+READ_BLOCK_MS = 100
+POLL_SECONDS = 0.01
+
+
+class LagProbe:
+    """Measures how late the loop wakes a 10 ms sleeper: the loop's responsiveness."""
+
+    def __init__(self, interval: float = 0.01) -> None:
+        self.interval = interval
+        self._window = array("d")
+        self.max_ms = 0.0
+        self.samples = 0
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            await asyncio.sleep(self.interval)
+            lag_ms = max(0.0, (loop.time() - started - self.interval) * 1000.0)
+            self._window.append(lag_ms)
+            self.max_ms = max(self.max_ms, lag_ms)
+            self.samples += 1
+
+    def take_window(self) -> np.ndarray:
+        """The observations since the previous call (for the next record)."""
+        window = np.frombuffer(self._window, dtype=np.float64).copy()
+        self._window = array("d")
+        return window
+
+
+def outcome_row(outcome: Outcome) -> tuple[dict[str, float], dict[str, str], dict[str, float]]:
+    """A rollout's scalar observations: numeric columns, labels, custom metrics."""
+    r: RolloutRecord = outcome.record
+    numeric = {
+        "reward": r.reward,
+        "advantage": outcome.advantage,
+        "num_input_tokens": r.num_input_tokens,
+        "num_output_tokens": r.num_output_tokens,
+        "num_turns": r.num_turns,
+        "temperature": r.temperature,
+        "policy_version": r.policy_version,
+        "is_truncated": float(r.is_truncated),
+        "is_trainable": float(outcome.fate == TRAINABLE),
+        "has_error": float(r.error is not None),
+        "cancelled": float(r.cancelled),
+    }
+    labels = {
+        "rollout_id": r.rollout_id,
+        "env": r.env,
+        "group_id": r.group_id,
+        "task_id": r.task_id,
+        "error": r.error or "",
+        "stop_condition": r.stop_condition or "",
+    }
+    return numeric, labels, r.metrics
+
+
+@dataclass
+class Accounting:
+    """Cumulative counts since the run started. At every cut:
+    arrived = rejected + discarded + cut + pending + in open groups."""
+
+    arrived: int = 0
+    cut: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+    discarded: Counter[str] = field(default_factory=Counter)
+
+    def snapshot(self, pending: int, in_open_groups: int) -> dict[str, float]:
+        out = {
+            "accounting/arrived": float(self.arrived),
+            "accounting/cut": float(self.cut),
+            "accounting/pending": float(pending),
+            "accounting/in_open_groups": float(in_open_groups),
+            "accounting/rejected": float(sum(self.rejected.values())),
+            "accounting/discarded": float(sum(self.discarded.values())),
+        }
+        out.update({f"ingest/rejected/{k}": float(v) for k, v in self.rejected.items()})
+        out.update({f"accounting/discarded/{k}": float(v) for k, v in self.discarded.items()})
+        return out
+
+
+class Orchestrator:
+    def __init__(self, settings: RunSettings, client: aioredis.Redis) -> None:
+        self.settings = settings
+        self.client = client
+        self.store = AsyncPayloadStore(client, settings.run_id)
+        self.keys = self.store.keys
+        self.state = RunState(settings.run_id)
+        self.config = settings.ship_config()
+        self.groups = GroupBuffer(settings.group_size)
+        self.window = CohortBuilder()
+        self.pending: list[Outcome] = []
+        self.accounting = Accounting()
+        self.probe = LagProbe()
+        self.next_step = 0
+        self.last_published = -1
+        self.records: list[dict[str, float]] = []
+        self._release_pending: asyncio.Task[None] | None = None
+        self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlship-publisher")
+        self._work = asyncio.Event()
+        self._stream_cursor = "0-0"
+        self._metrics_path = Path(settings.output_dir) / "metrics.jsonl"
+
+    # -- ingestion ---------------------------------------------------------------------
+
+    async def ingest(self) -> None:
+        """Read rollout records forever; complete groups; release what cannot train."""
+        while True:
+            response = await self.client.xread(
+                {self.keys.rollout_stream: self._stream_cursor}, count=READ_BATCH, block=READ_BLOCK_MS
+            )
+            if not response:
+                continue
+            entries = response[0][1]
+            release_ids: list[str] = []
+            for _entry_id, fields in entries:
+                release_ids.extend(self._take_record(fields.get(b"record", b"")))
+            self._stream_cursor = entries[-1][0].decode()
+            pipe = self.client.pipeline(transaction=False)
+            if release_ids:
+                pipe.unlink(*(self.keys.rollout(r) for r in release_ids))
+            accounted = sum(self.accounting.rejected.values()) + sum(self.accounting.discarded.values())
+            pipe.set(self.keys.run_key("accounted"), accounted + self.accounting.cut)
+            pipe.xtrim(self.keys.rollout_stream, minid=self._stream_cursor)
+            await pipe.execute()
+            if len(self.pending) >= self.settings.batch_size:
+                self._work.set()
+
+    def _take_record(self, raw: bytes) -> list[str]:
+        """Account one stream record; return the rollout ids whose payloads to release."""
+        self.accounting.arrived += 1
+        try:
+            record = parse_record(raw)
+            group = self.groups.add(record)
+        except RecordRejected as exc:
+            self.accounting.rejected[exc.reason] += 1
+            log.warning("rollout record rejected (%s): %s", exc.reason, exc)
+            rollout_id = _rollout_id_of(raw)
+            return [rollout_id] if rollout_id and exc.reason != "duplicate_rollout" else []
+        if group is None:
+            return []
+        released = []
+        for outcome in decide_group(
+            group, self.next_step, self.settings.max_off_policy_steps, self.settings.normalize_advantages
+        ):
+            self.window.append(*outcome_row(outcome))
+            if outcome.fate == TRAINABLE:
+                self.pending.append(outcome)
+            else:
+                self.accounting.discarded[outcome.fate] += 1
+                released.append(outcome.record.rollout_id)
+        return released
+
+    # -- cutting and dispatch ----------------------------------------------------------
+
+    async def wait_for_policy(self, step: int) -> float:
+        """Hold step `step` until the trainer's policy version is >= step - 1 - max_async_level;
+        add the time waited to the run's policy-wait total (the finalizer consumes it)."""
+        if self.settings.trainers == "external":
+            return 0.0
+        needed = step - 1 - self.settings.max_async_level
+        started = time.perf_counter()
+        while int(await self.client.get(self.keys.policy_version) or 0) < needed:
+            await asyncio.sleep(POLL_SECONDS)
+        waited = time.perf_counter() - started
+        if waited > 0.001:
+            await self.client.incrbyfloat(self.state.policy_wait, waited)
+        return waited
+
+    def _drop_stale_pending(self, step: int) -> list[str]:
+        """Pending rollouts that went stale while waiting are discarded at the cut."""
+        limit = self.settings.max_off_policy_steps
+        stale = [o for o in self.pending if step - o.record.policy_version > limit]
+        if stale:
+            self.pending = [o for o in self.pending if step - o.record.policy_version <= limit]
+            self.accounting.discarded["stale"] += len(stale)
+        return [o.record.rollout_id for o in stale]
+
+    async def cut(self, step: int) -> StepManifest | None:
+        """Write step `step`'s manifest and enqueue its first task; None if nothing trainable."""
+        stale_ids = self._drop_stale_pending(step)
+        if stale_ids:
+            await self.store.delete_rollouts(stale_ids)
+        if not self.pending:
+            return None
+        batch = self.pending[: self.settings.batch_size]
+        del self.pending[: self.settings.batch_size]
+        self.accounting.cut += len(batch)
+        effective = CohortBuilder()
+        for outcome in batch:
+            effective.append(*outcome_row(outcome))
+        manifest = StepManifest(
+            run_id=self.settings.run_id,
+            step=step,
+            prev_step=step - 1,
+            cut_time=time.time(),
+            config=self.config,
+            effective=effective.build(),
+            window=self.window.build(),
+            counters=self.accounting.snapshot(len(self.pending), len(self.groups)),
+            loop_lag_ms=self.probe.take_window(),
+        )
+        self.window = CohortBuilder()
+        manifest_key = self.keys.step(step, "manifest")
+        pipe = self.client.pipeline(transaction=True)
+        pipe.set(manifest_key, manifest.to_bytes(), ex=self.store.ttl)
+        pipe.sadd(
+            self.keys.step_keys(step), manifest_key, *(self.keys.rollout(o.record.rollout_id) for o in batch)
+        )
+        pipe.expire(self.keys.step_keys(step), self.store.ttl)
+        pipe.set(self.state.next_step, step + 1)
+        await pipe.execute()
+        await self._enqueue(finalize, step)
+        return manifest
+
+    async def _enqueue(self, task: Any, step: int) -> None:
+        """`apply_async` blocks on the broker, so it runs on the publisher thread."""
+        send = functools.partial(task.apply_async, (self.settings.run_id, step), queue=self.config.cpu_queue)
+        await asyncio.get_running_loop().run_in_executor(self._publisher, send)
+
+    async def dispatch(self) -> None:
+        """Cut steps while there are steps to ship, enough pending rollouts, and room in flight."""
+        while self.next_step < self.settings.steps:
+            in_flight = self.next_step - 1 - self.last_published
+            if len(self.pending) < self.settings.batch_size or in_flight > self.settings.max_async_level:
+                self._work.clear()
+                await self._work.wait()
+                continue
+            step = self.next_step
+            await self.wait_for_policy(step)
+            if await self.cut(step) is not None:
+                self.next_step = step + 1
+
+    # -- records and release -----------------------------------------------------------
+
+    async def follow_records(self) -> None:
+        """Mirror published records to metrics.jsonl, print a line each, release each step."""
+        cursor = "0-0"
+        self._metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        while self.last_published < self.settings.steps - 1:
+            response = await self.client.xread(
+                {self.keys.metrics_stream: cursor}, count=16, block=READ_BLOCK_MS
+            )
+            for entry_id, fields in response[0][1] if response else []:
+                cursor = entry_id.decode()
+                record = json.loads(fields[b"record"])
+                step = int(record["step"])
+                if step <= self.last_published:
+                    continue
+                with self._metrics_path.open("a") as sink:
+                    sink.write(json.dumps(record, sort_keys=True) + "\n")
+                print(format_step_line(record), flush=True)
+                self.records.append(record)
+                self.last_published = step
+                self._work.set()
+                await self.schedule_release(step)
+        await self.drain_release()
+
+    async def schedule_release(self, step: int) -> None:
+        """At most one release pending: wait for the previous one, then enqueue this one."""
+        await self.drain_release()
+        await self._enqueue(release, step)
+        self._release_pending = asyncio.create_task(self._await_released(step))
+
+    async def _await_released(self, step: int) -> None:
+        while not await self.client.hexists(self.state.released, step):
+            await asyncio.sleep(POLL_SECONDS)
+
+    async def drain_release(self) -> None:
+        if self._release_pending is not None:
+            await self._release_pending
+            self._release_pending = None
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def run(self) -> dict[str, Any]:
+        """Ship `settings.steps` steps (counting from where the run left off); return a summary."""
+        started = time.perf_counter()
+        self.next_step = int(await self.client.get(self.state.next_step) or 0)
+        self.last_published = self.next_step - 1
+        background = [asyncio.create_task(c) for c in (self.probe.run(), self.ingest(), self.dispatch())]
+        try:
+            await self.follow_records()
+        finally:
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            self._publisher.shutdown(wait=True)
+        return {
+            "steps_shipped": len(self.records),
+            "records_published": len(self.records),
+            "tokens_shipped": int(sum(r.get("progress/tokens", 0.0) for r in self.records)),
+            "wall_seconds": time.perf_counter() - started,
+            "loop_lag_max_ms": self.probe.max_ms,
+        }
+
+
+def _rollout_id_of(raw: bytes) -> str | None:
+    """The rollout id of a rejected record, if it names a well-formed one (to release it)."""
+    try:
+        value = json.loads(raw).get("rollout_id")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) and IDENTIFIER.fullmatch(value) else None
+
+
+def format_step_line(record: dict[str, float]) -> str:
+    stages = " ".join(
+        f"{name.split('/', 1)[1]} {seconds:.2f}s"
+        for name, seconds in sorted(record.items())
+        if name.startswith("time/") and name not in ("time/ship", "time/wait_for_policy")
+    )
+    return (
+        f"step {int(record['step'])} | rollouts {int(record.get('progress/rollouts', 0))} | "
+        f"tokens {int(record.get('progress/tokens', 0)):,} | "
+        f"reward {record.get('train/agg/effective/reward/mean', float('nan')):.3f} | {stages} | "
+        f"ship {record.get('time/ship', 0.0):.2f}s | "
+        f"policy wait {record.get('time/wait_for_policy', 0.0):.2f}s | "
+        f"loop lag max {record.get('event_loop_lag/max_ms', 0.0):.1f} ms"
+    )

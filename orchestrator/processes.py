@@ -1,0 +1,122 @@
+"""Child processes of a local run: started with their own settings in the environment,
+stopped by PID (SIGTERM, then SIGKILL after a grace period), never by name."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from orchestrator.settings import RunSettings
+
+
+def rlship_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "orchestrator.cli", *args]
+
+
+def celery_worker_command(queue: str, concurrency: int, name: str) -> list[str]:
+    return [
+        sys.executable, "-m", "celery", "-A", "tasks", "worker",
+        "-Q", queue, "-c", str(concurrency), "--prefetch-multiplier", "1", "-n", name,
+        "-E", "--without-gossip", "--without-mingle", "--loglevel", "WARNING",
+    ]  # fmt: skip
+
+
+def worker_commands(settings: RunSettings) -> dict[str, list[str]]:
+    """The two kinds of worker: compute stages, and the one process that owns the sockets."""
+    return {
+        "cpu-worker": celery_worker_command(
+            settings.cpu_queue, settings.cpu_workers, f"cpu-{settings.run_id}@%h"
+        ),
+        "ship-worker": celery_worker_command(settings.ship_queue, 1, f"ship-{settings.run_id}@%h"),
+    }
+
+
+@dataclass
+class ProcessGroup:
+    """Processes this run started, in start order; stopped in reverse order."""
+
+    env: Mapping[str, str]
+    log_dir: Path
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def start(self, name: str, command: Sequence[str], *, capture: bool = True) -> subprocess.Popen:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        out = open(self.log_dir / f"{name}.log", "ab") if capture else None  # noqa: SIM115
+        process = subprocess.Popen(
+            list(command),
+            env={**os.environ, **self.env},
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
+        self.processes[name] = process
+        return process
+
+    def stop(self, name: str, grace: float = 10.0) -> int | None:
+        process = self.processes.pop(name, None)
+        if process is None:
+            return None
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(grace)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        return process.returncode
+
+    def stop_all(self, grace: float = 10.0) -> None:
+        for name in reversed(list(self.processes)):
+            self.stop(name, grace)
+
+    def failed(self) -> dict[str, int]:
+        """Processes that exited while they should still be running."""
+        return {n: p.returncode for n, p in self.processes.items() if p.poll() not in (None, 0)}
+
+
+def redis_answers(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        return False
+
+
+def ensure_redis(url: str, group: ProcessGroup, data_dir: Path) -> None:
+    """Use the Redis at `url`, or start one (append-only file in `data_dir`) if none answers."""
+    if redis_answers(url):
+        return
+    port = redis.connection.parse_url(url).get("port", 6379)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    group.start(
+        "redis",
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "yes",
+            "--dir",
+            str(data_dir.resolve()),
+            "--maxmemory-policy",
+            "noeviction",
+        ],
+    )
+    deadline = time.monotonic() + 10
+    while not redis_answers(url):
+        if time.monotonic() > deadline:
+            raise SystemExit(
+                f"rlship: redis_url={url!r}: no Redis answers, and the one started did not come up"
+            )
+        time.sleep(0.1)

@@ -1,0 +1,184 @@
+"""Producers: how rollouts enter rlship.
+
+A producer stores a rollout's arrays under its key and appends the small record to the
+rollout stream, in one pipelined round trip (`RolloutProducer`, `AsyncRolloutProducer`).
+`SyntheticWorkload` makes realistic, seeded rollouts for local runs, tests and benchmarks:
+several envs, long-tailed lengths, multi-turn masks, binary and fractional rewards with
+per-task difficulty (so some groups have zero advantage), errors and truncations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import redis
+import redis.asyncio as aioredis
+
+from orchestrator.records import RolloutRecord
+from orchestrator.settings import RunSettings, add_settings_arguments, settings_from_args
+from transport.keys import RunKeys
+from transport.store import DEFAULT_TTL_SECONDS, pack_arrays
+
+
+def _queue_rollout(
+    pipe, keys: RunKeys, record: RolloutRecord, arrays: Mapping[str, np.ndarray], ttl: int
+) -> None:
+    pipe.set(keys.rollout(record.rollout_id), pack_arrays(arrays), ex=ttl)
+    pipe.xadd(keys.rollout_stream, {"record": record.model_dump_json()})
+    pipe.incr(keys.run_key("produced"))
+
+
+class RolloutProducer:
+    """Synchronous producer API (for inference/env workers)."""
+
+    def __init__(self, client: redis.Redis, run_id: str, ttl_seconds: int = DEFAULT_TTL_SECONDS) -> None:
+        self.client = client
+        self.keys = RunKeys(run_id)
+        self.ttl = ttl_seconds
+
+    def produce(self, rollouts: list[tuple[RolloutRecord, Mapping[str, np.ndarray]]]) -> None:
+        """Store the arrays, then append the records (arrays first: a record never points
+        at a payload that is not there yet)."""
+        pipe = self.client.pipeline(transaction=False)
+        for record, arrays in rollouts:
+            _queue_rollout(pipe, self.keys, record, arrays, self.ttl)
+        pipe.execute()
+
+    def outstanding(self) -> int:
+        """Rollouts appended but not yet accounted for by the orchestrator (shipped or discarded)."""
+        produced, accounted = self.client.mget(self.keys.run_key("produced"), self.keys.run_key("accounted"))
+        return int(produced or 0) - int(accounted or 0)
+
+
+class AsyncRolloutProducer:
+    """The same on `redis.asyncio`, for producers that live on an event loop."""
+
+    def __init__(self, client: aioredis.Redis, run_id: str, ttl_seconds: int = DEFAULT_TTL_SECONDS) -> None:
+        self.client = client
+        self.keys = RunKeys(run_id)
+        self.ttl = ttl_seconds
+
+    async def produce(self, rollouts: list[tuple[RolloutRecord, Mapping[str, np.ndarray]]]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for record, arrays in rollouts:
+            _queue_rollout(pipe, self.keys, record, arrays, self.ttl)
+        await pipe.execute()
+
+
+@dataclass
+class SyntheticWorkload:
+    """Seeded synthetic rollouts, one group at a time."""
+
+    seed: int = 0
+    group_size: int = 8
+    seq_len: int = 2048
+    vocab_size: int = 151_936
+    envs: tuple[str, ...] = ("math", "code", "chat")
+    error_rate: float = 0.02
+    cancel_rate: float = 0.01
+    policy_version: int = 0
+    routed_experts: bool = False
+    _rng: np.random.Generator = field(init=False, repr=False)
+    _groups: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self._rng = np.random.default_rng(self.seed)
+
+    def _lengths(self) -> tuple[int, int]:
+        rng = self._rng
+        prompt = int(np.clip(rng.lognormal(4.5, 0.6), 8, self.seq_len // 4))
+        completion = int(np.clip(rng.lognormal(5.5, 1.0), 1, self.seq_len - prompt))
+        return prompt, completion
+
+    def _arrays(self, prompt: int, completion: int, turns: int) -> dict[str, np.ndarray]:
+        rng = self._rng
+        total = prompt + completion
+        ids = np.minimum(rng.zipf(1.3, total), self.vocab_size - 1).astype(np.int32)
+        mask = np.zeros(total, dtype=bool)
+        mask[prompt:] = True
+        if turns > 1 and completion >= 2 * turns:
+            # Environment responses between assistant turns are context, not trained on.
+            cuts = prompt + np.sort(rng.choice(np.arange(1, completion), size=2 * (turns - 1), replace=False))
+            for start, stop in zip(cuts[0::2], cuts[1::2], strict=True):
+                mask[start:stop] = False
+        logprobs = np.where(mask, -rng.exponential(0.7, total), 0.0).astype(np.float32)
+        arrays = {"input_ids": ids, "loss_mask": mask, "inference_logprobs": logprobs}
+        if self.routed_experts:
+            arrays["routed_experts"] = rng.integers(0, 64, size=(total, 2, 4), dtype=np.uint8)
+        return arrays
+
+    def group(self) -> list[tuple[RolloutRecord, dict[str, np.ndarray]]]:
+        """One group: `group_size` rollouts of one task of one env."""
+        rng = self._rng
+        index = self._groups
+        self._groups += 1
+        env = self.envs[index % len(self.envs)]
+        difficulty = float(rng.beta(0.6, 0.6))  # near 0 or 1 often: many zero-advantage groups
+        fractional = env == "chat"
+        out = []
+        for member in range(self.group_size):
+            prompt, completion = self._lengths()
+            turns = int(rng.integers(1, 4)) if env == "code" else 1
+            error = "timeout" if rng.random() < self.error_rate else None
+            cancelled = error is None and rng.random() < self.cancel_rate
+            truncated = prompt + completion >= self.seq_len - 1
+            reward = float(rng.random() < difficulty) if not fractional else round(float(rng.beta(2, 5)), 3)
+            record = RolloutRecord(
+                rollout_id=f"s{self.seed}-g{index}-r{member}",
+                group_id=f"g{index}",
+                task_id=f"{env}-task{index % 97}",
+                env=env,
+                policy_version=self.policy_version,
+                reward=0.0 if error else reward,
+                num_input_tokens=prompt,
+                num_output_tokens=completion,
+                num_turns=turns,
+                temperature=1.0,
+                is_truncated=truncated,
+                error=error,
+                cancelled=cancelled,
+                stop_condition="length" if truncated else "stop",
+                metrics={"solve_time": float(rng.exponential(2.0))} if env == "math" else {},
+            )
+            out.append((record, self._arrays(prompt, completion, turns)))
+        return out
+
+    def groups(self) -> Iterator[list[tuple[RolloutRecord, dict[str, np.ndarray]]]]:
+        while True:
+            yield self.group()
+
+
+def run_producer(settings: RunSettings, groups: int | None = None, poll_seconds: float = 0.02) -> int:
+    """Produce groups until `groups` are written (or forever), staying within the
+    orchestrator's outstanding-rollout limit, and following the trainer's policy version."""
+    client = redis.Redis.from_url(settings.redis_url)
+    producer = RolloutProducer(client, settings.run_id)
+    workload = SyntheticWorkload(
+        seed=settings.seed,
+        group_size=settings.group_size,
+        seq_len=settings.seq_len,
+        vocab_size=settings.vocab_size,
+    )
+    written = 0
+    while groups is None or written < groups:
+        if producer.outstanding() + settings.group_size > settings.outstanding_limit:
+            time.sleep(poll_seconds)
+            continue
+        workload.policy_version = int(client.get(producer.keys.policy_version) or 0)
+        producer.produce(workload.group())
+        written += 1
+    return written
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_settings_arguments(parser)
+    parser.add_argument("--groups", type=int, default=None, help="stop after this many groups")
+
+
+def main(args: argparse.Namespace) -> int:
+    run_producer(settings_from_args(args), groups=args.groups)
+    return 0

@@ -1,0 +1,67 @@
+"""The rollout record: the small message a producer appends to the rollout stream after
+storing the rollout's arrays under its key. Validated at the edge with pydantic; a bad
+record is rejected with an error naming the field and the value, and costs nothing else."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+IDENTIFIER_PATTERN = r"^[A-Za-z0-9_.\-/]{1,200}$"
+IDENTIFIER = re.compile(IDENTIFIER_PATTERN)
+Identifier = Annotated[str, Field(pattern=IDENTIFIER_PATTERN)]
+
+# Arrays a producer stores for each rollout (see `tasks.stages.finalize` for the checks).
+ROLLOUT_ARRAYS = ("input_ids", "loss_mask", "inference_logprobs")
+
+
+class RolloutRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    rollout_id: Identifier
+    group_id: Identifier
+    task_id: Identifier
+    env: Identifier
+    policy_version: int = Field(ge=0)
+    reward: float
+    num_input_tokens: int = Field(ge=0)
+    num_output_tokens: int = Field(ge=0)
+    num_turns: int = Field(default=1, ge=0)
+    temperature: float = Field(default=1.0, gt=0)
+    is_truncated: bool = False
+    error: Identifier | None = None
+    cancelled: bool = False
+    stop_condition: Identifier | None = None
+    metrics: dict[Identifier, float] = Field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_input_tokens + self.num_output_tokens
+
+
+class RecordRejected(ValueError):
+    """A stream record that cannot be used; `reason` is the short label it is counted under."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    """One line per problem: the field, what is wrong, and the value received."""
+    parts = []
+    for problem in error.errors(include_url=False):
+        field = ".".join(str(p) for p in problem["loc"]) or "<record>"
+        parts.append(f"{field}: {problem['msg']} (got {problem.get('input')!r:.80})")
+    return "; ".join(parts)
+
+
+def parse_record(data: bytes | str) -> RolloutRecord:
+    """Parse one stream record (JSON), or raise RecordRejected naming the field and value."""
+    try:
+        return RolloutRecord.model_validate_json(data)
+    except ValidationError as exc:
+        reason = "invalid_json" if any(p["type"] == "json_invalid" for p in exc.errors()) else "invalid_field"
+        raise RecordRejected(reason, describe_validation_error(exc)) from exc

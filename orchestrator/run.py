@@ -1,0 +1,205 @@
+"""`rlship run`: the whole system on one machine.
+
+Starts (or connects to) Redis, the Celery workers, the trainer ranks, the producer and
+the orchestrator as child processes; prints one line per shipped step; stops everything
+after `--steps N` (or Ctrl-C) and prints a summary (also written as JSON with
+`--summary-json`). `rlship orchestrate` and `rlship trainer` are the children's commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+
+from orchestrator.loop import Orchestrator
+from orchestrator.processes import ProcessGroup, ensure_redis, rlship_command, worker_commands
+from orchestrator.settings import RunSettings, add_settings_arguments, settings_from_args, settings_to_env
+from tasks.ship import RunState
+from transport.keys import RunKeys
+from transport.trainer import TrainerRank, open_receiver
+
+log = logging.getLogger("rlship.run")
+
+TRAINER_DRAIN_SECONDS = 60.0
+
+
+def received_by_rank(client: redis.Redis, run_id: str, ranks: int) -> dict[str, dict[str, Any]]:
+    """What each trainer rank recorded as received: its steps in order and their checksums."""
+    keys = RunKeys(run_id)
+    out = {}
+    for rank in range(ranks):
+        received = {int(k): v.decode() for k, v in client.hgetall(keys.received(rank)).items()}
+        steps = sorted(received)
+        out[str(rank)] = {"steps": steps, "checksums": [received[s] for s in steps]}
+    return out
+
+
+def sent_checksums(client: redis.Redis, run_id: str) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in client.hgetall(RunState(run_id).sent_checksums).items()}
+
+
+def _wait_for_trainers(group: ProcessGroup, ranks: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for rank in range(ranks):
+        process = group.processes.get(f"trainer-{rank}")
+        if process is not None:
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except Exception:
+                log.warning("trainer rank %d did not finish in time", rank)
+
+
+def run_local(settings: RunSettings, summary_path: Path | None) -> dict[str, Any]:
+    output_dir = Path(settings.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    group = ProcessGroup(env=settings_to_env(settings), log_dir=output_dir / "logs")
+    started = time.perf_counter()
+    orchestrator_summary = output_dir / "orchestrator-summary.json"
+    orchestrator_summary.unlink(missing_ok=True)
+    interrupted = False
+    try:
+        ensure_redis(settings.redis_url, group, output_dir / "redis")
+        for name, command in worker_commands(settings).items():
+            group.start(name, command)
+        if settings.trainers == "builtin":
+            for rank in range(settings.ranks):
+                group.start(f"trainer-{rank}", rlship_command("trainer", "--rank", str(rank)))
+        group.start("producer", rlship_command("produce"))
+        orchestrator = group.start(
+            "orchestrator",
+            rlship_command("orchestrate", "--summary-out", str(orchestrator_summary)),
+            capture=False,
+        )
+        try:
+            while orchestrator.poll() is None:
+                failed = {n: c for n, c in group.failed().items() if n != "orchestrator"}
+                if failed:
+                    raise SystemExit(f"rlship: child processes failed: {failed} (logs in {group.log_dir})")
+                time.sleep(0.2)
+            if orchestrator.returncode != 0:
+                raise SystemExit(f"rlship: the orchestrator exited with {orchestrator.returncode}")
+            _wait_for_trainers(group, settings.ranks, TRAINER_DRAIN_SECONDS)
+        except KeyboardInterrupt:
+            interrupted = True
+        for name in [n for n in reversed(list(group.processes)) if n != "redis"]:
+            group.stop(name)
+        summary = _summarize(settings, orchestrator_summary)
+    finally:
+        group.stop_all()
+    summary.update({"wall_seconds": time.perf_counter() - started, "interrupted": interrupted})
+    if summary_path is not None:
+        summary_path.parent.mkdir(parents=True, exist_ok=True)
+        summary_path.write_text(json.dumps(summary, indent=2, sort_keys=True))
+    return summary
+
+
+def _summarize(settings: RunSettings, orchestrator_summary: Path) -> dict[str, Any]:
+    summary: dict[str, Any] = {
+        "run_id": settings.run_id,
+        "steps_shipped": 0,
+        "records_published": 0,
+        "tokens_shipped": 0,
+    }
+    if orchestrator_summary.exists():
+        summary.update(json.loads(orchestrator_summary.read_text()))
+    client = redis.Redis.from_url(settings.redis_url)
+    summary["records_published"] = int(client.xlen(RunKeys(settings.run_id).metrics_stream))
+    summary["ranks"] = received_by_rank(client, settings.run_id, settings.ranks)
+    summary["sent_checksums"] = sent_checksums(client, settings.run_id)
+    return summary
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    print(
+        f"\nrlship run {summary['run_id']}: {summary.get('steps_shipped', 0)} steps shipped, "
+        f"{summary.get('records_published', 0)} records, {summary.get('tokens_shipped', 0):,} tokens "
+        f"in {summary['wall_seconds']:.1f} s; event-loop lag max {summary.get('loop_lag_max_ms', 0.0):.1f} ms"
+    )
+    for rank, received in sorted(summary.get("ranks", {}).items()):
+        print(f"  rank {rank}: received steps {received['steps']}")
+
+
+# -- rlship run ---------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_settings_arguments(parser)
+    parser.add_argument("--summary-json", type=Path, default=None, help="write the summary here")
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = settings_from_args(args)
+    summary = run_local(settings, args.summary_json)
+    print_summary(summary)
+    return 0 if summary.get("steps_shipped", 0) == settings.steps else 1
+
+
+# -- rlship orchestrate -------------------------------------------------------------------
+
+
+def add_orchestrate_arguments(parser: argparse.ArgumentParser) -> None:
+    add_settings_arguments(parser)
+    parser.add_argument("--summary-out", type=Path, default=None)
+
+
+async def _orchestrate(settings: RunSettings) -> dict[str, Any]:
+    client = aioredis.Redis.from_url(settings.redis_url, socket_timeout=30)
+    try:
+        return await Orchestrator(settings, client).run()
+    finally:
+        await client.aclose()
+
+
+def orchestrate_main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = settings_from_args(args)
+    summary = asyncio.run(_orchestrate(settings))
+    if args.summary_out is not None:
+        args.summary_out.write_text(json.dumps(summary))
+    return 0
+
+
+# -- rlship trainer -----------------------------------------------------------------------
+
+
+def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
+    add_settings_arguments(parser)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument(
+        "--idle-timeout", type=float, default=None, help="exit after this long without a step"
+    )
+
+
+def trainer_main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = settings_from_args(args)
+    client = redis.Redis.from_url(settings.redis_url)
+    received = client.hkeys(RunKeys(settings.run_id).received(args.rank))
+    next_step = max((int(s) + 1 for s in received), default=0)
+    receiver = open_receiver(
+        settings.transport,
+        args.rank,
+        host=settings.zmq_host,
+        port=settings.zmq_port,
+        output_dir=Path(settings.output_dir),
+        next_step=next_step,
+    )
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        TrainerRank(receiver, client, settings.run_id, settings.ranks).run(
+            steps=settings.steps - next_step, idle_timeout=args.idle_timeout
+        )
+    finally:
+        receiver.close()
+    return 0

@@ -1,0 +1,48 @@
+"""The Celery app: Redis as broker and result backend, msgpack/json only, late acks.
+
+Start workers with `celery -A tasks worker -Q cpu` (compute stages) and
+`celery -A tasks worker -Q ship -c 1 --prefetch-multiplier=1` (the one process that owns
+the bound ZMQ sockets).
+"""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+CPU_QUEUE = "cpu"
+SHIP_QUEUE = "ship"
+
+
+def redis_url() -> str:
+    return os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
+
+
+def visibility_timeout() -> int:
+    """Seconds before an unacknowledged task is delivered again. Every stage task is short
+    (long waits are retries, not sleeps), so a few minutes bounds the recovery delay of a
+    killed worker without re-running live tasks."""
+    return int(os.environ.get("RLSHIP_VISIBILITY_TIMEOUT", "300"))
+
+
+app = Celery("rlship", broker=redis_url(), backend=redis_url(), include=["tasks.ship"])
+app.conf.update(
+    task_serializer="msgpack",
+    result_serializer="msgpack",
+    accept_content=["msgpack", "json"],
+    result_accept_content=["msgpack", "json"],
+    task_ignore_result=True,
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    worker_prefetch_multiplier=1,
+    task_default_queue=CPU_QUEUE,
+    task_routes={"rlship.send": {"queue": SHIP_QUEUE}},
+    worker_send_task_events=True,
+    task_send_sent_event=True,
+    broker_connection_retry_on_startup=True,
+    broker_transport_options={"visibility_timeout": visibility_timeout()},
+    result_backend_transport_options={"visibility_timeout": visibility_timeout()},
+    worker_hijack_root_logger=False,
+)

@@ -1,0 +1,92 @@
+"""The step manifest: everything the workers need to ship one step, written once by the
+orchestrator at the cut and read by every stage. Tasks carry only (run_id, step[, rank]);
+the manifest carries the keys and scalars."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import msgpack
+import numpy as np
+
+from tasks.cohort import Cohort
+from transport.keys import RunKeys
+
+
+@dataclass(frozen=True)
+class ShipConfig:
+    """Where and how a step is shipped; fixed for a run."""
+
+    ranks: int
+    seq_len: int
+    transport: Literal["zmq", "fs"] = "zmq"
+    zmq_host: str = "127.0.0.1"
+    zmq_port: int = 5555
+    output_dir: str = "runs/default"
+    pad_to_multiple: int = 1
+    vocab_size: int = 1 << 31
+    cpu_queue: str = "cpu"
+    ship_queue: str = "ship"
+
+    @property
+    def output_path(self) -> Path:
+        return Path(self.output_dir)
+
+
+@dataclass
+class StepManifest:
+    """One cut step.
+
+    `effective` holds the rollouts cut for training (the workers may still drop a rollout
+    whose payload is unusable); `window` holds every rollout finalized since the previous
+    cut, whatever became of it, for the `all` statistics. `counters` carries the
+    orchestrator's accounting and progress totals; `loop_lag_ms` the event-loop lag
+    observations since the previous cut.
+    """
+
+    run_id: str
+    step: int
+    prev_step: int
+    cut_time: float
+    config: ShipConfig
+    effective: Cohort
+    window: Cohort
+    counters: dict[str, float] = field(default_factory=dict)
+    loop_lag_ms: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+    @property
+    def keys(self) -> RunKeys:
+        return RunKeys(self.run_id)
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb(
+            {
+                "run_id": self.run_id,
+                "step": self.step,
+                "prev_step": self.prev_step,
+                "cut_time": self.cut_time,
+                "config": self.config.__dict__,
+                "effective": self.effective.to_wire(),
+                "window": self.window.to_wire(),
+                "counters": self.counters,
+                "loop_lag_ms": np.asarray(self.loop_lag_ms, dtype=np.float64).tobytes(),
+            },
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> StepManifest:
+        raw: dict[str, Any] = msgpack.unpackb(data, raw=False)
+        return cls(
+            run_id=raw["run_id"],
+            step=raw["step"],
+            prev_step=raw["prev_step"],
+            cut_time=raw["cut_time"],
+            config=ShipConfig(**raw["config"]),
+            effective=Cohort.from_wire(raw["effective"]),
+            window=Cohort.from_wire(raw["window"]),
+            counters=raw["counters"],
+            loop_lag_ms=np.frombuffer(raw["loop_lag_ms"], dtype=np.float64),
+        )

@@ -1,0 +1,314 @@
+"""The ship path as Celery tasks: thin wrappers that load inputs from Redis, call a stage
+function, store its output and enqueue what comes next.
+
+    finalize -> prune -> metrics ----------------------------.
+                      -> pack -> encode[rank] -> send[rank] --+-> publish -> (release)
+
+Delivery is at-least-once and unordered after a crash, so every task is idempotent: a
+stage whose completion mark exists is not computed again but still enqueues its
+successors (the previous run may have died between the two); fan-in is a Redis set
+counted by whoever completes; the record is written in one transaction guarded by the
+`published` hash; per rank, `send` waits until the previous step reached that rank.
+Messages carry (run_id, step, rank) only.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import redis
+from celery import Task
+
+from tasks.app import app, redis_url
+from tasks.cohort import Cohort
+from tasks.manifest import ShipConfig, StepManifest
+from tasks.stages.encode import encode_rank, rank_rollout_ids
+from tasks.stages.finalize import finalize_step
+from tasks.stages.metrics import step_metrics
+from tasks.stages.pack import PackPlan, pack_samples
+from tasks.stages.prune import prune_samples
+from tasks.stages.publish import build_record, running_totals
+from tasks.stages.release import trim_process_memory
+from transport.base import StepSender
+from transport.checksum import payload_checksum
+from transport.keys import RunKeys
+from transport.store import PayloadStore
+
+log = logging.getLogger("rlship.tasks")
+
+RETRY_SECONDS = 0.05
+READY_WAIT_SECONDS = 1.0
+
+
+@functools.cache
+def redis_client() -> redis.Redis:
+    """One connection pool per worker process (created after fork, on first use)."""
+    return redis.Redis.from_url(redis_url(), socket_timeout=120, health_check_interval=30)
+
+
+class RunState:
+    """Run-wide bookkeeping keys shared by the tasks and the orchestrator."""
+
+    def __init__(self, run_id: str) -> None:
+        self.keys = RunKeys(run_id)
+        self.published = self.keys.run_key("published")
+        self.released = self.keys.run_key("released")
+        self.totals = self.keys.run_key("totals")
+        self.policy_wait = self.keys.run_key("policy_wait_seconds")
+        self.sent_checksums = self.keys.run_key("sent_checksums")
+        self.stage_calls = self.keys.run_key("stage_calls")
+        self.next_step = self.keys.run_key("next_step")
+
+
+class StepContext:
+    """A task's view of one step: the manifest, the store and the step's marks."""
+
+    def __init__(self, run_id: str, step: int) -> None:
+        self.run_id = run_id
+        self.step = step
+        self.client = redis_client()
+        self.store = PayloadStore(self.client, run_id)
+        self.keys = self.store.keys
+        self.state = RunState(run_id)
+
+    @functools.cached_property
+    def manifest(self) -> StepManifest:
+        return StepManifest.from_bytes(self.store.get_step_value(self.step, "manifest"))
+
+    def is_published(self, step: int | None = None) -> bool:
+        return bool(self.client.hexists(self.state.published, self.step if step is None else step))
+
+    def put(self, name: str, value: Any) -> None:
+        self.store.put_step_value(self.step, name, msgpack.packb(value, use_bin_type=True))
+
+    def get(self, name: str) -> Any:
+        return msgpack.unpackb(self.store.get_step_value(self.step, name), raw=False)
+
+    def run_stage(self, stage: str, compute: Callable[[], None]) -> None:
+        """Run `compute` once per step (per mark); record its seconds and who ran it."""
+        mark = self.keys.step(self.step, f"done:{stage}")
+        if self.client.exists(mark):
+            log.info("step %d: %s already done, re-enqueueing its successors", self.step, stage)
+            return
+        started = time.perf_counter()
+        compute()
+        seconds = time.perf_counter() - started
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(self.keys.step(self.step, "times"), stage, seconds)
+        pipe.sadd(self.keys.step_keys(self.step), self.keys.step(self.step, "times"))
+        pipe.set(mark, seconds, ex=self.store.ttl)
+        pipe.sadd(self.keys.step_keys(self.step), mark)
+        pipe.hincrby(self.state.stage_calls, f"{socket.gethostname()}:{os.getpid()}:{stage.split(':')[0]}", 1)
+        pipe.execute()
+
+
+def _skip_if_published(ctx: StepContext, task: str) -> bool:
+    if ctx.is_published():
+        log.info("step %d: %s arrived after the step was published; nothing to do", ctx.step, task)
+        return True
+    return False
+
+
+@app.task(name="rlship.finalize")
+def finalize(run_id: str, step: int) -> None:
+    ctx = StepContext(run_id, step)
+    if _skip_if_published(ctx, "finalize"):
+        return
+
+    def compute() -> None:
+        manifest = ctx.manifest
+        payloads = ctx.store.fetch_rollouts(manifest.effective.labels["rollout_id"])
+        result = finalize_step(manifest, payloads)
+        for rollout_id, reason in result.failures.items():
+            log.warning("step %d: rollout %s dropped: %s", step, rollout_id, reason)
+        ctx.put("finalized", {"samples": result.samples.to_wire(), "failures": result.failures})
+
+    ctx.run_stage("finalize", compute)
+    prune.apply_async((run_id, step), queue=ctx.manifest.config.cpu_queue)
+
+
+@app.task(name="rlship.prune")
+def prune(run_id: str, step: int) -> None:
+    ctx = StepContext(run_id, step)
+    if _skip_if_published(ctx, "prune"):
+        return
+
+    def compute() -> None:
+        finalized = ctx.get("finalized")
+        samples, dropped = prune_samples(Cohort.from_wire(finalized["samples"]))
+        ctx.put(
+            "pruned", {"samples": samples.to_wire(), "dropped": len(dropped) + len(finalized["failures"])}
+        )
+
+    ctx.run_stage("prune", compute)
+    metrics.apply_async((run_id, step), queue=ctx.manifest.config.cpu_queue)
+    pack.apply_async((run_id, step), queue=ctx.manifest.config.cpu_queue)
+
+
+@app.task(name="rlship.metrics")
+def metrics(run_id: str, step: int) -> None:
+    ctx = StepContext(run_id, step)
+    if _skip_if_published(ctx, "metrics"):
+        return
+
+    def compute() -> None:
+        pruned = ctx.get("pruned")
+        record = step_metrics(ctx.manifest, Cohort.from_wire(pruned["samples"]), pruned["dropped"])
+        ctx.put("metrics", record)
+
+    ctx.run_stage("metrics", compute)
+    _publish_when_complete(ctx)
+
+
+@app.task(name="rlship.pack")
+def pack(run_id: str, step: int) -> None:
+    ctx = StepContext(run_id, step)
+    if _skip_if_published(ctx, "pack"):
+        return
+    config = ctx.manifest.config
+
+    def compute() -> None:
+        samples = Cohort.from_wire(ctx.get("pruned")["samples"])
+        plan = pack_samples(
+            samples.numeric["num_tokens"], config.ranks, config.seq_len, config.pad_to_multiple
+        )
+        ctx.put("plan", plan.to_wire())
+
+    ctx.run_stage("pack", compute)
+    for rank in range(config.ranks):
+        encode.apply_async((run_id, step, rank), queue=config.cpu_queue)
+
+
+@app.task(name="rlship.encode")
+def encode(run_id: str, step: int, rank: int) -> None:
+    ctx = StepContext(run_id, step)
+    if _skip_if_published(ctx, "encode"):
+        return
+
+    def compute() -> None:
+        plans = PackPlan.from_wire(ctx.get("plan")).ranks[rank]
+        samples = Cohort.from_wire(ctx.get("pruned")["samples"])
+        arrays = ctx.store.get_rollouts(rank_rollout_ids(plans, samples))
+        payload = encode_rank(plans, samples, arrays)
+        ctx.store.put_payload(step, rank, payload)
+        ctx.client.hset(ctx.state.sent_checksums, f"{step}:{rank}", payload_checksum(payload))
+
+    ctx.run_stage(f"encode:{rank}", compute)
+    send.apply_async((run_id, step, rank), queue=ctx.manifest.config.ship_queue)
+
+
+@functools.cache
+def _sender(config: ShipConfig) -> StepSender:
+    """The process's sender for a run's transport; the ZMQ one binds once per process."""
+    if config.transport == "zmq":
+        from transport.zmq import ZMQSender
+
+        return ZMQSender(config.zmq_host, config.zmq_port, config.ranks)
+    from transport.filesystem import FileSender
+
+    return FileSender(config.output_path)
+
+
+@app.task(name="rlship.send", bind=True, max_retries=None)
+def send(self: Task, run_id: str, step: int, rank: int) -> None:
+    ctx = StepContext(run_id, step)
+    if _skip_if_published(ctx, "send"):
+        return
+    manifest = ctx.manifest
+    last_sent_raw = ctx.client.get(ctx.keys.last_sent(rank))
+    last_sent = int(last_sent_raw) if last_sent_raw is not None else -1
+    if last_sent < manifest.prev_step:
+        raise self.retry(countdown=RETRY_SECONDS, queue=manifest.config.ship_queue)
+    if last_sent < step:
+        sender = _sender(manifest.config)
+        wait_ready = getattr(sender, "wait_ready", None)
+        if wait_ready is not None and not wait_ready(timeout=READY_WAIT_SECONDS):
+            log.info("step %d rank %d: waiting for trainer ranks to announce READY", step, rank)
+            raise self.retry(countdown=RETRY_SECONDS, queue=manifest.config.ship_queue)
+        started = time.perf_counter()
+        sender.send(step, rank, ctx.store.get_payload(step, rank))
+        seconds = time.perf_counter() - started
+        pipe = ctx.client.pipeline(transaction=True)
+        pipe.set(ctx.keys.last_sent(rank), step)
+        pipe.hset(ctx.keys.step(step, "times"), f"send:{rank}", seconds)
+        pipe.execute()
+    sent_key = ctx.keys.step(step, "sent")
+    pipe = ctx.client.pipeline(transaction=True)
+    pipe.sadd(sent_key, rank)
+    pipe.sadd(ctx.keys.step_keys(step), sent_key)
+    pipe.execute()
+    _publish_when_complete(ctx)
+
+
+def _publish_when_complete(ctx: StepContext) -> None:
+    """Fan-in: whoever sees every rank sent and the metrics done enqueues publish (more than
+    one may; publish itself is exactly-once)."""
+    pipe = ctx.client.pipeline(transaction=False)
+    pipe.scard(ctx.keys.step(ctx.step, "sent"))
+    pipe.exists(ctx.keys.step(ctx.step, "done:metrics"))
+    sent, metrics_done = pipe.execute()
+    if sent >= ctx.manifest.config.ranks and metrics_done:
+        publish.apply_async((ctx.run_id, ctx.step), queue=ctx.manifest.config.cpu_queue)
+
+
+def _stage_seconds(times: dict[bytes, bytes]) -> dict[str, float]:
+    """Per-stage seconds; a per-rank stage counts as its slowest rank."""
+    out: dict[str, float] = {}
+    for field, value in times.items():
+        stage = field.decode().split(":")[0]
+        out[stage] = max(out.get(stage, 0.0), float(value))
+    return out
+
+
+@app.task(name="rlship.publish", bind=True, max_retries=None)
+def publish(self: Task, run_id: str, step: int) -> None:
+    """Write the step's one record to the metrics stream, exactly once, in step order."""
+    ctx = StepContext(run_id, step)
+    if ctx.is_published():
+        return
+    manifest = ctx.manifest
+    if manifest.prev_step >= 0 and not ctx.is_published(manifest.prev_step):
+        raise self.retry(countdown=RETRY_SECONDS, queue=manifest.config.cpu_queue)
+    step_record = ctx.get("metrics")
+    stage_seconds = _stage_seconds(ctx.client.hgetall(ctx.keys.step(step, "times")))
+    state = ctx.state
+    with ctx.client.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(state.published, state.policy_wait, state.totals)
+                if pipe.hexists(state.published, step):
+                    return
+                waited = float(pipe.get(state.policy_wait) or 0.0)
+                previous = {k.decode(): float(v) for k, v in pipe.hgetall(state.totals).items()}
+                totals = running_totals(previous, step_record)
+                record = build_record(
+                    step, step_record, stage_seconds, time.time() - manifest.cut_time, waited, totals
+                )
+                pipe.multi()
+                pipe.xadd(ctx.keys.metrics_stream, {"step": step, "record": json.dumps(record)})
+                pipe.hset(state.published, step, time.time())
+                pipe.incrbyfloat(state.policy_wait, -waited)
+                pipe.hset(state.totals, mapping=totals)
+                pipe.execute()
+                return
+            except redis.WatchError:
+                continue
+
+
+@app.task(name="rlship.release")
+def release(run_id: str, step: int) -> None:
+    """Delete every key of a published step, trim the heap, and mark the step released."""
+    ctx = StepContext(run_id, step)
+    deleted = ctx.store.delete_step(step)
+    trim_process_memory()
+    ctx.client.hset(ctx.state.released, step, time.time())
+    ctx.client.hincrby(ctx.state.stage_calls, f"{socket.gethostname()}:{os.getpid()}:release", 1)
+    log.info("step %d released: %d keys deleted", step, deleted)

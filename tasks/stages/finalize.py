@@ -1,0 +1,91 @@
+"""Finalize: check that every cut rollout can really train, materialize its arrays once,
+and stamp the annotations the later stages and the record use (step, advantage,
+staleness, token counts). A rollout that fails a check is dropped with a reason; it never
+fails the step."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from tasks.cohort import Cohort
+from tasks.manifest import StepManifest
+from tasks.stages.prune import count_trainable_tokens
+
+REQUIRED_ARRAYS: tuple[str, ...] = ("input_ids", "loss_mask", "inference_logprobs")
+
+
+@dataclass
+class FinalizedStep:
+    """The cut rollouts that passed every check, annotated, and those that did not."""
+
+    samples: Cohort
+    failures: dict[str, str]
+
+
+def check_rollout_arrays(
+    arrays: Mapping[str, np.ndarray], expected_tokens: int, seq_len: int, vocab_size: int
+) -> str | None:
+    """Why a rollout's arrays cannot train (naming the array and the value), or None."""
+    for name in REQUIRED_ARRAYS:
+        if name not in arrays:
+            return f"{name}: missing from the payload"
+        if arrays[name].ndim != 1:
+            return f"{name}: expected one dimension, got shape {arrays[name].shape}"
+    num_tokens = len(arrays["input_ids"])
+    if num_tokens != expected_tokens:
+        return f"input_ids: length {num_tokens}, the record says {expected_tokens} tokens"
+    if num_tokens > seq_len:
+        return f"input_ids: length {num_tokens} exceeds seq_len {seq_len}"
+    for name in ("loss_mask", "inference_logprobs", "ref_logprobs", "routed_experts"):
+        if name in arrays and len(arrays[name]) != num_tokens:
+            return f"{name}: length {len(arrays[name])}, expected {num_tokens} (len(input_ids))"
+    ids = arrays["input_ids"]
+    if ids.dtype.kind not in "iu":
+        return f"input_ids: dtype {ids.dtype}, expected integers"
+    if num_tokens and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        return f"input_ids: token id {bad} outside [0, {vocab_size})"
+    if arrays["loss_mask"].dtype.kind != "b":
+        return f"loss_mask: dtype {arrays['loss_mask'].dtype}, expected bool"
+    for name in ("inference_logprobs", "ref_logprobs"):
+        if name in arrays and not np.isfinite(arrays[name]).all():
+            bad = arrays[name][~np.isfinite(arrays[name])][0]
+            return f"{name}: non-finite value {bad}"
+    return None
+
+
+def finalize_step(
+    manifest: StepManifest, payloads: Mapping[str, Mapping[str, np.ndarray] | Exception]
+) -> FinalizedStep:
+    """Check each cut rollout's payload and annotate the ones that pass.
+
+    `payloads` maps rollout id to its arrays, or to the error met reading them.
+    """
+    cohort = manifest.effective
+    keep = np.zeros(len(cohort), dtype=bool)
+    num_tokens = np.zeros(len(cohort))
+    trainable = np.zeros(len(cohort))
+    failures: dict[str, str] = {}
+    for i, rollout_id in enumerate(cohort.labels["rollout_id"]):
+        arrays = payloads.get(rollout_id)
+        if arrays is None or isinstance(arrays, Exception):
+            failures[rollout_id] = f"payload: {arrays or 'not found'}"
+            continue
+        expected = int(cohort.numeric["num_input_tokens"][i] + cohort.numeric["num_output_tokens"][i])
+        problem = check_rollout_arrays(arrays, expected, manifest.config.seq_len, manifest.config.vocab_size)
+        if problem is not None:
+            failures[rollout_id] = problem
+            continue
+        keep[i] = True
+        num_tokens[i] = len(arrays["input_ids"])
+        trainable[i] = count_trainable_tokens(arrays["loss_mask"], float(cohort.numeric["advantage"][i]))
+    annotated = cohort.with_numeric(
+        step=np.full(len(cohort), float(manifest.step)),
+        staleness=manifest.step - cohort.numeric["policy_version"],
+        num_tokens=num_tokens,
+        trainable_tokens=trainable,
+    )
+    return FinalizedStep(samples=annotated.take(keep), failures=failures)

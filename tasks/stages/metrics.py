@@ -1,0 +1,145 @@
+"""Metrics: the step's statistics over `all` (every rollout finalized since the previous
+cut, whatever became of it) and `effective` (exactly the rollouts shipped in this step).
+
+Keys follow `train/{scope}/{subset}/{name}/{stat}` (SPEC.md, "Metrics record"). Every
+observation of the window is kept, so percentiles are exact (numpy's linear
+interpolation between closest ranks); rates keep their denominators as `.../count`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+import numpy as np
+
+from tasks.cohort import CUSTOM_PREFIX, Cohort
+from tasks.manifest import StepManifest
+
+DISTRIBUTIONS: tuple[str, ...] = (
+    "reward",
+    "advantage",
+    "num_total_tokens",
+    "num_input_tokens",
+    "num_output_tokens",
+    "num_turns",
+)
+RATES_BOTH: tuple[str, ...] = ("is_truncated", "is_trainable")
+RATES_ALL_ONLY: tuple[str, ...] = ("has_error", "cancelled")
+SOLVED_REWARD = 1.0
+
+
+def distribution(values: np.ndarray) -> dict[str, float]:
+    """mean, min, max, p10, p50, p90 of the finite observations (empty dict if none)."""
+    values = values[~np.isnan(values)]
+    if not len(values):
+        return {}
+    p10, p50, p90 = np.percentile(values, [10, 50, 90])
+    return {
+        "mean": float(values.mean()),
+        "min": float(values.min()),
+        "max": float(values.max()),
+        "p10": float(p10),
+        "p50": float(p50),
+        "p90": float(p90),
+    }
+
+
+def _column(cohort: Cohort, name: str) -> np.ndarray:
+    if name == "num_total_tokens":
+        return cohort.numeric["num_input_tokens"] + cohort.numeric["num_output_tokens"]
+    return cohort.numeric[name]
+
+
+def _group_solved_shares(cohort: Cohort) -> dict[str, float]:
+    """Share of groups in which none, some or all rollouts solved the task."""
+    solved_by_group: dict[str, list[bool]] = {}
+    for group, reward in zip(cohort.labels["group_id"], cohort.numeric["reward"], strict=True):
+        solved_by_group.setdefault(group, []).append(bool(reward >= SOLVED_REWARD))
+    groups = len(solved_by_group)
+    if not groups:
+        return {"num_groups": 0.0}
+    none = sum(not any(s) for s in solved_by_group.values())
+    every = sum(all(s) for s in solved_by_group.values())
+    return {
+        "num_groups": float(groups),
+        "solved_none": none / groups,
+        "solved_all": every / groups,
+        "solved_some": (groups - none - every) / groups,
+    }
+
+
+def subset_metrics(cohort: Cohort, subset: str) -> dict[str, float]:
+    """The statistics of one scope and subset, keyed `{name}/{stat}`."""
+    out: dict[str, float] = {"count": float(len(cohort))}
+    if not len(cohort):
+        return out
+    names = [*DISTRIBUTIONS, *(CUSTOM_PREFIX + m for m in cohort.custom_metric_names)]
+    for name in names:
+        for stat, value in distribution(_column(cohort, name)).items():
+            out[f"{name}/{stat}"] = value
+    rates = RATES_BOTH + (RATES_ALL_ONLY if subset == "all" else ())
+    for name in rates:
+        out[f"{name}/mean"] = float(cohort.numeric[name].mean())
+    if subset == "all":
+        for error, count in Counter(e for e in cohort.labels["error"] if e).items():
+            out[f"error/{error}"] = float(count)
+        for condition, count in Counter(c for c in cohort.labels["stop_condition"] if c).items():
+            out[f"stop_condition/{condition}"] = count / len(cohort)
+        out.update(_group_solved_shares(cohort))
+    return out
+
+
+def _envs(cohorts: Iterable[Cohort]) -> list[str]:
+    return sorted({env for cohort in cohorts for env in cohort.labels["env"]})
+
+
+def train_metrics(window: Cohort, shipped: Cohort) -> dict[str, float]:
+    """`train/{scope}/{subset}/...` for scope agg and every env, subsets all and effective."""
+    record: dict[str, float] = {}
+    for subset, cohort in (("all", window), ("effective", shipped)):
+        scopes = [("agg", cohort)] + [(env, cohort.where("env", env)) for env in _envs([window, shipped])]
+        for scope, part in scopes:
+            for key, value in subset_metrics(part, subset).items():
+                record[f"train/{scope}/{subset}/{key}"] = value
+    return record
+
+
+def step_metrics(manifest: StepManifest, shipped: Cohort, dropped_by_workers: int) -> dict[str, float]:
+    """Everything of the record the workers compute from the manifest and the shipped cohort.
+
+    `shipped` carries the finalize annotations (`num_tokens`, `staleness`).
+    """
+    record = train_metrics(manifest.window, shipped)
+    input_tokens = float(shipped.numeric["num_input_tokens"].sum())
+    output_tokens = float(shipped.numeric["num_output_tokens"].sum())
+    record.update(
+        {
+            "progress/tokens": input_tokens + output_tokens,
+            "progress/input_tokens": input_tokens,
+            "progress/output_tokens": output_tokens,
+            "progress/rollouts": float(len(shipped)),
+            "progress/tasks": float(len(set(shipped.labels["task_id"]))),
+            "accounting/shipped": float(len(shipped)),
+            "accounting/dropped_by_workers": float(dropped_by_workers),
+        }
+    )
+    if len(shipped):
+        staleness = shipped.numeric["staleness"]
+        record["off_policy/staleness/mean"] = float(staleness.mean())
+        record["off_policy/staleness/max"] = float(staleness.max())
+        for env, count in Counter(shipped.labels["env"]).items():
+            record[f"batch/{env}"] = count / len(shipped)
+    lag = manifest.loop_lag_ms
+    if len(lag):
+        p50, p99 = np.percentile(lag, [50, 99])
+        record.update(
+            {
+                "event_loop_lag/p50_ms": float(p50),
+                "event_loop_lag/p99_ms": float(p99),
+                "event_loop_lag/max_ms": float(lag.max()),
+            }
+        )
+    for name, value in manifest.counters.items():
+        record[name] = float(value)
+    return record

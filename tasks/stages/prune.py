@@ -1,0 +1,32 @@
+"""Prune: a token with zero advantage carries no policy-gradient signal, so it loses its rl
+weight; a sample left with no weighted loss token has nothing to train and is dropped
+before packing (it would cost tokens on every rank for nothing)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tasks.cohort import Cohort
+
+
+def has_training_signal(advantage: float, num_output_tokens: float) -> bool:
+    """Whether a rollout can train at all: the orchestrator's test at group completion."""
+    return advantage != 0.0 and num_output_tokens > 0
+
+
+def token_rl_weights(loss_mask: np.ndarray, advantage: float) -> np.ndarray:
+    """Per-token rl weight: 1 on loss tokens with non-zero advantage, else 0."""
+    if advantage == 0.0:
+        return np.zeros(len(loss_mask), dtype=np.float64)
+    return loss_mask.astype(np.float64)
+
+
+def count_trainable_tokens(loss_mask: np.ndarray, advantage: float) -> int:
+    return 0 if advantage == 0.0 else int(np.count_nonzero(loss_mask))
+
+
+def prune_samples(samples: Cohort) -> tuple[Cohort, list[str]]:
+    """Keep the samples with at least one trainable token; return them and the dropped ids."""
+    keep = samples.numeric["trainable_tokens"] > 0
+    dropped = [rid for rid, kept in zip(samples.labels["rollout_id"], keep, strict=True) if not kept]
+    return samples.take(keep), dropped

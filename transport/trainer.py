@@ -1,0 +1,109 @@
+"""The reference trainer rank: receives each step, checks it, and advances the policy.
+
+It stands in for a real (prime-rl) trainer rank in local runs and tests: it decodes every
+payload, checks every invariant of the wire format, records a checksum of what it
+received (so tests compare what was sent with what arrived), and once every rank has
+received a step it publishes the new policy version that the orchestrator's gate reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from transport.base import ReceivedStep, StepReceiver
+from transport.checksum import payload_checksum
+from transport.codec import decode_microbatches
+from transport.keys import RunKeys
+
+log = logging.getLogger("rlship.trainer")
+
+# Record that `rank` trained `step`; the rank that completes the step raises the policy
+# version to step + 1 (never lowers it, so a replayed step cannot move it back).
+_MARK_TRAINED_LUA = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+redis.call('SADD', KEYS[2], ARGV[2])
+redis.call('EXPIRE', KEYS[2], 86400)
+if redis.call('SCARD', KEYS[2]) >= tonumber(ARGV[4]) then
+  local version = tonumber(redis.call('GET', KEYS[3]) or '0')
+  local trained = tonumber(ARGV[1]) + 1
+  if trained > version then
+    redis.call('SET', KEYS[3], trained)
+    redis.call('PUBLISH', KEYS[4], trained)
+  end
+  return trained
+end
+return -1
+"""
+
+
+@dataclass
+class TrainerRank:
+    """One rank's receive-check-acknowledge loop over any `StepReceiver`."""
+
+    receiver: StepReceiver
+    client: redis.Redis
+    run_id: str
+    ranks: int
+    received: dict[int, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.keys = RunKeys(self.run_id)
+        self._mark_trained = self.client.register_script(_MARK_TRAINED_LUA)
+
+    def handle(self, message: ReceivedStep) -> None:
+        """Decode and check one step (raises on any violation), then acknowledge it."""
+        micro_batches = decode_microbatches(message.payload)
+        for micro_batch in micro_batches:
+            micro_batch.validate()
+        checksum = payload_checksum(message.payload)
+        self.received[message.step] = checksum
+        tokens = sum(mb.num_tokens for mb in micro_batches)
+        self._mark_trained(
+            keys=[
+                self.keys.received(message.rank),
+                self.keys.trained(message.step),
+                self.keys.policy_version,
+                self.keys.policy_channel,
+            ],
+            args=[message.step, message.rank, checksum, self.ranks],
+        )
+        log.info(
+            "rank %d received step %d: %d micro-batches, %d tokens, checksum %s",
+            message.rank,
+            message.step,
+            len(micro_batches),
+            tokens,
+            checksum[:12],
+        )
+
+    def run(self, steps: int | None = None, idle_timeout: float | None = None) -> None:
+        """Receive until `steps` steps have arrived, or `idle_timeout` seconds pass without one."""
+        last = time.monotonic()
+        while steps is None or len(self.received) < steps:
+            message = self.receiver.receive(timeout=0.5)
+            if message is None:
+                if idle_timeout is not None and time.monotonic() - last > idle_timeout:
+                    return
+                continue
+            last = time.monotonic()
+            self.handle(message)
+
+
+def open_receiver(
+    transport: str, rank: int, *, host: str, port: int, output_dir: Path, next_step: int = 0
+) -> StepReceiver:
+    """The rank's receiver for the configured transport."""
+    if transport == "zmq":
+        from transport.zmq import ZMQReceiver
+
+        return ZMQReceiver(host, port, rank, next_step=next_step)
+    if transport == "fs":
+        from transport.filesystem import FileReceiver
+
+        return FileReceiver(output_dir, rank, next_step=next_step)
+    raise ValueError(f"transport: {transport!r} is not one of 'zmq', 'fs'")
