@@ -1,0 +1,367 @@
+"""ZMQ step transport (SPEC.md, "Wire format", ZMQ): one bound publisher, one SUB per rank.
+
+Sender: an XPUB socket at host:port and a PULL socket at host:port+1. Each message is two
+frames, `data_rank|{rank}|{step}` and the payload. Nothing is published before every rank
+is ready, and "ready" means two things have been seen: the rank's READY announcement (its
+rank as ASCII on the PULL socket) and its subscription arriving at the publisher. The
+second is why this is XPUB rather than PUB: a READY can overtake the subscription, and a
+PUB would silently drop whatever it publishes in between (the "slow joiner").
+
+Receiver: a SUB socket subscribed to `data_rank|{rank}|` and a PUSH socket to port+1. It
+re-announces READY while it waits, so a sender that restarted and bound again (a
+replacement ship worker) learns about it without the trainer restarting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from types import TracebackType
+from typing import Self
+
+import zmq
+
+from transport.base import Payload, ReceivedStep, StepSequencer
+
+logger = logging.getLogger("rlship.transport")
+
+TOPIC_PREFIX = b"data_rank|"
+
+
+def rank_prefix(rank: int) -> bytes:
+    """The subscription prefix of one rank; the trailing `|` keeps rank 1 from matching 10."""
+    return b"%s%d|" % (TOPIC_PREFIX, rank)
+
+
+def topic(step: int, rank: int) -> bytes:
+    """The first frame of a message: `data_rank|{rank}|{step}`."""
+    return b"%s%d|%d" % (TOPIC_PREFIX, rank, step)
+
+
+def parse_topic(frame: bytes) -> tuple[int, int] | None:
+    """(rank, step) from a topic frame, or None if it is not one of ours."""
+    parts = frame.split(b"|")
+    if len(parts) != 3 or parts[0] + b"|" != TOPIC_PREFIX:
+        return None
+    rank, step = parts[1], parts[2]
+    if not (rank.isdigit() and step.isdigit()):
+        return None
+    return int(rank), int(step)
+
+
+def _endpoint(host: str, port: int) -> str:
+    return f"tcp://{host}:{port}"
+
+
+def _poll_ms(seconds: float) -> int:
+    """A zmq poll timeout in ms that never rounds a positive wait down to a busy 0."""
+    return max(1, math.ceil(seconds * 1000))
+
+
+class ZMQSender:
+    """Publishes each (step, rank) payload to that rank's subscriber, after all ranks are ready.
+
+    The publisher sets XPUB_NODROP: when a rank's queue holds `hwm` messages, `send` blocks
+    (backpressure from a slow trainer) instead of silently dropping a training step as a
+    plain PUB would. `send_timeout` bounds each wait of `send`, for readiness and for queue
+    space (TimeoutError); None waits forever.
+    A rank whose subscription disappears (its trainer disconnected) is not ready again
+    until it resubscribes, so `send` waits rather than publish into the void.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        ranks: int,
+        *,
+        hwm: int = 64,
+        linger_ms: int = 1000,
+        send_timeout: float | None = None,
+    ) -> None:
+        if ranks < 1:
+            raise ValueError(f"ranks must be >= 1, got {ranks}")
+        self.host = host
+        self.port = port
+        self.ranks = ranks
+        self.linger_ms = linger_ms
+        self._send_timeout = send_timeout
+        self._announced: set[int] = set()
+        self._topics: set[bytes] = set()
+        self._subscribed: set[int] = set()
+        self._ready = False
+        self._closed = False
+        self._ctx = zmq.Context()
+        try:
+            self._pub = self._ctx.socket(zmq.XPUB)
+            self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+            self._pub.setsockopt(zmq.XPUB_NODROP, 1)
+            self._pub.setsockopt(zmq.SNDHWM, hwm)
+            self._pub.setsockopt(zmq.LINGER, linger_ms)
+            if send_timeout is not None:
+                self._pub.setsockopt(zmq.SNDTIMEO, _poll_ms(send_timeout))
+            self._pub.bind(_endpoint(host, port))
+            self._pull = self._ctx.socket(zmq.PULL)
+            self._pull.setsockopt(zmq.LINGER, 0)
+            self._pull.bind(_endpoint(host, port + 1))
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            self._closed = True
+            raise
+        self._poller = zmq.Poller()
+        self._poller.register(self._pub, zmq.POLLIN)
+        self._poller.register(self._pull, zmq.POLLIN)
+
+    @property
+    def ready_ranks(self) -> frozenset[int]:
+        """Ranks that have both announced READY and are currently subscribed."""
+        return frozenset(self._announced & self._subscribed)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until every rank is ready; False if `timeout` seconds pass first."""
+        self._check_open()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._drain()
+            if self._ready:
+                return True
+            wait = 1.0
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                wait = min(wait, remaining)
+            self._poller.poll(_poll_ms(wait))
+
+    def send(self, step: int, rank: int, payload: Payload) -> None:
+        """Publish one rank's payload for `step` without copying it.
+
+        The buffer is handed to libzmq as is: do not mutate a bytearray/memoryview after
+        passing it in. Blocks until all ranks are ready (first call, or after a rank lost
+        its subscription), and while that rank's queue is full.
+        """
+        self._check_open()
+        if not 0 <= rank < self.ranks:
+            raise ValueError(f"rank {rank} out of range 0..{self.ranks - 1}")
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        self._drain()
+        if not self._ready and not self.wait_ready(self._send_timeout):
+            raise TimeoutError(f"rank {rank} step {step}: ranks not ready within send_timeout")
+        try:
+            self._pub.send_multipart([topic(step, rank), payload], copy=False)
+        except zmq.Again as exc:
+            raise TimeoutError(f"rank {rank} step {step}: send queue full past send_timeout") from exc
+
+    def close(self) -> None:
+        """Close both sockets; pending messages get at most `linger_ms` to leave."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pub.close(linger=self.linger_ms)
+        self._pull.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("ZMQSender is closed")
+
+    def _drain(self) -> None:
+        """Consume all pending control messages without blocking."""
+        changed = False
+        while True:
+            try:
+                msg = self._pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            changed |= self._on_subscription(msg)
+        while True:
+            try:
+                msg = self._pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            changed |= self._on_announce(msg)
+        if changed:
+            self._update_ready()
+
+    def _on_subscription(self, msg: bytes) -> bool:
+        if not msg or msg[0] not in (0, 1):
+            return False
+        sub_topic = bytes(msg[1:])
+        if msg[0] == 1:
+            if sub_topic in self._topics:
+                return False  # XPUB_VERBOSE repeats: a reconnect, or a second subscriber
+            self._topics.add(sub_topic)
+        else:
+            # Without XPUB_VERBOSER, an unsubscribe arrives only when the topic's last
+            # subscriber has gone, so a set of topics is exact.
+            self._topics.discard(sub_topic)
+        # A topic covers a rank when every message of that rank matches it (it is a
+        # prefix of the rank prefix, e.g. b"" or b"data_rank|3|").
+        self._subscribed = {
+            r for r in range(self.ranks) if any(rank_prefix(r).startswith(t) for t in self._topics)
+        }
+        return True
+
+    def _on_announce(self, msg: bytes) -> bool:
+        text = msg.strip()
+        if not text.isdigit() or int(text) >= self.ranks:
+            logger.warning("ignoring READY %r: not a rank in 0..%d", msg[:32], self.ranks - 1)
+            return False
+        rank = int(text)
+        if rank in self._announced:
+            return False
+        self._announced.add(rank)
+        return True
+
+    def _update_ready(self) -> None:
+        ready = self.ready_ranks
+        was_ready = self._ready
+        self._ready = len(ready) == self.ranks
+        if self._ready and not was_ready:
+            logger.info("all %d ranks ready on %s", self.ranks, _endpoint(self.host, self.port))
+        elif was_ready and not self._ready:
+            missing = sorted(set(range(self.ranks)) - ready)
+            logger.warning("ranks %s lost their subscription; sends wait until they return", missing)
+
+
+class ZMQReceiver:
+    """One trainer rank's receiving end; delivers each step once, in order (StepSequencer).
+
+    Payloads are returned as memoryviews of the received frame (no copy); the frame stays
+    alive as long as the memoryview does, also after `close()`.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        *,
+        next_step: int = 0,
+        hwm: int = 64,
+        announce_interval: float = 1.0,
+    ) -> None:
+        if rank < 0:
+            raise ValueError(f"rank must be >= 0, got {rank}")
+        if announce_interval <= 0:
+            raise ValueError(f"announce_interval must be > 0, got {announce_interval}")
+        self.host = host
+        self.port = port
+        self.announce_interval = announce_interval
+        self._sequencer = StepSequencer(rank, next_step)
+        self._ready_msg = str(rank).encode()
+        self._closed = False
+        self._ctx = zmq.Context()
+        try:
+            self._sub = self._ctx.socket(zmq.SUB)
+            self._sub.setsockopt(zmq.RCVHWM, hwm)
+            self._sub.setsockopt(zmq.LINGER, 0)
+            self._sub.setsockopt(zmq.SUBSCRIBE, rank_prefix(rank))
+            self._sub.connect(_endpoint(host, port))
+            # READY is idempotent and repeated, so it must never make the trainer wait:
+            # a tiny queue, non-blocking sends, nothing kept at close.
+            self._push = self._ctx.socket(zmq.PUSH)
+            self._push.setsockopt(zmq.SNDHWM, 1)
+            self._push.setsockopt(zmq.LINGER, 0)
+            self._push.connect(_endpoint(host, port + 1))
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            self._closed = True
+            raise
+        self._last_announce = -math.inf
+        self._announce()
+
+    @property
+    def rank(self) -> int:
+        return self._sequencer.rank
+
+    @property
+    def next_step(self) -> int:
+        return self._sequencer.next_step
+
+    @property
+    def duplicates_dropped(self) -> int:
+        return self._sequencer.duplicates_dropped
+
+    @property
+    def late_dropped(self) -> int:
+        return self._sequencer.late_dropped
+
+    @property
+    def gaps(self) -> list[tuple[int, int]]:
+        return self._sequencer.gaps
+
+    def receive(self, timeout: float | None = None) -> ReceivedStep | None:
+        """The next deliverable step, or None after `timeout` seconds (None: wait forever)."""
+        if self._closed:
+            raise RuntimeError("ZMQReceiver is closed")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                frames = self._sub.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                frames = None
+            if frames is not None:
+                received = self._accept(frames)
+                if received is not None:
+                    return received
+                continue
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return None
+            if now >= self._last_announce + self.announce_interval:
+                self._announce()
+            wait = self._last_announce + self.announce_interval - now
+            if deadline is not None:
+                wait = min(wait, deadline - now)
+            self._sub.poll(_poll_ms(wait), zmq.POLLIN)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._sub.close(linger=0)
+        self._push.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _announce(self) -> None:
+        self._last_announce = time.monotonic()
+        # Again: a READY is still queued (the sender is not up yet); that one will do.
+        with contextlib.suppress(zmq.Again):
+            self._push.send(self._ready_msg, zmq.NOBLOCK)
+
+    def _accept(self, frames: list[zmq.Frame]) -> ReceivedStep | None:
+        if len(frames) != 2:
+            logger.error("rank %d: dropping a message of %d frames (expected 2)", self.rank, len(frames))
+            return None
+        parsed = parse_topic(frames[0].bytes)
+        if parsed is None or parsed[0] != self.rank:
+            logger.error("rank %d: dropping a message with topic %r", self.rank, frames[0].bytes[:64])
+            return None
+        step = parsed[1]
+        if not self._sequencer.admit(step):
+            return None
+        return ReceivedStep(step=step, rank=self.rank, payload=frames[1].buffer)
