@@ -312,6 +312,15 @@ class Orchestrator:
             await self._release_pending
             self._release_pending = None
 
+    async def release_unshipped(self) -> int:
+        """At the end of the run every rollout still held (pending, in open groups, or not
+        yet read from the stream) will never ship: release the payloads and the stream."""
+        deleted = await self.store.delete_all_rollouts()
+        await self.client.unlink(self.keys.rollout_stream)
+        if deleted:
+            log.info("released %d unshipped rollouts at shutdown", deleted)
+        return deleted
+
     # -- lifecycle ---------------------------------------------------------------------
 
     async def run(self) -> dict[str, Any]:
@@ -327,6 +336,7 @@ class Orchestrator:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
             self._publisher.shutdown(wait=True)
+        await self.release_unshipped()
         return {
             "steps_shipped": len(self.records),
             "records_published": len(self.records),

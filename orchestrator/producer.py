@@ -10,6 +10,7 @@ per-task difficulty (so some groups have zero advantage), errors and truncations
 from __future__ import annotations
 
 import argparse
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -152,9 +153,14 @@ class SyntheticWorkload:
             yield self.group()
 
 
-def run_producer(settings: RunSettings, groups: int | None = None, poll_seconds: float = 0.02) -> int:
-    """Produce groups until `groups` are written (or forever), staying within the
-    orchestrator's outstanding-rollout limit, and following the trainer's policy version."""
+def run_producer(
+    settings: RunSettings,
+    groups: int | None = None,
+    stop: threading.Event | None = None,
+    poll_seconds: float = 0.02,
+) -> int:
+    """Produce groups until `groups` are written or `stop` is set (or forever), staying
+    within the orchestrator's outstanding-rollout limit and following the policy version."""
     client = redis.Redis.from_url(settings.redis_url)
     producer = RolloutProducer(client, settings.run_id)
     workload = SyntheticWorkload(
@@ -164,7 +170,7 @@ def run_producer(settings: RunSettings, groups: int | None = None, poll_seconds:
         vocab_size=settings.vocab_size,
     )
     written = 0
-    while groups is None or written < groups:
+    while (groups is None or written < groups) and not (stop is not None and stop.is_set()):
         if producer.outstanding() + settings.group_size > settings.outstanding_limit:
             time.sleep(poll_seconds)
             continue

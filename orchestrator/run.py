@@ -26,6 +26,7 @@ from orchestrator.processes import ProcessGroup, ensure_redis, rlship_command, w
 from orchestrator.settings import RunSettings, add_settings_arguments, settings_from_args, settings_to_env
 from tasks.ship import RunState
 from transport.keys import RunKeys
+from transport.store import PayloadStore
 from transport.trainer import TrainerRank, open_receiver
 
 log = logging.getLogger("rlship.run")
@@ -94,6 +95,7 @@ def run_local(settings: RunSettings, summary_path: Path | None) -> dict[str, Any
         for name in [n for n in reversed(list(group.processes)) if n != "redis"]:
             group.stop(name)
         summary = _summarize(settings, orchestrator_summary)
+        PayloadStore(redis.Redis.from_url(settings.redis_url), settings.run_id).delete_all_rollouts()
     finally:
         group.stop_all()
     summary.update({"wall_seconds": time.perf_counter() - started, "interrupted": interrupted})

@@ -46,6 +46,9 @@ log = logging.getLogger("rlship.tasks")
 
 RETRY_SECONDS = 0.05
 READY_WAIT_SECONDS = 1.0
+# A trainer whose queue stays full this long makes the send fail and retry later, so a
+# stuck rank holds back its own step instead of blocking the ship worker forever.
+SEND_TIMEOUT_SECONDS = 30.0
 
 
 @functools.cache
@@ -211,7 +214,7 @@ def _sender(config: ShipConfig) -> StepSender:
     if config.transport == "zmq":
         from transport.zmq import ZMQSender
 
-        return ZMQSender(config.zmq_host, config.zmq_port, config.ranks)
+        return ZMQSender(config.zmq_host, config.zmq_port, config.ranks, send_timeout=SEND_TIMEOUT_SECONDS)
     from transport.filesystem import FileSender
 
     return FileSender(config.output_path)
@@ -234,7 +237,11 @@ def send(self: Task, run_id: str, step: int, rank: int) -> None:
             log.info("step %d rank %d: waiting for trainer ranks to announce READY", step, rank)
             raise self.retry(countdown=RETRY_SECONDS, queue=manifest.config.ship_queue)
         started = time.perf_counter()
-        sender.send(step, rank, ctx.store.get_payload(step, rank))
+        try:
+            sender.send(step, rank, ctx.store.get_payload(step, rank))
+        except TimeoutError:
+            log.warning("step %d rank %d: trainer not reading; retrying", step, rank)
+            raise self.retry(countdown=RETRY_SECONDS, queue=manifest.config.ship_queue) from None
         seconds = time.perf_counter() - started
         pipe = ctx.client.pipeline(transaction=True)
         pipe.set(ctx.keys.last_sent(rank), step)

@@ -143,6 +143,17 @@ class PayloadStore:
         """Unlink every key registered with the step (and the registry); returns how many."""
         return int(_unlink_step_keys(self.client, self.keys, step))
 
+    def delete_all_rollouts(self) -> int:
+        """Unlink every rollout payload of the run: at teardown, whatever is left never ships."""
+        deleted = 0
+        batch: list[bytes] = []
+        for key in self.client.scan_iter(match=self.keys.rollout("*"), count=1000):
+            batch.append(key)
+            if len(batch) == 1000:
+                deleted += self.client.unlink(*batch)
+                batch.clear()
+        return deleted + (self.client.unlink(*batch) if batch else 0)
+
 
 class AsyncPayloadStore:
     """The same store on `redis.asyncio`, for the orchestrator and async producers. It moves
@@ -177,6 +188,11 @@ class AsyncPayloadStore:
 
     async def delete_step(self, step: int) -> int:
         return int(await _unlink_step_keys(self.client, self.keys, step))
+
+    async def delete_all_rollouts(self) -> int:
+        """Unlink every rollout payload of the run (see `PayloadStore.delete_all_rollouts`)."""
+        keys = [key async for key in self.client.scan_iter(match=self.keys.rollout("*"), count=1000)]
+        return sum([await self.client.unlink(*keys[i : i + 1000]) for i in range(0, len(keys), 1000)])
 
 
 _DELETE_STEP_LUA = """

@@ -1,0 +1,130 @@
+"""Shared fixtures: the real Redis, real Celery worker processes, helpers to run steps.
+
+Workers listen on queues unique to this test session, so a session never takes (or
+gives) tasks of another session or of a local run on the same Redis.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from orchestrator.processes import celery_worker_command, redis_answers
+from tasks.app import DEFAULT_REDIS_URL
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    url = os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
+    if not redis_answers(url):
+        pytest.fail(f"no Redis answers at REDIS_URL={url!r}; start one (see README)")
+    return url
+
+
+@pytest.fixture()
+def client(redis_url: str) -> redis.Redis:
+    return redis.Redis.from_url(redis_url)
+
+
+@pytest.fixture()
+def run_id() -> str:
+    return f"test-{uuid.uuid4().hex[:10]}"
+
+
+class Workers:
+    """A cpu worker and a ship worker, as subprocesses, on this session's queues."""
+
+    def __init__(self, redis_url: str, log_dir: Path) -> None:
+        suffix = uuid.uuid4().hex[:8]
+        self.cpu_queue = f"cpu-{suffix}"
+        self.ship_queue = f"ship-{suffix}"
+        self.redis_url = redis_url
+        self.log_dir = log_dir
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    def start(self, kind: str) -> subprocess.Popen:
+        queue, concurrency = (self.cpu_queue, 2) if kind == "cpu" else (self.ship_queue, 1)
+        name = f"{kind}-{queue}-{len(self.processes)}@%h"
+        log = open(self.log_dir / f"{kind}-{len(self.processes)}.log", "ab")  # noqa: SIM115
+        process = subprocess.Popen(
+            celery_worker_command(queue, concurrency, name),
+            env={**os.environ, "REDIS_URL": self.redis_url, "PYTHONPATH": str(REPO)},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+        self.processes[kind] = process
+        return process
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Until each worker answers a ping (it has connected and consumes its queue)."""
+        from tasks.app import app
+
+        deadline = time.monotonic() + timeout
+        expected = len(self.processes)
+        while time.monotonic() < deadline:
+            for kind, process in self.processes.items():
+                if process.poll() is not None:
+                    raise RuntimeError(f"{kind} worker exited with {process.returncode}; see {self.log_dir}")
+            replies = app.control.ping(timeout=0.5) or []
+            names = {name for reply in replies for name in reply}
+            if sum(any(q in n for n in names) for q in (self.cpu_queue, self.ship_queue)) >= expected:
+                return
+        raise RuntimeError(f"workers did not answer a ping within {timeout} s; see {self.log_dir}")
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@pytest.fixture(scope="session")
+def workers(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workers]:
+    os.environ["REDIS_URL"] = redis_url
+    pool = Workers(redis_url, tmp_path_factory.mktemp("worker-logs"))
+    pool.start("cpu")
+    pool.start("ship")
+    try:
+        pool.wait_ready()
+        yield pool
+    finally:
+        pool.stop()
+
+
+def free_port_pair() -> int:
+    """A port p with p and p+1 free (the ZMQ data and control ports)."""
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            if port >= 65535:
+                continue
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no free port pair")
+
+
+def python_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "orchestrator.cli", *args]

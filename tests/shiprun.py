@@ -1,0 +1,103 @@
+"""Run steps through the real ship path from a test: rollouts produced up front, trainer
+ranks as subprocesses, the orchestrator on this process's event loop, the session's
+Celery workers doing the stages."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from orchestrator.loop import Orchestrator
+from orchestrator.producer import run_producer
+from orchestrator.settings import RunSettings, settings_to_env
+from tests.conftest import REPO, Workers, free_port_pair, python_command
+
+
+def ship_settings(
+    run_id: str, redis_url: str, workers: Workers, output_dir: Path, **overrides: Any
+) -> RunSettings:
+    values: dict[str, Any] = {
+        "run_id": run_id,
+        "redis_url": redis_url,
+        "steps": 3,
+        "ranks": 2,
+        "batch_size": 16,
+        "group_size": 4,
+        "seq_len": 512,
+        "zmq_port": free_port_pair(),
+        "output_dir": output_dir,
+        "cpu_queue": workers.cpu_queue,
+        "ship_queue": workers.ship_queue,
+    }
+    values.update(overrides)
+    return RunSettings(**values)
+
+
+def start_trainers(settings: RunSettings) -> list[subprocess.Popen]:
+    env = {**os.environ, **settings_to_env(settings), "PYTHONPATH": str(REPO)}
+    log_dir = Path(settings.output_dir) / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return [
+        subprocess.Popen(
+            python_command("trainer", "--rank", str(rank), "--idle-timeout", "60"),
+            env=env,
+            cwd=REPO,
+            stdout=open(log_dir / f"trainer-{rank}.log", "ab"),
+            stderr=subprocess.STDOUT,
+        )
+        for rank in range(settings.ranks)
+    ]
+
+
+def stop(processes: list[subprocess.Popen], timeout: float = 60.0) -> None:
+    for process in processes:
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@dataclass
+class ShipResult:
+    summary: dict[str, Any]
+    records: list[dict[str, float]]
+    orchestrator: Orchestrator
+
+
+async def run_orchestrator(settings: RunSettings, timeout: float = 120.0) -> ShipResult:
+    client = aioredis.Redis.from_url(settings.redis_url, socket_timeout=30)
+    try:
+        orchestrator = Orchestrator(settings, client)
+        summary = await asyncio.wait_for(orchestrator.run(), timeout)
+        return ShipResult(summary, orchestrator.records, orchestrator)
+    finally:
+        await client.aclose()
+
+
+def ship(settings: RunSettings, trainers: bool = True) -> ShipResult:
+    """Ship `settings.steps` steps end to end while a producer thread keeps rollouts coming."""
+    ranks = start_trainers(settings) if trainers else []
+    stop_producing = threading.Event()
+    producer = threading.Thread(target=run_producer, args=(settings,), kwargs={"stop": stop_producing})
+    producer.start()
+    try:
+        result = asyncio.run(run_orchestrator(settings))
+    finally:
+        stop_producing.set()
+        producer.join()
+        stop(ranks)
+    return result
+
+
+def metrics_lines(settings: RunSettings) -> list[dict[str, float]]:
+    path = Path(settings.output_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
