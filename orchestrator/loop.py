@@ -200,12 +200,13 @@ class Orchestrator:
         if self.settings.trainers == "external":
             return 0.0
         needed = step - 1 - self.settings.max_async_level
+        if int(await self.client.get(self.keys.policy_version) or 0) >= needed:
+            return 0.0
         started = time.perf_counter()
         while int(await self.client.get(self.keys.policy_version) or 0) < needed:
             await asyncio.sleep(POLL_SECONDS)
         waited = time.perf_counter() - started
-        if waited > 0.001:
-            await self.client.incrbyfloat(self.state.policy_wait, waited)
+        await self.client.incrbyfloat(self.state.policy_wait, waited)
         return waited
 
     def _drop_stale_pending(self, step: int) -> list[str]:

@@ -233,7 +233,7 @@ def send(self: Task, run_id: str, step: int, rank: int) -> None:
     if last_sent < step:
         sender = _sender(manifest.config)
         wait_ready = getattr(sender, "wait_ready", None)
-        if wait_ready is not None and not wait_ready(timeout=READY_WAIT_SECONDS):
+        if wait_ready is not None and not wait_ready(timeout=READY_WAIT_SECONDS, rank=rank):
             log.info("step %d rank %d: waiting for trainer ranks to announce READY", step, rank)
             raise self.retry(countdown=RETRY_SECONDS, queue=manifest.config.ship_queue)
         started = time.perf_counter()

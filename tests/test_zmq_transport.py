@@ -403,3 +403,24 @@ def test_bind_failure_leaves_nothing_open() -> None:
     port = free_port_pair()
     with ZMQSender(HOST, port, 1), pytest.raises(zmq.ZMQError):
         ZMQSender(HOST, port, 1)
+
+
+@pytest.mark.timeout(60)
+def test_a_departed_rank_does_not_hold_back_the_others() -> None:
+    """After the barrier, sending to rank 0 needs rank 0 only; sending to a rank whose
+    trainer left waits (a publish to no subscriber would be lost) and times out."""
+    sender, (rank0, rank1) = in_process_pair(ranks=2, send_timeout=1.0)
+    try:
+        rank1.close()
+        deadline = time.monotonic() + WAIT
+        while 1 in sender.ready_ranks and time.monotonic() < deadline:
+            sender.wait_ready(0.05, rank=0)
+        assert sender.ready_ranks == frozenset({0})
+        sender.send(0, 0, b"still delivered")
+        received = rank0.receive(WAIT)
+        assert received is not None and bytes(received.payload) == b"still delivered"
+        with pytest.raises(TimeoutError, match="rank 1 step 0: not ready"):
+            sender.send(0, 1, b"nobody listens")
+    finally:
+        rank0.close()
+        sender.close()

@@ -92,6 +92,7 @@ class ZMQSender:
         self._topics: set[bytes] = set()
         self._subscribed: set[int] = set()
         self._ready = False
+        self._barrier_passed = False
         self._closed = False
         self._ctx = zmq.Context()
         try:
@@ -123,13 +124,18 @@ class ZMQSender:
     def ready(self) -> bool:
         return self._ready
 
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        """Block until every rank is ready; False if `timeout` seconds pass first."""
+    def wait_ready(self, timeout: float | None = None, rank: int | None = None) -> bool:
+        """Block until sending may start; False if `timeout` seconds pass first.
+
+        The first time, every rank must be ready (the READY barrier). After that, only
+        `rank` (when given) must be subscribed right now: a message published to a rank
+        with no subscriber would be lost, but another rank's absence must not hold it back.
+        """
         self._check_open()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._drain()
-            if self._ready:
+            if self._barrier_passed and (self._ready if rank is None else rank in self.ready_ranks):
                 return True
             wait = 1.0
             if deadline is not None:
@@ -143,17 +149,16 @@ class ZMQSender:
         """Publish one rank's payload for `step` without copying it.
 
         The buffer is handed to libzmq as is: do not mutate a bytearray/memoryview after
-        passing it in. Blocks until all ranks are ready (first call, or after a rank lost
-        its subscription), and while that rank's queue is full.
+        passing it in. Blocks until all ranks have been ready once (the barrier), until
+        this rank is subscribed, and while this rank's queue is full.
         """
         self._check_open()
         if not 0 <= rank < self.ranks:
             raise ValueError(f"rank {rank} out of range 0..{self.ranks - 1}")
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        self._drain()
-        if not self._ready and not self.wait_ready(self._send_timeout):
-            raise TimeoutError(f"rank {rank} step {step}: ranks not ready within send_timeout")
+        if not self.wait_ready(self._send_timeout, rank=rank):
+            raise TimeoutError(f"rank {rank} step {step}: not ready within send_timeout")
         try:
             self._pub.send_multipart([topic(step, rank), payload], copy=False)
         except zmq.Again as exc:
@@ -232,6 +237,7 @@ class ZMQSender:
         ready = self.ready_ranks
         was_ready = self._ready
         self._ready = len(ready) == self.ranks
+        self._barrier_passed |= self._ready
         if self._ready and not was_ready:
             logger.info("all %d ranks ready on %s", self.ranks, _endpoint(self.host, self.port))
         elif was_ready and not self._ready:

@@ -7,7 +7,10 @@ balanced across ranks by token count.
    fill the grid, so every rank runs the same number of steps of its optimizer loop.
 3. Karmarkar-Karp differencing with equal cardinality assigns them to ranks: it merges
    partial partitions largest-spread first, pairing the heaviest set of one with the
-   lightest of the other, which balances token counts far better than round-robin.
+   lightest of the other.
+4. Whole micro-batches are coarse (most are nearly full), so a local search then moves or
+   swaps single samples between the heaviest and the lightest rank while that narrows
+   their gap and fits `seq_len`: the slowest rank sets the trainer's step time.
 """
 
 from __future__ import annotations
@@ -115,15 +118,69 @@ def karmarkar_karp(bins: list[MicroBatchPlan], ranks: int) -> list[list[MicroBat
     return [items for _, items in heap[0][2]] if heap else [[] for _ in range(ranks)]
 
 
+def _best_move_or_swap(
+    heavy: list[MicroBatchPlan], light: list[MicroBatchPlan], lengths: np.ndarray, capacity: int, gap: int
+) -> tuple[int, tuple[MicroBatchPlan, int, MicroBatchPlan, int | None]] | None:
+    """The single-sample move (heavy -> light) or swap that most narrows `gap`, if any."""
+    src = [(mb, i) for mb in heavy if len(mb.samples) > 1 for i in mb.samples]
+    dst_sample = [(mb, j) for mb in light for j in mb.samples]
+    if not src:
+        return None
+    src_len = np.array([lengths[i] for _, i in src])
+    best: tuple[int, tuple[MicroBatchPlan, int, MicroBatchPlan, int | None]] | None = None
+    room = np.array([capacity - mb.tokens for mb in light])
+    # Moving `d` tokens from heavy to light changes their gap from `gap` to |gap - 2d|.
+    gain = np.where(src_len[:, None] <= room[None, :], gap - np.abs(gap - 2 * src_len[:, None]), 0)
+    if gain.size and gain.max() > 0:
+        a, b = np.unravel_index(int(gain.argmax()), gain.shape)
+        best = (int(gain[a, b]), (src[a][0], src[a][1], light[b], None))
+    if dst_sample:
+        dst_len = np.array([lengths[j] for _, j in dst_sample])
+        dst_room = np.array([capacity - mb.tokens for mb, _ in dst_sample])
+        delta = src_len[:, None] - dst_len[None, :]
+        fits = (delta > 0) & (delta <= dst_room[None, :])
+        swap_gain = np.where(fits, gap - np.abs(gap - 2 * delta), 0)
+        if swap_gain.size and swap_gain.max() > (best[0] if best else 0):
+            a, b = np.unravel_index(int(swap_gain.argmax()), swap_gain.shape)
+            best = (int(swap_gain[a, b]), (src[a][0], src[a][1], dst_sample[b][0], dst_sample[b][1]))
+    return best
+
+
+def rebalance(
+    ranks: list[list[MicroBatchPlan]], lengths: np.ndarray, capacity: int, rounds: int = 256
+) -> None:
+    """Narrow the heaviest-lightest gap by single-sample moves and swaps, in place."""
+    for _ in range(rounds):
+        totals = [sum(mb.tokens for mb in rank) for rank in ranks]
+        heavy, light = int(np.argmax(totals)), int(np.argmin(totals))
+        gap = totals[heavy] - totals[light]
+        found = _best_move_or_swap(ranks[heavy], ranks[light], lengths, capacity, gap) if gap > 1 else None
+        if found is None or found[0] <= 0:
+            return
+        _, (src, i, dst, j) = found
+        src.samples.remove(i)
+        src.tokens -= int(lengths[i])
+        dst.samples.append(i)
+        dst.tokens += int(lengths[i])
+        if j is not None:
+            dst.samples.remove(j)
+            dst.tokens -= int(lengths[j])
+            src.samples.append(j)
+            src.tokens += int(lengths[j])
+
+
 def pack_samples(lengths: np.ndarray, ranks: int, seq_len: int, pad_to_multiple: int = 1) -> PackPlan:
-    """The whole packing stage: FFD, split to a multiple of ranks, pad, balance."""
+    """The whole packing stage: FFD, split to a multiple of ranks, balance, pad."""
     if ranks < 1:
         raise ValueError(f"ranks: {ranks}, expected >= 1")
+    if seq_len % pad_to_multiple:
+        raise ValueError(f"pad_to_multiple: {pad_to_multiple} does not divide seq_len {seq_len}")
     lengths = np.asarray(lengths, dtype=np.int64)
     bins = split_to_multiple(first_fit_decreasing(lengths, seq_len), lengths, ranks)
-    for mb in bins:
-        mb.padding = -mb.tokens % pad_to_multiple if mb.tokens else pad_to_multiple
     plan = PackPlan(karmarkar_karp(bins, ranks))
+    rebalance(plan.ranks, lengths, seq_len)
+    for mb in (mb for rank in plan.ranks for mb in rank):
+        mb.padding = -mb.tokens % pad_to_multiple if mb.tokens else pad_to_multiple
     for rank in plan.ranks:
         rank.sort(key=lambda mb: min(mb.samples, default=len(lengths)))
     return plan

@@ -1,0 +1,92 @@
+"""The claim-check store against the real Redis (sync and asyncio clients)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+
+from transport.store import (
+    AsyncPayloadStore,
+    PayloadCorruptError,
+    PayloadMissingError,
+    PayloadStore,
+    pack_arrays,
+    unpack_arrays,
+)
+
+
+def _arrays(n: int = 10) -> dict[str, np.ndarray]:
+    return {
+        "input_ids": np.arange(n, dtype=np.int32),
+        "loss_mask": np.arange(n) % 2 == 0,
+        "inference_logprobs": -np.linspace(0, 1, n, dtype=np.float32),
+        "routed_experts": np.ones((n, 2, 3), dtype=np.uint8),
+    }
+
+
+def test_blob_is_compact_and_round_trips_zero_copy():
+    arrays = _arrays(1000)
+    blob = pack_arrays(arrays)
+    assert len(blob) < sum(a.nbytes for a in arrays.values()) + 200, "raw bytes, not JSON lists"
+    back = unpack_arrays(blob)
+    for name, array in arrays.items():
+        np.testing.assert_array_equal(back[name], array)
+        assert back[name].dtype == array.dtype and back[name].shape == array.shape
+    assert not back["input_ids"].flags.writeable, "a view into the blob, not a copy"
+
+
+def test_put_get_missing_and_corrupt(client, run_id):
+    store = PayloadStore(client, run_id, ttl_seconds=600)
+    store.put_rollouts({"a": _arrays(), "b": _arrays(4)})
+    got = store.get_rollouts(["a", "b"])
+    np.testing.assert_array_equal(got["b"]["input_ids"], np.arange(4))
+    assert 0 < client.ttl(store.keys.rollout("a")) <= 600, "every write carries a TTL"
+    with pytest.raises(PayloadMissingError, match=rf"'rlship:{run_id}:rollout:nope' is missing"):
+        store.get_rollouts(["a", "nope"])
+    client.set(store.keys.rollout("bad"), b"\xc1not msgpack")
+    fetched = store.fetch_rollouts(["a", "nope", "bad"])
+    assert isinstance(fetched["a"], dict)
+    assert isinstance(fetched["nope"], PayloadMissingError)
+    assert isinstance(fetched["bad"], PayloadCorruptError) and "rollout:bad" in str(fetched["bad"])
+    store.delete_all_rollouts()
+
+
+def test_delete_step_is_one_call_and_touches_only_its_run(client, run_id):
+    mine = PayloadStore(client, run_id)
+    other = PayloadStore(client, run_id + "-other")
+    mine.put_rollouts({"r1": _arrays()})
+    other.put_rollouts({"r1": _arrays()})
+    mine.put_payload(7, 0, b"rank0")
+    mine.put_payload(7, 1, memoryview(b"rank1"))
+    other.put_payload(7, 0, b"theirs")
+    client.sadd(mine.keys.step_keys(7), mine.keys.rollout("r1"))
+    assert mine.get_payload(7, 1) == b"rank1"
+    assert mine.delete_step(7) == 3
+    assert not client.exists(mine.keys.rollout("r1"), mine.keys.payload(7, 0), mine.keys.step_keys(7))
+    assert other.get_payload(7, 0) == b"theirs" and other.get_rollouts(["r1"])
+    other.delete_step(7)
+    other.delete_all_rollouts()
+    with pytest.raises(PayloadMissingError):
+        mine.get_payload(7, 0)
+
+
+def test_async_store(redis_url, run_id):
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        store = AsyncPayloadStore(client, run_id)
+        try:
+            await store.put_rollouts({"x": _arrays(), "y": _arrays()})
+            got = await store.get_rollouts(["x"])
+            np.testing.assert_array_equal(got["x"]["loss_mask"], _arrays()["loss_mask"])
+            await store.register_step_keys(1, [store.keys.rollout("x")])
+            assert await store.delete_step(1) == 1
+            assert await store.delete_rollouts(["y"]) == 1
+            with pytest.raises(PayloadMissingError):
+                await store.get_rollouts(["x"])
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
