@@ -12,6 +12,8 @@ import argparse
 import asyncio
 import json
 import logging
+import os
+import secrets
 import signal
 import sys
 import time
@@ -141,6 +143,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.run_id is None and "RLSHIP_RUN_ID" not in os.environ:
+        args.run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    if args.output_dir is None and "RLSHIP_OUTPUT_DIR" not in os.environ:
+        args.output_dir = str(Path("runs") / args.run_id) if args.run_id else None
     settings = settings_from_args(args)
     summary = run_local(settings, args.summary_json)
     print_summary(summary)
