@@ -146,6 +146,9 @@ def as_array(name: str, value: Any) -> np.ndarray:
 
 def _as_strings(name: str, value: Sequence[str]) -> list[str]:
     items = list(value)
+    # Per-token env names repeat a few objects: check each distinct type once, at C speed.
+    if all(issubclass(kind, str) for kind in set(map(type, items))):
+        return items
     for index, item in enumerate(items):
         if not isinstance(item, str):
             raise SchemaError(f"{name}[{index}]: expected str, got {type(item).__name__} {item!r}")
