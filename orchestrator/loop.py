@@ -25,11 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import redis.asyncio as aioredis
 
 from orchestrator.groups import TRAINABLE, GroupBuffer, Outcome, decide_group
 from orchestrator.records import IDENTIFIER, RecordRejected, RolloutRecord, parse_record
+from orchestrator.rollout_log import RolloutLog
 from orchestrator.settings import RunSettings
 from tasks.cohort import CohortBuilder
 from tasks.manifest import StepManifest
@@ -44,23 +46,33 @@ POLL_SECONDS = 0.01
 
 
 class LagProbe:
-    """Measures how late the loop wakes a 10 ms sleeper: the loop's responsiveness."""
+    """Measures how late the loop wakes a 10 ms sleeper: the loop's responsiveness.
 
-    def __init__(self, interval: float = 0.01) -> None:
+    With `keep_timeline`, every observation is also kept with its loop time (`times`,
+    `lags_ms`), so a benchmark can say when the loop stalled, not only how much.
+    """
+
+    def __init__(self, interval: float = 0.01, keep_timeline: bool = False) -> None:
         self.interval = interval
         self._window = array("d")
         self.max_ms = 0.0
         self.samples = 0
+        self.times: array | None = array("d") if keep_timeline else None
+        self.lags_ms = array("d")
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             started = loop.time()
             await asyncio.sleep(self.interval)
-            lag_ms = max(0.0, (loop.time() - started - self.interval) * 1000.0)
+            now = loop.time()
+            lag_ms = max(0.0, (now - started - self.interval) * 1000.0)
             self._window.append(lag_ms)
             self.max_ms = max(self.max_ms, lag_ms)
             self.samples += 1
+            if self.times is not None:
+                self.times.append(now)
+                self.lags_ms.append(lag_ms)
 
     def take_window(self) -> np.ndarray:
         """The observations since the previous call (for the next record)."""
@@ -98,16 +110,31 @@ def outcome_row(outcome: Outcome) -> tuple[dict[str, float], dict[str, str], dic
 
 @dataclass
 class Accounting:
-    """Cumulative counts since the run started. At every cut:
-    arrived = rejected + discarded + cut + pending + in open groups."""
+    """Counts since the run started. At every cut:
+    arrived = rejected + discarded + cut + pending + in open groups; the finalizer splits
+    `cut` into shipped and dropped by workers."""
 
     arrived: int = 0
     cut: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
     discarded: Counter[str] = field(default_factory=Counter)
+    stale_in_window: int = 0
+
+    def discard(self, reason: str, count: int = 1) -> None:
+        self.discarded[reason] += count
+        if reason == "stale":
+            self.stale_in_window += count
+
+    @property
+    def accounted(self) -> int:
+        """Rollouts that left the orchestrator: rejected, discarded or cut."""
+        return sum(self.rejected.values()) + sum(self.discarded.values()) + self.cut
 
     def snapshot(self, pending: int, in_open_groups: int) -> dict[str, float]:
+        """The accounting section of the manifest; starts a new window for stale drops."""
+        stale, self.stale_in_window = self.stale_in_window, 0
         out = {
+            "off_policy/stale_dropped": float(stale),
             "accounting/arrived": float(self.arrived),
             "accounting/cut": float(self.cut),
             "accounting/pending": float(pending),
@@ -139,14 +166,19 @@ class Orchestrator:
         self._release_pending: asyncio.Task[None] | None = None
         self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlship-publisher")
         self._work = asyncio.Event()
+        # Background loops stop at their next turn: cancelling a blocking redis.asyncio
+        # read (XREAD BLOCK) can hang the cancellation (redis-py #2028, #2579).
+        self._stopping = asyncio.Event()
         self._stream_cursor = "0-0"
         self._metrics_path = Path(settings.output_dir) / "metrics.jsonl"
+        self.rollout_log = RolloutLog(settings.record_rollouts)
+        self._cut_rollouts: dict[int, list[str]] = {}
 
     # -- ingestion ---------------------------------------------------------------------
 
     async def ingest(self) -> None:
-        """Read rollout records forever; complete groups; release what cannot train."""
-        while True:
+        """Read rollout records until stopped; complete groups; release what cannot train."""
+        while not self._stopping.is_set():
             response = await self.client.xread(
                 {self.keys.rollout_stream: self._stream_cursor}, count=READ_BATCH, block=READ_BLOCK_MS
             )
@@ -160,8 +192,7 @@ class Orchestrator:
             pipe = self.client.pipeline(transaction=False)
             if release_ids:
                 pipe.unlink(*(self.keys.rollout(r) for r in release_ids))
-            accounted = sum(self.accounting.rejected.values()) + sum(self.accounting.discarded.values())
-            pipe.set(self.keys.run_key("accounted"), accounted + self.accounting.cut)
+            pipe.set(self.keys.run_key("accounted"), self.accounting.accounted)
             pipe.xtrim(self.keys.rollout_stream, minid=self._stream_cursor)
             await pipe.execute()
             if len(self.pending) >= self.settings.batch_size:
@@ -185,10 +216,11 @@ class Orchestrator:
             group, self.next_step, self.settings.max_off_policy_steps, self.settings.normalize_advantages
         ):
             self.window.append(*outcome_row(outcome))
+            self.rollout_log.finalized(outcome)
             if outcome.fate == TRAINABLE:
                 self.pending.append(outcome)
             else:
-                self.accounting.discarded[outcome.fate] += 1
+                self.accounting.discard(outcome.fate)
                 released.append(outcome.record.rollout_id)
         return released
 
@@ -204,6 +236,8 @@ class Orchestrator:
             return 0.0
         started = time.perf_counter()
         while int(await self.client.get(self.keys.policy_version) or 0) < needed:
+            if self._stopping.is_set():
+                return 0.0
             await asyncio.sleep(POLL_SECONDS)
         waited = time.perf_counter() - started
         await self.client.incrbyfloat(self.state.policy_wait, waited)
@@ -215,19 +249,22 @@ class Orchestrator:
         stale = [o for o in self.pending if step - o.record.policy_version > limit]
         if stale:
             self.pending = [o for o in self.pending if step - o.record.policy_version <= limit]
-            self.accounting.discarded["stale"] += len(stale)
+            self.accounting.discard("stale", len(stale))
         return [o.record.rollout_id for o in stale]
 
     async def cut(self, step: int) -> StepManifest | None:
         """Write step `step`'s manifest and enqueue its first task; None if nothing trainable."""
         stale_ids = self._drop_stale_pending(step)
         if stale_ids:
+            self.rollout_log.dropped_at_cut(stale_ids, step, "stale")
             await self.store.delete_rollouts(stale_ids)
         if not self.pending:
             return None
         batch = self.pending[: self.settings.batch_size]
         del self.pending[: self.settings.batch_size]
         self.accounting.cut += len(batch)
+        self.rollout_log.cut(step)
+        self._cut_rollouts[step] = [o.record.rollout_id for o in batch]
         effective = CohortBuilder()
         for outcome in batch:
             effective.append(*outcome_row(outcome))
@@ -251,6 +288,7 @@ class Orchestrator:
         )
         pipe.expire(self.keys.step_keys(step), self.store.ttl)
         pipe.set(self.state.next_step, step + 1)
+        pipe.set(self.keys.run_key("accounted"), self.accounting.accounted)
         await pipe.execute()
         await self._enqueue(finalize, step)
         return manifest
@@ -262,7 +300,7 @@ class Orchestrator:
 
     async def dispatch(self) -> None:
         """Cut steps while there are steps to ship, enough pending rollouts, and room in flight."""
-        while self.next_step < self.settings.steps:
+        while self.next_step < self.settings.steps and not self._stopping.is_set():
             in_flight = self.next_step - 1 - self.last_published
             if len(self.pending) < self.settings.batch_size or in_flight > self.settings.max_async_level:
                 self._work.clear()
@@ -270,7 +308,7 @@ class Orchestrator:
                 continue
             step = self.next_step
             await self.wait_for_policy(step)
-            if await self.cut(step) is not None:
+            if not self._stopping.is_set() and await self.cut(step) is not None:
                 self.next_step = step + 1
 
     # -- records and release -----------------------------------------------------------
@@ -294,9 +332,17 @@ class Orchestrator:
                 print(format_step_line(record), flush=True)
                 self.records.append(record)
                 self.last_published = step
+                await self._log_shipped(step)
                 self._work.set()
                 await self.schedule_release(step)
         await self.drain_release()
+
+    async def _log_shipped(self, step: int) -> None:
+        """Tell the rollout log which of the step's rollouts shipped (read before release)."""
+        rollout_ids = self._cut_rollouts.pop(step, [])
+        if self.rollout_log.enabled:
+            dropped = msgpack.unpackb(await self.client.get(self.keys.step(step, "dropped")) or b"\x80")
+            self.rollout_log.shipped(step, rollout_ids, dropped)
 
     async def schedule_release(self, step: int) -> None:
         """At most one release pending: wait for the previous one, then enqueue this one."""
@@ -329,14 +375,17 @@ class Orchestrator:
         started = time.perf_counter()
         self.next_step = int(await self.client.get(self.state.next_step) or 0)
         self.last_published = self.next_step - 1
-        background = [asyncio.create_task(c) for c in (self.probe.run(), self.ingest(), self.dispatch())]
+        probe = asyncio.create_task(self.probe.run())
+        loops = [asyncio.create_task(self.ingest()), asyncio.create_task(self.dispatch())]
         try:
             await self.follow_records()
         finally:
-            for task in background:
-                task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
+            self._stopping.set()
+            self._work.set()
+            probe.cancel()
+            await asyncio.gather(probe, *loops, return_exceptions=True)
             self._publisher.shutdown(wait=True)
+            self.rollout_log.close()
         await self.release_unshipped()
         return {
             "steps_shipped": len(self.records),

@@ -38,6 +38,9 @@ class RunSettings(BaseSettings):
     cpu_workers: int = Field(default=2, ge=1)
     cpu_queue: str = "cpu"
     ship_queue: str = "ship"
+    record_rollouts: Path | None = Field(
+        default=None, description="write one JSON line per finalized rollout"
+    )
     max_outstanding_rollouts: int = Field(default=0, ge=0, description="producer backlog; 0 = 4 batches")
 
     def ship_config(self) -> ShipConfig:

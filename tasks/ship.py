@@ -146,10 +146,13 @@ def prune(run_id: str, step: int) -> None:
 
     def compute() -> None:
         finalized = ctx.get("finalized")
-        samples, dropped = prune_samples(Cohort.from_wire(finalized["samples"]))
-        ctx.put(
-            "pruned", {"samples": samples.to_wire(), "dropped": len(dropped) + len(finalized["failures"])}
-        )
+        samples, pruned = prune_samples(Cohort.from_wire(finalized["samples"]))
+        dropped = {
+            rollout_id: f"invalid_payload: {reason}" for rollout_id, reason in finalized["failures"].items()
+        }
+        dropped.update(dict.fromkeys(pruned, "no_trainable_tokens"))
+        ctx.put("pruned", {"samples": samples.to_wire(), "dropped": len(dropped)})
+        ctx.put("dropped", dropped)
 
     ctx.run_stage("prune", compute)
     metrics.apply_async((run_id, step), queue=ctx.manifest.config.cpu_queue)

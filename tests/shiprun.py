@@ -13,12 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import redis
 import redis.asyncio as aioredis
 
 from orchestrator.loop import Orchestrator
 from orchestrator.producer import run_producer
 from orchestrator.settings import RunSettings, settings_to_env
 from tests.conftest import REPO, Workers, free_port_pair, python_command
+from transport.store import PayloadStore
 
 
 def ship_settings(
@@ -95,6 +97,8 @@ def ship(settings: RunSettings, trainers: bool = True) -> ShipResult:
         stop_producing.set()
         producer.join()
         stop(ranks)
+    # As `rlship run` does once the producer has stopped: what it wrote late never ships.
+    PayloadStore(redis.Redis.from_url(settings.redis_url), settings.run_id).delete_all_rollouts()
     return result
 
 

@@ -120,8 +120,7 @@ def step_metrics(manifest: StepManifest, shipped: Cohort, dropped_by_workers: in
             "progress/output_tokens": output_tokens,
             "progress/rollouts": float(len(shipped)),
             "progress/tasks": float(len(set(shipped.labels["task_id"]))),
-            "accounting/shipped": float(len(shipped)),
-            "accounting/dropped_by_workers": float(dropped_by_workers),
+            "progress/dropped_by_workers": float(dropped_by_workers),
         }
     )
     if len(shipped):

@@ -1,11 +1,42 @@
-"""Publish: assemble the step's one scalar record from what the stages left behind."""
+"""Publish: assemble the step's one scalar record from what the stages left behind, and
+check that its accounting adds up before it goes out."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
+log = logging.getLogger("rlship.publish")
+
 # Running totals carried from record to record (`progress/total_*`).
-TOTALS: tuple[str, ...] = ("tokens", "input_tokens", "output_tokens", "rollouts", "tasks")
+TOTALS: tuple[str, ...] = (
+    "tokens",
+    "input_tokens",
+    "output_tokens",
+    "rollouts",
+    "tasks",
+    "dropped_by_workers",
+)
+
+# Every rollout that ever arrived is in exactly one of these (run totals at this step's cut).
+CONSERVATION_TERMS: tuple[str, ...] = (
+    "accounting/rejected",
+    "accounting/discarded",
+    "accounting/shipped",
+    "accounting/dropped_by_workers",
+    "accounting/pending",
+    "accounting/in_open_groups",
+)
+
+
+def conservation_error(record: Mapping[str, float]) -> str | None:
+    """Why the record's accounting does not add up, or None when it does."""
+    terms = {name: record.get(name, 0.0) for name in CONSERVATION_TERMS}
+    arrived = record.get("accounting/arrived", 0.0)
+    if arrived != sum(terms.values()):
+        parts = " + ".join(f"{name.split('/', 1)[1]} {value:g}" for name, value in terms.items())
+        return f"accounting/arrived {arrived:g} != {parts} = {sum(terms.values()):g}"
+    return None
 
 
 def running_totals(previous: Mapping[str, float], metrics: Mapping[str, float]) -> dict[str, float]:
@@ -31,5 +62,11 @@ def build_record(
     record["time/wait_for_policy"] = float(wait_for_policy_seconds)
     for name, value in totals.items():
         record[f"progress/total_{name}"] = float(value)
+    record["accounting/shipped"] = float(totals["rollouts"])
+    record["accounting/dropped_by_workers"] = float(totals["dropped_by_workers"])
     record["step"] = float(step)
+    problem = conservation_error(record)
+    if problem is not None:
+        log.error("step %d: the record's accounting does not add up: %s", step, problem)
+    record["accounting/balanced"] = float(problem is None)
     return record
