@@ -92,6 +92,9 @@ class RolloutLog:
         for line in self._awaiting.values():
             self._write({**line, "fate": UNSHIPPED})
         for line, fate in self._window.values():
-            self._write({**line, "fate": UNSHIPPED if fate == TRAINABLE else "discarded", "reason": fate})
+            if fate == TRAINABLE:
+                self._write({**line, "fate": UNSHIPPED})
+            else:
+                self._write({**line, "fate": "discarded", "reason": fate, "discarded_step": None})
         self._sink.close()
         self._sink = None

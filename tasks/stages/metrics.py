@@ -53,9 +53,11 @@ def _column(cohort: Cohort, name: str) -> np.ndarray:
 
 def _group_solved_shares(cohort: Cohort) -> dict[str, float]:
     """Share of groups in which none, some or all rollouts solved the task."""
-    solved_by_group: dict[str, list[bool]] = {}
-    for group, reward in zip(cohort.labels["group_id"], cohort.numeric["reward"], strict=True):
-        solved_by_group.setdefault(group, []).append(bool(reward >= SOLVED_REWARD))
+    solved_by_group: dict[tuple[str, str], list[bool]] = {}
+    for env, group, reward in zip(
+        cohort.labels["env"], cohort.labels["group_id"], cohort.numeric["reward"], strict=True
+    ):
+        solved_by_group.setdefault((env, group), []).append(bool(reward >= SOLVED_REWARD))
     groups = len(solved_by_group)
     if not groups:
         return {"num_groups": 0.0}

@@ -1,0 +1,209 @@
+"""The reference: every record recomputed from the rollout log in plain Python.
+
+No numpy, no Celery, no Redis: loops over the logged rollouts, written to be read. Which
+rollouts a window or a step holds depends on timing (when a cut happened), so that comes
+from the log; everything else is recomputed from the rollouts' own fields, including
+the group advantages and the fates they imply. A record of the distributed path must
+equal this one key for key, except the keys that measure time or the arrival stream,
+which no log of finalized rollouts can reproduce (`UNREPRODUCIBLE`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+
+UNREPRODUCIBLE = (
+    "time/",
+    "event_loop_lag/",
+    "accounting/arrived",
+    "accounting/pending",
+    "accounting/in_open_groups",
+    "accounting/rejected",
+    "ingest/rejected/",
+)
+WORKER_REASONS = ("invalid_payload", "no_trainable_tokens")
+DISTRIBUTIONS = (
+    "reward",
+    "advantage",
+    "num_total_tokens",
+    "num_input_tokens",
+    "num_output_tokens",
+    "num_turns",
+)
+SOLVED_REWARD = 1.0
+
+
+def reproducible(key: str) -> bool:
+    return not key.startswith(UNREPRODUCIBLE)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default method)."""
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    lower = math.floor(position)
+    upper = min(lower + 1, len(ordered) - 1)
+    return ordered[lower] + (ordered[upper] - ordered[lower]) * (position - lower)
+
+
+def stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    return {
+        "mean": sum(values) / len(values),
+        "min": min(values),
+        "max": max(values),
+        "p10": percentile(values, 10),
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+    }
+
+
+def value(line: dict, name: str) -> float:
+    if name == "num_total_tokens":
+        return line["num_input_tokens"] + line["num_output_tokens"]
+    return float(line[name])
+
+
+def group_advantages(rewards: list[float]) -> list[float]:
+    """Reward minus the group mean; exactly zero when all rewards are equal."""
+    if all(r == rewards[0] for r in rewards):
+        return [0.0] * len(rewards)
+    mean = sum(rewards) / len(rewards)
+    return [r - mean for r in rewards]
+
+
+def check_advantages(lines: list[dict], tolerance: float = 1e-12) -> list[str]:
+    """Recompute each group's advantages from its rewards; list every disagreement."""
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for line in lines:
+        groups[(line["env"], line["group_id"])].append(line)
+    problems = []
+    for key, members in groups.items():
+        scored = [m for m in members if m["error"] is None and not m["cancelled"]]
+        expected = dict.fromkeys((m["rollout_id"] for m in members), 0.0)
+        if scored:
+            expected.update(
+                zip(
+                    (m["rollout_id"] for m in scored),
+                    group_advantages([m["reward"] for m in scored]),
+                    strict=True,
+                )
+            )
+        for member in members:
+            if not math.isclose(member["advantage"], expected[member["rollout_id"]], abs_tol=tolerance):
+                problems.append(
+                    f"group {key}: {member['rollout_id']} advantage {member['advantage']} "
+                    f"!= {expected[member['rollout_id']]}"
+                )
+    return problems
+
+
+def subset(lines: list[dict], name: str) -> dict[str, float]:
+    out: dict[str, float] = {"count": float(len(lines))}
+    if not lines:
+        return out
+    custom = sorted({m for line in lines for m in line["metrics"]})
+    for metric in DISTRIBUTIONS:
+        for stat, x in stats([value(line, metric) for line in lines]).items():
+            out[f"{metric}/{stat}"] = x
+    for metric in custom:
+        for stat, x in stats(
+            [line["metrics"][metric] for line in lines if metric in line["metrics"]]
+        ).items():
+            out[f"metric/{metric}/{stat}"] = x
+    out["is_truncated/mean"] = sum(line["is_truncated"] for line in lines) / len(lines)
+    out["is_trainable/mean"] = sum(line["is_trainable"] for line in lines) / len(lines)
+    if name == "all":
+        out["has_error/mean"] = sum(line["error"] is not None for line in lines) / len(lines)
+        out["cancelled/mean"] = sum(line["cancelled"] for line in lines) / len(lines)
+        for error, count in Counter(line["error"] for line in lines if line["error"]).items():
+            out[f"error/{error}"] = float(count)
+        for condition, count in Counter(
+            line["stop_condition"] for line in lines if line["stop_condition"]
+        ).items():
+            out[f"stop_condition/{condition}"] = count / len(lines)
+        solved: dict[tuple[str, str], list[bool]] = defaultdict(list)
+        for line in lines:
+            solved[(line["env"], line["group_id"])].append(line["reward"] >= SOLVED_REWARD)
+        out["num_groups"] = float(len(solved))
+        out["solved_none"] = sum(not any(s) for s in solved.values()) / len(solved)
+        out["solved_all"] = sum(all(s) for s in solved.values()) / len(solved)
+        out["solved_some"] = 1.0 - out["solved_none"] - out["solved_all"]
+    return out
+
+
+def is_worker_drop(line: dict) -> bool:
+    return line["fate"] == "discarded" and line["reason"].startswith(WORKER_REASONS)
+
+
+def discarded_by_orchestrator_at(line: dict) -> int | None:
+    """The step whose record counts the orchestrator's discard of this rollout, if any."""
+    if line["fate"] != "discarded" or is_worker_drop(line):
+        return None
+    return line["discarded_step"]
+
+
+def reference_records(lines: Iterable[dict], steps: Iterable[int]) -> dict[int, dict[str, float]]:
+    """The reproducible part of each step's record."""
+    lines = list(lines)
+    totals: Counter[str] = Counter()
+    records = {}
+    for step in sorted(steps):
+        window = [line for line in lines if line["step"] == step]
+        shipped = [line for line in lines if line["fate"] == "shipped" and line["shipped_step"] == step]
+        dropped = [line for line in lines if is_worker_drop(line) and line["discarded_step"] == step]
+        record: dict[str, float] = {"step": float(step)}
+        envs = sorted({line["env"] for line in window + shipped})
+        for name, members in (("all", window), ("effective", shipped)):
+            for scope in ["agg", *envs]:
+                part = members if scope == "agg" else [m for m in members if m["env"] == scope]
+                for key, x in subset(part, name).items():
+                    record[f"train/{scope}/{name}/{key}"] = x
+        progress = {
+            "input_tokens": float(sum(line["num_input_tokens"] for line in shipped)),
+            "output_tokens": float(sum(line["num_output_tokens"] for line in shipped)),
+            "rollouts": float(len(shipped)),
+            "tasks": float(len({line["task_id"] for line in shipped})),
+            "dropped_by_workers": float(len(dropped)),
+        }
+        progress["tokens"] = progress["input_tokens"] + progress["output_tokens"]
+        totals.update(progress)
+        totals["steps"] += 1
+        for name, x in progress.items():
+            record[f"progress/{name}"] = x
+        for name, x in totals.items():
+            record[f"progress/total_{name}"] = float(x)
+        if shipped:
+            staleness = [step - line["policy_version"] for line in shipped]
+            record["off_policy/staleness/mean"] = sum(staleness) / len(staleness)
+            record["off_policy/staleness/max"] = float(max(staleness))
+            for env, count in Counter(line["env"] for line in shipped).items():
+                record[f"batch/{env}"] = count / len(shipped)
+        counted = [line for line in lines if discarded_by_orchestrator_at(line) is not None]
+        record["off_policy/stale_dropped"] = float(
+            sum(line["reason"] == "stale" and line["discarded_step"] == step for line in counted)
+        )
+        discarded = Counter(line["reason"] for line in counted if line["discarded_step"] <= step)
+        for reason, count in discarded.items():
+            record[f"accounting/discarded/{reason}"] = float(count)
+        record["accounting/discarded"] = float(sum(discarded.values()))
+        record["accounting/shipped"] = float(totals["rollouts"])
+        record["accounting/dropped_by_workers"] = float(totals["dropped_by_workers"])
+        record["accounting/cut"] = float(totals["rollouts"] + totals["dropped_by_workers"])
+        record["accounting/balanced"] = 1.0
+        records[step] = record
+    return records
+
+
+def compare(actual: dict[str, float], expected: dict[str, float], tolerance: float = 1e-12) -> list[str]:
+    """Differences between a published record and the reference (reproducible keys only)."""
+    mine = {k for k in actual if reproducible(k)}
+    problems = [f"{k}: only in the published record" for k in sorted(mine - expected.keys())]
+    problems += [f"{k}: missing from the published record" for k in sorted(expected.keys() - mine)]
+    for key in sorted(mine & expected.keys()):
+        if not math.isclose(actual[key], expected[key], rel_tol=tolerance, abs_tol=tolerance):
+            problems.append(f"{key}: published {actual[key]!r}, reference {expected[key]!r}")
+    return problems
