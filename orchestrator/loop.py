@@ -22,7 +22,6 @@ from array import array
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -30,6 +29,7 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from orchestrator.groups import TRAINABLE, GroupBuffer, Outcome, decide_group
+from orchestrator.monitors import Monitors
 from orchestrator.records import IDENTIFIER, RecordRejected, RolloutRecord, parse_record
 from orchestrator.rollout_log import RolloutLog
 from orchestrator.settings import RunSettings
@@ -165,12 +165,12 @@ class Orchestrator:
         self.records: list[dict[str, float]] = []
         self._release_pending: asyncio.Task[None] | None = None
         self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlship-publisher")
+        self._monitor_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlship-monitors")
         self._work = asyncio.Event()
         # Background loops stop at their next turn: cancelling a blocking redis.asyncio
         # read (XREAD BLOCK) can hang the cancellation (redis-py #2028, #2579).
         self._stopping = asyncio.Event()
         self._stream_cursor = "0-0"
-        self._metrics_path = Path(settings.output_dir) / "metrics.jsonl"
         self.rollout_log = RolloutLog(settings.record_rollouts)
         self._cut_rollouts: dict[int, list[str]] = {}
 
@@ -316,7 +316,7 @@ class Orchestrator:
     async def follow_records(self) -> None:
         """Mirror published records to metrics.jsonl, print a line each, release each step."""
         cursor = "0-0"
-        self._metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        loop = asyncio.get_running_loop()
         while self.last_published < self.settings.steps - 1:
             response = await self.client.xread(
                 {self.keys.metrics_stream: cursor}, count=16, block=READ_BLOCK_MS
@@ -327,8 +327,7 @@ class Orchestrator:
                 step = int(record["step"])
                 if step <= self.last_published:
                     continue
-                with self._metrics_path.open("a") as sink:
-                    sink.write(json.dumps(record, sort_keys=True) + "\n")
+                await loop.run_in_executor(self._monitor_thread, self.monitors.log, record)
                 print(format_step_line(record), flush=True)
                 self.records.append(record)
                 self.last_published = step
@@ -373,6 +372,7 @@ class Orchestrator:
     async def run(self) -> dict[str, Any]:
         """Ship `settings.steps` steps (counting from where the run left off); return a summary."""
         started = time.perf_counter()
+        self.monitors = Monitors(self.settings)
         self.next_step = int(await self.client.get(self.state.next_step) or 0)
         self.last_published = self.next_step - 1
         probe = asyncio.create_task(self.probe.run())
@@ -385,6 +385,8 @@ class Orchestrator:
             probe.cancel()
             await asyncio.gather(probe, *loops, return_exceptions=True)
             self._publisher.shutdown(wait=True)
+            self._monitor_thread.submit(self.monitors.close).result()
+            self._monitor_thread.shutdown(wait=True)
             self.rollout_log.close()
         await self.release_unshipped()
         return {

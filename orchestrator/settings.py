@@ -38,6 +38,9 @@ class RunSettings(BaseSettings):
     cpu_workers: int = Field(default=2, ge=1)
     cpu_queue: str = "cpu"
     ship_queue: str = "ship"
+    samples_per_step: int = Field(default=4, ge=0, description="rollouts per step written to samples/")
+    wandb_project: str | None = Field(default=None, description="log records to Weights & Biases")
+    wandb_mode: Literal["online", "offline"] = "offline"
     record_rollouts: Path | None = Field(
         default=None, description="write one JSON line per finalized rollout"
     )
@@ -55,6 +58,7 @@ class RunSettings(BaseSettings):
             vocab_size=self.vocab_size,
             cpu_queue=self.cpu_queue,
             ship_queue=self.ship_queue,
+            samples_per_step=self.samples_per_step,
         )
 
     @property

@@ -29,6 +29,7 @@ class ShipConfig:
     vocab_size: int = 1 << 31
     cpu_queue: str = "cpu"
     ship_queue: str = "ship"
+    samples_per_step: int = 0
 
     @property
     def output_path(self) -> Path:

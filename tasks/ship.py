@@ -37,6 +37,7 @@ from tasks.stages.pack import PackPlan, pack_samples
 from tasks.stages.prune import prune_samples
 from tasks.stages.publish import build_record, running_totals
 from tasks.stages.release import trim_process_memory
+from tasks.stages.samples import choose_samples, sample_lines, write_samples
 from transport.base import StepSender
 from transport.checksum import payload_checksum
 from transport.keys import RunKeys
@@ -167,8 +168,14 @@ def metrics(run_id: str, step: int) -> None:
 
     def compute() -> None:
         pruned = ctx.get("pruned")
-        record = step_metrics(ctx.manifest, Cohort.from_wire(pruned["samples"]), pruned["dropped"])
-        ctx.put("metrics", record)
+        shipped = Cohort.from_wire(pruned["samples"])
+        ctx.put("metrics", step_metrics(ctx.manifest, shipped, pruned["dropped"]))
+        config = ctx.manifest.config
+        positions = choose_samples(len(shipped), config.samples_per_step, step)
+        if positions:
+            ids = [shipped.labels["rollout_id"][i] for i in positions]
+            lines = sample_lines(step, shipped, positions, ctx.store.get_rollouts(ids))
+            write_samples(config.output_path, step, lines)
 
     ctx.run_stage("metrics", compute)
     _publish_when_complete(ctx)

@@ -1,0 +1,81 @@
+"""Monitors: where each published record goes besides the Redis stream that the
+finalizer writes (`rlship:{run_id}:metrics`, the source of truth a dashboard can follow).
+
+The orchestrator follows that stream and hands every record to its monitors, on a thread
+of their own so that file and network I/O never run on the event loop: a JSONL file
+(`{output_dir}/metrics.jsonl`, always) and Weights & Biases when a project is configured
+(`--wandb-project`; offline mode by default, which needs no network), with `step` as the
+x-axis of every chart.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+from orchestrator.settings import RunSettings
+
+
+class Monitor(Protocol):
+    def log(self, record: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlMonitor:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._sink = path.open("a")
+
+    def log(self, record: dict[str, float]) -> None:
+        self._sink.write(json.dumps(record, sort_keys=True) + "\n")
+        self._sink.flush()
+
+    def close(self) -> None:
+        self._sink.close()
+
+
+class WandbMonitor:
+    def __init__(self, settings: RunSettings) -> None:
+        try:
+            import wandb
+        except ImportError as exc:
+            raise SystemExit(
+                f"rlship: wandb_project={settings.wandb_project!r} is set but wandb is not installed "
+                "(pip install 'rlship[wandb]')"
+            ) from exc
+        self._run: Any = wandb.init(
+            project=settings.wandb_project,
+            name=settings.run_id,
+            id=settings.run_id,
+            resume="allow",
+            mode=settings.wandb_mode,
+            dir=str(settings.output_dir),
+            config=settings.model_dump(mode="json", exclude={"redis_url"}),
+        )
+        self._run.define_metric("step")
+        self._run.define_metric("*", step_metric="step")
+
+    def log(self, record: dict[str, float]) -> None:
+        self._run.log(record)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class Monitors:
+    """Every configured monitor, as one."""
+
+    def __init__(self, settings: RunSettings) -> None:
+        self.monitors: list[Monitor] = [JsonlMonitor(Path(settings.output_dir) / "metrics.jsonl")]
+        if settings.wandb_project:
+            self.monitors.append(WandbMonitor(settings))
+
+    def log(self, record: dict[str, float]) -> None:
+        for monitor in self.monitors:
+            monitor.log(record)
+
+    def close(self) -> None:
+        for monitor in self.monitors:
+            monitor.close()

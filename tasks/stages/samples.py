@@ -1,0 +1,55 @@
+"""Samples: a few shipped rollouts per step, written whole (tokens, masks, reward) to
+`{output_dir}/samples/step_{N}.jsonl` for people to read. The writer reads its own copy
+of the arrays before the step can be released, so a release never empties an upload."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tasks.cohort import Cohort
+
+
+def choose_samples(shipped: int, count: int, step: int) -> list[int]:
+    """`count` positions among the shipped rollouts, the same for every run of the step."""
+    if count <= 0 or shipped == 0:
+        return []
+    rng = np.random.default_rng(step)
+    return sorted(int(i) for i in rng.choice(shipped, size=min(count, shipped), replace=False))
+
+
+def sample_lines(
+    step: int, cohort: Cohort, positions: list[int], arrays: Mapping[str, Mapping[str, np.ndarray]]
+) -> list[dict[str, Any]]:
+    lines = []
+    for i in positions:
+        rollout_id = cohort.labels["rollout_id"][i]
+        payload = arrays[rollout_id]
+        lines.append(
+            {
+                "step": step,
+                "rollout_id": rollout_id,
+                "env": cohort.labels["env"][i],
+                "task_id": cohort.labels["task_id"][i],
+                "reward": float(cohort.numeric["reward"][i]),
+                "advantage": float(cohort.numeric["advantage"][i]),
+                "input_ids": payload["input_ids"].tolist(),
+                "loss_mask": payload["loss_mask"].tolist(),
+            }
+        )
+    return lines
+
+
+def write_samples(output_dir: Path, step: int, lines: list[dict[str, Any]]) -> Path:
+    """Write atomically (temporary name, then rename): a reader never sees half a file."""
+    path = output_dir / "samples" / f"step_{step}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(f".tmp.{os.getpid()}")
+    temporary.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    os.replace(temporary, path)
+    return path
