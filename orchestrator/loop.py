@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from array import array
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +43,7 @@ log = logging.getLogger("rlship.orchestrator")
 READ_BATCH = 512
 READ_BLOCK_MS = 100
 POLL_SECONDS = 0.01
+RECENT_RECORDS = 8
 
 
 class LagProbe:
@@ -155,14 +156,17 @@ class Orchestrator:
         self.keys = self.store.keys
         self.state = RunState(settings.run_id)
         self.config = settings.ship_config()
-        self.groups = GroupBuffer(settings.group_size)
+        self.groups = GroupBuffer(settings.group_size, memory=settings.dedupe_horizon)
         self.window = CohortBuilder()
         self.pending: list[Outcome] = []
         self.accounting = Accounting()
         self.probe = LagProbe()
         self.next_step = 0
         self.last_published = -1
-        self.records: list[dict[str, float]] = []
+        # The most recent records (the stream holds them all): bounded on a run of any length.
+        self.records: deque[dict[str, float]] = deque(maxlen=RECENT_RECORDS)
+        self.records_published = 0
+        self.tokens_shipped = 0
         self._release_pending: asyncio.Task[None] | None = None
         self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlship-publisher")
         self._monitor_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlship-monitors")
@@ -330,6 +334,8 @@ class Orchestrator:
                 await loop.run_in_executor(self._monitor_thread, self.monitors.log, record)
                 print(format_step_line(record), flush=True)
                 self.records.append(record)
+                self.records_published += 1
+                self.tokens_shipped += int(record.get("progress/tokens", 0.0))
                 self.last_published = step
                 await self._log_shipped(step)
                 self._work.set()
@@ -390,9 +396,9 @@ class Orchestrator:
             self.rollout_log.close()
         await self.release_unshipped()
         return {
-            "steps_shipped": len(self.records),
-            "records_published": len(self.records),
-            "tokens_shipped": int(sum(r.get("progress/tokens", 0.0) for r in self.records)),
+            "steps_shipped": self.records_published,
+            "records_published": self.records_published,
+            "tokens_shipped": self.tokens_shipped,
             "wall_seconds": time.perf_counter() - started,
             "loop_lag_max_ms": self.probe.max_ms,
         }

@@ -41,6 +41,7 @@ class RunSettings(BaseSettings):
     samples_per_step: int = Field(default=4, ge=0, description="rollouts per step written to samples/")
     wandb_project: str | None = Field(default=None, description="log records to Weights & Biases")
     wandb_mode: Literal["online", "offline"] = "offline"
+    dedupe_horizon: int = Field(default=1 << 16, ge=1, description="rollout ids and groups remembered")
     record_rollouts: Path | None = Field(
         default=None, description="write one JSON line per finalized rollout"
     )

@@ -80,7 +80,7 @@ async def run_orchestrator(settings: RunSettings, timeout: float = 120.0) -> Shi
     try:
         orchestrator = Orchestrator(settings, client)
         summary = await asyncio.wait_for(orchestrator.run(), timeout)
-        return ShipResult(summary, orchestrator.records, orchestrator)
+        return ShipResult(summary, list(orchestrator.records), orchestrator)
     finally:
         await client.aclose()
 

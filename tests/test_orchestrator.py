@@ -171,7 +171,7 @@ def test_policy_wait_is_reported_with_the_step_it_finished_during(
             await aclient.incrbyfloat(state.policy_wait, 0.5)  # after step 0's record
             producer.produce([*group("s1a", [1.0, 0.0]), *group("s1b", [0.0, 1.0])])
             await asyncio.wait_for(run, 60)
-            return orchestrator.records
+            return list(orchestrator.records)
         finally:
             run.cancel()
             stop(trainers)
