@@ -29,6 +29,7 @@ from celery import Task
 
 from tasks.app import app, redis_url
 from tasks.cohort import Cohort
+from tasks.faults import crash_if_armed
 from tasks.manifest import ShipConfig, StepManifest
 from tasks.stages.encode import encode_rank, rank_rollout_ids
 from tasks.stages.finalize import finalize_step
@@ -96,21 +97,26 @@ class StepContext:
     def get(self, name: str) -> Any:
         return msgpack.unpackb(self.store.get_step_value(self.step, name), raw=False)
 
-    def run_stage(self, stage: str, compute: Callable[[], None]) -> None:
+    def crash_if_armed(self, stage: str, rank: int | None = None) -> None:
+        crash_if_armed(self.client, self.run_id, stage, self.step, rank)
+
+    def run_stage(self, stage: str, compute: Callable[[], None], rank: int | None = None) -> None:
         """Run `compute` once per step (per mark); record its seconds and who ran it."""
-        mark = self.keys.step(self.step, f"done:{stage}")
+        name = stage if rank is None else f"{stage}:{rank}"
+        mark = self.keys.step(self.step, f"done:{name}")
         if self.client.exists(mark):
-            log.info("step %d: %s already done, re-enqueueing its successors", self.step, stage)
+            log.info("step %d: %s already done, re-enqueueing its successors", self.step, name)
             return
         started = time.perf_counter()
         compute()
         seconds = time.perf_counter() - started
+        self.crash_if_armed(stage, rank)  # the worst moment: output written, not yet marked
         pipe = self.client.pipeline(transaction=True)
-        pipe.hset(self.keys.step(self.step, "times"), stage, seconds)
+        pipe.hset(self.keys.step(self.step, "times"), name, seconds)
         pipe.sadd(self.keys.step_keys(self.step), self.keys.step(self.step, "times"))
         pipe.set(mark, seconds, ex=self.store.ttl)
         pipe.sadd(self.keys.step_keys(self.step), mark)
-        pipe.hincrby(self.state.stage_calls, f"{socket.gethostname()}:{os.getpid()}:{stage.split(':')[0]}", 1)
+        pipe.hincrby(self.state.stage_calls, f"{socket.gethostname()}:{os.getpid()}:{stage}", 1)
         pipe.execute()
 
 
@@ -214,7 +220,7 @@ def encode(run_id: str, step: int, rank: int) -> None:
         ctx.store.put_payload(step, rank, payload)
         ctx.client.hset(ctx.state.sent_checksums, f"{step}:{rank}", payload_checksum(payload))
 
-    ctx.run_stage(f"encode:{rank}", compute)
+    ctx.run_stage("encode", compute, rank)
     send.apply_async((run_id, step, rank), queue=ctx.manifest.config.ship_queue)
 
 
@@ -253,6 +259,7 @@ def send(self: Task, run_id: str, step: int, rank: int) -> None:
             log.warning("step %d rank %d: trainer not reading; retrying", step, rank)
             raise self.retry(countdown=RETRY_SECONDS, queue=manifest.config.ship_queue) from None
         seconds = time.perf_counter() - started
+        ctx.crash_if_armed("send", rank)  # sent, not yet marked: the redelivery sends again
         pipe = ctx.client.pipeline(transaction=True)
         pipe.set(ctx.keys.last_sent(rank), step)
         pipe.hset(ctx.keys.step(step, "times"), f"send:{rank}", seconds)
@@ -315,6 +322,7 @@ def publish(self: Task, run_id: str, step: int) -> None:
                 pipe.incrbyfloat(state.policy_wait, -waited)
                 pipe.hset(state.totals, mapping=totals)
                 pipe.execute()
+                ctx.crash_if_armed("publish")
                 return
             except redis.WatchError:
                 continue
@@ -325,6 +333,7 @@ def release(run_id: str, step: int) -> None:
     """Delete every key of a published step, trim the heap, and mark the step released."""
     ctx = StepContext(run_id, step)
     deleted = ctx.store.delete_step(step)
+    ctx.crash_if_armed("release")
     trim_process_memory()
     ctx.client.hset(ctx.state.released, step, time.time())
     ctx.client.hincrby(ctx.state.stage_calls, f"{socket.gethostname()}:{os.getpid()}:release", 1)

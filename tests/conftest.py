@@ -44,12 +44,13 @@ def run_id() -> str:
 class Workers:
     """A cpu worker and a ship worker, as subprocesses, on this session's queues."""
 
-    def __init__(self, redis_url: str, log_dir: Path) -> None:
+    def __init__(self, redis_url: str, log_dir: Path, env: dict[str, str] | None = None) -> None:
         suffix = uuid.uuid4().hex[:8]
         self.cpu_queue = f"cpu-{suffix}"
         self.ship_queue = f"ship-{suffix}"
         self.redis_url = redis_url
         self.log_dir = log_dir
+        self.env = env or {}
         self.processes: dict[str, subprocess.Popen] = {}
 
     def start(self, kind: str) -> subprocess.Popen:
@@ -58,7 +59,7 @@ class Workers:
         log = open(self.log_dir / f"{kind}-{len(self.processes)}.log", "ab")  # noqa: SIM115
         process = subprocess.Popen(
             celery_worker_command(queue, concurrency, name),
-            env={**os.environ, "REDIS_URL": self.redis_url, "PYTHONPATH": str(REPO)},
+            env={**os.environ, "REDIS_URL": self.redis_url, "PYTHONPATH": str(REPO), **self.env},
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=REPO,

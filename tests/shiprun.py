@@ -85,17 +85,20 @@ async def run_orchestrator(settings: RunSettings, timeout: float = 120.0) -> Shi
         await client.aclose()
 
 
-def ship(settings: RunSettings, trainers: bool = True) -> ShipResult:
-    """Ship `settings.steps` steps end to end while a producer thread keeps rollouts coming."""
+def ship(settings: RunSettings, trainers: bool = True, produce: bool = True) -> ShipResult:
+    """Ship `settings.steps` steps end to end while a producer thread keeps rollouts coming
+    (unless `produce` is False: the caller wrote the rollouts beforehand)."""
     ranks = start_trainers(settings) if trainers else []
     stop_producing = threading.Event()
     producer = threading.Thread(target=run_producer, args=(settings,), kwargs={"stop": stop_producing})
-    producer.start()
+    if produce:
+        producer.start()
     try:
         result = asyncio.run(run_orchestrator(settings))
     finally:
         stop_producing.set()
-        producer.join()
+        if produce:
+            producer.join()
         stop(ranks)
     # As `rlship run` does once the producer has stopped: what it wrote late never ships.
     PayloadStore(redis.Redis.from_url(settings.redis_url), settings.run_id).delete_all_rollouts()

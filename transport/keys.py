@@ -58,6 +58,10 @@ class RunKeys:
         """A trainer rank's log of received steps: step -> checksum."""
         return f"{self.prefix}received:{rank}"
 
+    def deliveries(self, rank: int) -> str:
+        """How many times each step reached a rank's trainer (exactly once, or a bug)."""
+        return f"{self.prefix}deliveries:{rank}"
+
     def last_sent(self, rank: int) -> str:
         return f"{self.prefix}last_sent:{rank}"
 

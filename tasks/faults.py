@@ -1,0 +1,42 @@
+"""Fault injection, for the fault tests and `rlship chaos`: a worker started with
+`RLSHIP_FAULTS=1` kills its own process (SIGKILL, as the OOM killer would) in the middle
+of a stage that a test has armed in Redis, once. Elsewhere this is a no-op costing
+nothing: the environment is read once per process.
+
+Armed faults live in the run's hash `rlship:{run_id}:faults`, field `{stage}:{step}` or
+`{stage}:{step}:{rank}`. The field is deleted before the kill, so the redelivered task
+runs clean; a test sees that the fault fired when the field is gone.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+
+import redis
+
+from transport.keys import RunKeys
+
+
+@functools.cache
+def enabled() -> bool:
+    return os.environ.get("RLSHIP_FAULTS") == "1"
+
+
+def faults_key(run_id: str) -> str:
+    return RunKeys(run_id).run_key("faults")
+
+
+def fault_field(stage: str, step: int, rank: int | None = None) -> str:
+    return f"{stage}:{step}" if rank is None else f"{stage}:{step}:{rank}"
+
+
+def arm(client: redis.Redis, run_id: str, stage: str, step: int, rank: int | None = None) -> None:
+    client.hset(faults_key(run_id), fault_field(stage, step, rank), 1)
+
+
+def crash_if_armed(client: redis.Redis, run_id: str, stage: str, step: int, rank: int | None = None) -> None:
+    """Die here, now, if this stage of this step (and rank) is armed."""
+    if enabled() and client.hdel(faults_key(run_id), fault_field(stage, step, rank)):
+        os.kill(os.getpid(), signal.SIGKILL)
