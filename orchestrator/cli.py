@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "produce": ("orchestrator.producer", "add_arguments", "main", "the synthetic rollout producer"),
     "bench encode": ("orchestrator.bench.encode", "add_arguments", "main",
                      "encoder/decoder memory and speed, against msgpack and msgspec"),
+    "bench loop": ("orchestrator.bench.loop", "add_arguments", "main",
+                   "event-loop lag while shipping: stages inline, in threads, in Celery workers"),
 }  # fmt: skip
 
 

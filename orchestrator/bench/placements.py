@@ -1,0 +1,331 @@
+"""The three placements of the ship path that `rlship bench loop` compares, run one per process.
+
+- `inline`: every stage called on the orchestrator's event loop (where the seed started);
+- `thread`: every stage through `asyncio.to_thread` (the seed's design);
+- `celery`: the real `Orchestrator`, the stages in Celery worker processes through Redis.
+
+All three ship the same seeded rollouts (`step_batches`) with the same stage functions to
+real trainer ranks over ZMQ. The inline and thread placements hold each step's arrays in
+their own memory, as the seed's orchestrator did; they are made before the ship window,
+which runs from the cut to the published record. On the loop, a `LagProbe` observes lag
+every 10 ms and a heartbeat (a `LagProbe` of 50 ms) ticks, both with their timelines.
+
+Each placement runs in a fresh process (`python -m orchestrator.bench.placements SPEC
+RESULT`) so that its peak RSS is its own; the bench command starts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import json
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import redis.asyncio as aioredis
+
+from orchestrator.groups import TRAINABLE, Outcome, decide_group
+from orchestrator.loop import POLL_SECONDS, Accounting, LagProbe, Orchestrator, outcome_row
+from orchestrator.producer import SyntheticWorkload
+from orchestrator.records import RolloutRecord
+from orchestrator.settings import RunSettings
+from tasks.cohort import CohortBuilder
+from tasks.manifest import StepManifest
+from tasks.stages.encode import encode_rank
+from tasks.stages.finalize import finalize_step
+from tasks.stages.metrics import step_metrics
+from tasks.stages.pack import pack_samples
+from tasks.stages.prune import prune_samples
+from tasks.stages.publish import build_record, running_totals
+from tasks.stages.release import trim_process_memory
+from transport.keys import RunKeys
+from transport.zmq import ZMQSender
+
+PLACEMENTS: tuple[str, ...] = ("inline", "thread", "celery")
+HEARTBEAT_SECONDS = 0.05
+READY_TIMEOUT_SECONDS = 120.0
+SEND_TIMEOUT_SECONDS = 30.0
+
+Rollout = tuple[RolloutRecord, dict[str, np.ndarray]]
+
+
+@dataclass
+class StepBatch:
+    """One step's rollouts in production order, and their fates (all trainable)."""
+
+    step: int
+    rollouts: list[Rollout]
+    outcomes: list[Outcome]
+
+    @property
+    def arrays(self) -> dict[str, dict[str, np.ndarray]]:
+        return {record.rollout_id: arrays for record, arrays in self.rollouts}
+
+
+def step_batches(settings: RunSettings, steps: int) -> Iterator[StepBatch]:
+    """The seeded workload cut into steps of `batch_size` rollouts, lazily.
+
+    Only groups whose every rollout can train are kept, and a step holds whole groups: the
+    orchestrator then cuts exactly these rollouts, in this order, at every step, so every
+    placement ships the same cohort. Step `k`'s rollouts carry policy version `k`.
+    """
+    if settings.batch_size % settings.group_size:
+        raise ValueError(
+            f"rollouts: {settings.batch_size} is not a multiple of group_size {settings.group_size}"
+        )
+    workload = SyntheticWorkload(
+        seed=settings.seed,
+        group_size=settings.group_size,
+        seq_len=settings.seq_len,
+        vocab_size=settings.vocab_size,
+    )
+    for step in range(steps):
+        workload.policy_version = step
+        rollouts: list[Rollout] = []
+        outcomes: list[Outcome] = []
+        while len(rollouts) < settings.batch_size:
+            group = workload.group()
+            fates = decide_group(
+                [record for record, _ in group],
+                step,
+                settings.max_off_policy_steps,
+                settings.normalize_advantages,
+            )
+            if all(o.fate == TRAINABLE for o in fates):
+                rollouts.extend(group)
+                outcomes.extend(fates)
+        yield StepBatch(step, rollouts, outcomes)
+
+
+def cut_manifest(
+    settings: RunSettings,
+    step: int,
+    outcomes: list[Outcome],
+    counters: dict[str, float] | None = None,
+    loop_lag_ms: np.ndarray | None = None,
+) -> StepManifest:
+    """The manifest `Orchestrator.cut` writes for these outcomes (same rows, same order)."""
+    rows = CohortBuilder()
+    for outcome in outcomes:
+        rows.append(*outcome_row(outcome))
+    cohort = rows.build()
+    return StepManifest(
+        run_id=settings.run_id,
+        step=step,
+        prev_step=step - 1,
+        cut_time=time.time(),
+        config=settings.ship_config(),
+        effective=cohort,
+        window=cohort,
+        counters=counters or {},
+        loop_lag_ms=np.zeros(0) if loop_lag_ms is None else loop_lag_ms,
+    )
+
+
+def encode_step(manifest: StepManifest, arrays: dict[str, dict[str, np.ndarray]]) -> list[bytes]:
+    """Every rank's payload of a step, by the stage functions in a plain call (the reference)."""
+    samples, _ = prune_samples(finalize_step(manifest, arrays).samples)
+    config = manifest.config
+    plan = pack_samples(samples.numeric["num_tokens"], config.ranks, config.seq_len, config.pad_to_multiple)
+    return [bytes(encode_rank(rank, samples, arrays)) for rank in plan.ranks]
+
+
+# -- inline and thread ---------------------------------------------------------------------
+
+Runner = Callable[..., Awaitable[Any]]
+
+
+async def on_loop(function: Callable[..., Any], *args: Any) -> Any:
+    """The inline placement: the stage runs on the event loop, which waits for it."""
+    return function(*args)
+
+
+async def in_thread(function: Callable[..., Any], *args: Any) -> Any:
+    """The thread placement: the stage runs in the default executor (the GIL is shared)."""
+    return await asyncio.to_thread(function, *args)
+
+
+RUNNERS: dict[str, Runner] = {"inline": on_loop, "thread": in_thread}
+
+
+class InProcessShipper:
+    """The seed's orchestrator: the step's arrays in its memory, every stage placed by `run`.
+
+    It keeps the orchestrator's contract around the stages: the policy gate before the cut
+    (max_async_level of the settings), one record per step on the run's metrics stream,
+    release (malloc_trim) after publish.
+    """
+
+    def __init__(self, settings: RunSettings, client: aioredis.Redis, run: Runner, probe: LagProbe) -> None:
+        self.settings = settings
+        self.client = client
+        self.run = run
+        self.probe = probe
+        self.keys = RunKeys(settings.run_id)
+        self.accounting = Accounting()
+        self.totals: dict[str, float] = {}
+        self.windows: dict[int, list[float]] = {}
+
+    async def wait_for_policy(self, step: int) -> float:
+        """The orchestrator's gate: the trainers' policy version >= step - 1 - max_async_level."""
+        needed = step - 1 - self.settings.max_async_level
+        started = time.perf_counter()
+        while int(await self.client.get(self.keys.policy_version) or 0) < needed:
+            await asyncio.sleep(POLL_SECONDS)
+        return time.perf_counter() - started
+
+    async def ship(self, steps: int) -> None:
+        sender = ZMQSender(
+            self.settings.zmq_host,
+            self.settings.zmq_port,
+            self.settings.ranks,
+            send_timeout=SEND_TIMEOUT_SECONDS,
+        )
+        try:
+            if not sender.wait_ready(READY_TIMEOUT_SECONDS):
+                raise RuntimeError(f"trainer ranks not ready within {READY_TIMEOUT_SECONDS:.0f} s")
+            for batch in step_batches(self.settings, steps):
+                waited = await self.wait_for_policy(batch.step)
+                await self.ship_step(batch, sender, waited)
+                del batch
+                await self.run(trim_process_memory)
+        finally:
+            sender.close()
+
+    async def ship_step(self, batch: StepBatch, sender: ZMQSender, waited: float) -> None:
+        """Cut, finalize, prune, metrics, pack, encode and send per rank, publish: the window."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        step, arrays, config = batch.step, batch.arrays, self.settings.ship_config()
+        self.accounting.arrived += len(batch.outcomes)
+        self.accounting.cut += len(batch.outcomes)
+        manifest = cut_manifest(
+            self.settings, step, batch.outcomes, self.accounting.snapshot(0, 0), self.probe.take_window()
+        )
+        seconds: dict[str, float] = {}
+
+        async def stage(name: str, function: Callable[..., Any], *args: Any) -> Any:
+            stage_started = time.perf_counter()
+            result = await self.run(function, *args)
+            seconds[name] = max(seconds.get(name, 0.0), time.perf_counter() - stage_started)
+            return result
+
+        finalized = await stage("finalize", finalize_step, manifest, arrays)
+        samples, pruned = await stage("prune", prune_samples, finalized.samples)
+        metrics = await stage(
+            "metrics", step_metrics, manifest, samples, len(pruned) + len(finalized.failures)
+        )
+        plan = await stage(
+            "pack",
+            pack_samples,
+            samples.numeric["num_tokens"],
+            config.ranks,
+            config.seq_len,
+            config.pad_to_multiple,
+        )
+        for rank, plans in enumerate(plan.ranks):
+            payload = await stage("encode", encode_rank, plans, samples, arrays)
+            await stage("send", sender.send, step, rank, payload)
+        self.totals = running_totals(self.totals, metrics)
+        record = build_record(step, metrics, seconds, time.time() - manifest.cut_time, waited, self.totals)
+        await self.client.xadd(self.keys.metrics_stream, {"step": step, "record": json.dumps(record)})
+        self.windows[step] = [started, loop.time()]
+
+
+# -- celery --------------------------------------------------------------------------------
+
+
+class TimedOrchestrator(Orchestrator):
+    """The real orchestrator, noting on its loop when each step is cut and when its record
+    is seen, with a lag probe that keeps its timeline."""
+
+    def __init__(self, settings: RunSettings, client: aioredis.Redis) -> None:
+        super().__init__(settings, client)
+        self.probe = LagProbe(keep_timeline=True)
+        self.windows: dict[int, list[float]] = {}
+
+    async def cut(self, step: int) -> StepManifest | None:
+        started = asyncio.get_running_loop().time()
+        manifest = await super().cut(step)
+        if manifest is not None:
+            self.windows[step] = [started, started]
+        return manifest
+
+    async def schedule_release(self, step: int) -> None:
+        self.windows[step][1] = asyncio.get_running_loop().time()
+        await super().schedule_release(step)
+
+
+# -- one placement, in this process ----------------------------------------------------------
+
+
+def _timeline(probe: LagProbe, origin: float) -> dict[str, list[float]]:
+    assert probe.times is not None
+    return {
+        "t": [round(t - origin, 4) for t in probe.times],
+        "ms": [round(lag, 3) for lag in probe.lags_ms],
+    }
+
+
+async def run_placement(placement: str, settings: RunSettings, timeout: float) -> dict[str, Any]:
+    """Ship `settings.steps` steps in `placement`; the windows and timelines on this loop's clock."""
+    loop = asyncio.get_running_loop()
+    origin = loop.time()
+    baseline_rss = psutil.Process().memory_info().rss
+    heartbeat = LagProbe(HEARTBEAT_SECONDS, keep_timeline=True)
+    client = aioredis.Redis.from_url(settings.redis_url, socket_timeout=60)
+    background = [asyncio.create_task(heartbeat.run())]
+    try:
+        if placement == "celery":
+            shipper: TimedOrchestrator | InProcessShipper = TimedOrchestrator(settings, client)
+            await asyncio.wait_for(shipper.run(), timeout)
+        else:
+            probe = LagProbe(keep_timeline=True)
+            background.append(asyncio.create_task(probe.run()))
+            shipper = InProcessShipper(settings, client, RUNNERS[placement], probe)
+            await asyncio.wait_for(shipper.ship(settings.steps), timeout)
+    finally:
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+        await client.aclose()
+    return {
+        "placement": placement,
+        "windows": {
+            str(step): [start - origin, end - origin] for step, (start, end) in shipper.windows.items()
+        },
+        "lag": _timeline(shipper.probe, origin),
+        "heartbeat": _timeline(heartbeat, origin),
+        "baseline_rss_bytes": baseline_rss,
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak RSS since it started (VmHWM). Not `ru_maxrss`: Linux carries that
+    over from the parent across fork and exec, so a child would report its parent's peak."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
+
+
+def main(argv: list[str]) -> int:
+    """`python -m orchestrator.bench.placements SPEC RESULT`: SPEC holds placement, settings, timeout."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the bench asks for stacks on timeout
+    spec = json.loads(Path(argv[0]).read_text())
+    settings = RunSettings(**spec["settings"])
+    result = asyncio.run(run_placement(spec["placement"], settings, spec["timeout"]))
+    Path(argv[1]).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,64 @@
+"""The figure of `rlship bench loop`: loop lag over time, one panel per placement, ship
+windows shaded, observations made between steps (loading the next step: not measured) in
+grey. matplotlib is optional (the `bench` extra); without it no PNG is written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FLOOR_MS = 0.01  # lags of zero drawn here, on the log axis
+GOAL_MS = 20.0  # the issue's bound on the celery placement's worst lag
+
+
+def plot_lag(report: dict[str, Any], path: Path) -> bool:
+    """Write the PNG; False (and nothing written) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    placements = report["placements"]
+    fig, axes = plt.subplots(len(placements), 1, figsize=(11, 2.4 * len(placements) + 0.6), sharey=True)
+    axes = [axes] if len(placements) == 1 else list(axes)
+    for ax, (name, result) in zip(axes, placements.items(), strict=True):
+        for window in result["windows"]:
+            ax.axvspan(window["start"], window["end"], color="0.85" if window["warmup"] else "tab:orange",
+                       alpha=0.6 if window["warmup"] else 0.25, lw=0)  # fmt: skip
+        t, ms = np.asarray(result["timeline"]["lag"]["t"]), np.asarray(result["timeline"]["lag"]["ms"])
+        due = t - ms / 1000.0
+        shipping = np.zeros(len(t), dtype=bool)
+        for window in result["windows"]:
+            shipping |= (due >= window["start"]) & (due <= window["end"])
+        ms = np.maximum(ms, FLOOR_MS)
+        ax.plot(t[~shipping], ms[~shipping], ".", ms=2, color="0.6", label="between steps (not measured)")
+        ax.plot(t[shipping], ms[shipping], ".", ms=3, color="tab:blue", label="while shipping")
+        ax.axhline(GOAL_MS, color="tab:red", lw=0.8, ls=":", label=f"{GOAL_MS:g} ms")
+        ax.set_yscale("log")
+        ax.set_ylabel("lag (ms)")
+        figures = result["lag_ms"]
+        ax.set_title(
+            f"{name}: lag max {figures['max']:.1f} ms, p99 {figures['p99']:.2f} ms; "
+            f"heartbeat max {result['heartbeat_max_ms']:.1f} ms",
+            fontsize=10,
+            loc="left",
+        )
+        end = max((w["end"] for w in result["windows"]), default=0.0)
+        ax.set_xlim(-0.05 * end - 0.05, 1.05 * end + 0.05)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower right", ncol=3, fontsize=8, frameon=False)
+    axes[-1].set_xlabel("seconds since the placement's first cut (shaded: ship windows, grey: warm-up)")
+    settings, workload = report["settings"], report["workload"]
+    fig.suptitle(
+        f"Event-loop lag while shipping {workload['rollouts'][-1]} rollouts x {settings['ranks']} ranks "
+        f"({workload['tokens'][-1]:,} tokens/step), 10 ms probe",
+        fontsize=11,
+    )
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
