@@ -40,7 +40,7 @@ from transport.store import AsyncPayloadStore
 
 log = logging.getLogger("rlship.orchestrator")
 
-READ_BATCH = 512
+READ_BATCH = 128  # records handled per turn of the loop: a few ms, then other tasks run
 READ_BLOCK_MS = 100
 POLL_SECONDS = 0.01
 RECENT_RECORDS = 8
@@ -158,7 +158,7 @@ class Orchestrator:
         self.config = settings.ship_config()
         self.groups = GroupBuffer(settings.group_size, memory=settings.dedupe_horizon)
         self.window = CohortBuilder()
-        self.pending: list[Outcome] = []
+        self.pending = CohortBuilder()  # trainable rows, in completion order, cut from the front
         self.accounting = Accounting()
         self.probe = LagProbe()
         self.next_step = 0
@@ -222,7 +222,7 @@ class Orchestrator:
             self.window.append(*outcome_row(outcome))
             self.rollout_log.finalized(outcome)
             if outcome.fate == TRAINABLE:
-                self.pending.append(outcome)
+                self.pending.append(*outcome_row(outcome))
             else:
                 self.accounting.discard(outcome.fate)
                 released.append(outcome.record.rollout_id)
@@ -249,12 +249,12 @@ class Orchestrator:
 
     def _drop_stale_pending(self, step: int) -> list[str]:
         """Pending rollouts that went stale while waiting are discarded at the cut."""
-        limit = self.settings.max_off_policy_steps
-        stale = [o for o in self.pending if step - o.record.policy_version > limit]
-        if stale:
-            self.pending = [o for o in self.pending if step - o.record.policy_version <= limit]
-            self.accounting.discard("stale", len(stale))
-        return [o.record.rollout_id for o in stale]
+        stale = step - self.pending.column("policy_version") > self.settings.max_off_policy_steps
+        if not stale.any():
+            return []
+        removed = self.pending.remove(stale)
+        self.accounting.discard("stale", len(removed))
+        return removed.labels["rollout_id"]
 
     async def cut(self, step: int) -> StepManifest | None:
         """Write step `step`'s manifest and enqueue its first task; None if nothing trainable."""
@@ -262,23 +262,20 @@ class Orchestrator:
         if stale_ids:
             self.rollout_log.dropped_at_cut(stale_ids, step, "stale")
             await self.store.delete_rollouts(stale_ids)
-        if not self.pending:
+        if not len(self.pending):
             return None
-        batch = self.pending[: self.settings.batch_size]
-        del self.pending[: self.settings.batch_size]
+        batch = self.pending.take(self.settings.batch_size)
+        batch_ids = batch.labels["rollout_id"]
         self.accounting.cut += len(batch)
         self.rollout_log.cut(step)
-        self._cut_rollouts[step] = [o.record.rollout_id for o in batch]
-        effective = CohortBuilder()
-        for outcome in batch:
-            effective.append(*outcome_row(outcome))
+        self._cut_rollouts[step] = batch_ids
         manifest = StepManifest(
             run_id=self.settings.run_id,
             step=step,
             prev_step=step - 1,
             cut_time=time.time(),
             config=self.config,
-            effective=effective.build(),
+            effective=batch,
             window=self.window.build(),
             counters=self.accounting.snapshot(len(self.pending), len(self.groups)),
             loop_lag_ms=self.probe.take_window(),
@@ -287,9 +284,7 @@ class Orchestrator:
         manifest_key = self.keys.step(step, "manifest")
         pipe = self.client.pipeline(transaction=True)
         pipe.set(manifest_key, manifest.to_bytes(), ex=self.store.ttl)
-        pipe.sadd(
-            self.keys.step_keys(step), manifest_key, *(self.keys.rollout(o.record.rollout_id) for o in batch)
-        )
+        pipe.sadd(self.keys.step_keys(step), manifest_key, *(self.keys.rollout(r) for r in batch_ids))
         pipe.expire(self.keys.step_keys(step), self.store.ttl)
         pipe.set(self.state.next_step, step + 1)
         pipe.set(self.keys.run_key("accounted"), self.accounting.accounted)

@@ -136,8 +136,39 @@ class CohortBuilder:
             if len(column) < self._rows:
                 column.append(np.nan)
 
-    def build(self) -> Cohort:
+    def build(self, limit: int | None = None) -> Cohort:
+        """The first `limit` rows (all by default) as a Cohort; the builder is unchanged."""
         return Cohort(
-            numeric={n: np.frombuffer(col, dtype=np.float64).copy() for n, col in self._numeric.items()},
-            labels={n: list(v) for n, v in self._labels.items()},
+            numeric={
+                n: np.frombuffer(col, dtype=np.float64)[:limit].copy() for n, col in self._numeric.items()
+            },
+            labels={n: v[:limit] for n, v in self._labels.items()},
         )
+
+    def column(self, name: str) -> np.ndarray:
+        return np.frombuffer(self._numeric[name], dtype=np.float64).copy()
+
+    @property
+    def rollout_ids(self) -> list[str]:
+        return list(self._labels["rollout_id"])
+
+    def take(self, count: int) -> Cohort:
+        """Remove the first `count` rows and return them: a queue of rows, cut in one slice."""
+        cohort = self.build(count)
+        for column in self._numeric.values():
+            del column[:count]
+        for labels in self._labels.values():
+            del labels[:count]
+        self._rows -= len(cohort)
+        return cohort
+
+    def remove(self, mask: np.ndarray) -> Cohort:
+        """Remove the rows where `mask` is True and return them."""
+        removed = self.build().take(mask)
+        keep = ~mask
+        for name, column in self._numeric.items():
+            self._numeric[name] = array("d", np.frombuffer(column, dtype=np.float64)[keep].tobytes())
+        for name, labels in self._labels.items():
+            self._labels[name] = [value for value, kept in zip(labels, keep, strict=True) if kept]
+        self._rows -= len(removed)
+        return removed

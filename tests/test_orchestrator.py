@@ -83,7 +83,7 @@ def test_discarded_rollouts_are_released_at_once_and_counted(client, redis_url, 
     keys = RunState(run_id).keys
     alive = {r.rollout_id for r, _ in rollouts if client.exists(keys.rollout(r.rollout_id))}
     assert alive == {"live-r0", "live-r1"}, "only the trainable payloads are still held"
-    assert [o.record.rollout_id for o in orchestrator.pending] == ["live-r0", "live-r1"]
+    assert orchestrator.pending.rollout_ids == ["live-r0", "live-r1"]
     # err-r0 is alone in its group's baseline once err-r1 errored: zero advantage.
     assert dict(orchestrator.accounting.discarded) == {"zero_advantage": 3, "error": 1, "stale": 2}
     assert dict(orchestrator.accounting.rejected) == {"invalid_field": 1}
@@ -110,7 +110,7 @@ def test_trainable_payloads_stay_until_shipped(client, redis_url, run_id, tmp_pa
 
     orchestrator = asyncio.run(scenario())
     keys = RunState(run_id).keys
-    assert [o.record.rollout_id for o in orchestrator.pending] == ["a-r0", "a-r1"]
+    assert orchestrator.pending.rollout_ids == ["a-r0", "a-r1"]
     assert client.exists(keys.rollout("a-r0"), keys.rollout("a-r1")) == 2
     assert client.exists(keys.rollout("b-r0"), keys.rollout("b-r1")) == 0
     PayloadStore(client, run_id).delete_all_rollouts()

@@ -169,3 +169,20 @@ def test_step_metrics_progress_and_lag():
     assert record["progress/tokens"] == 20 and record["progress/rollouts"] == 2
     assert record["off_policy/staleness/max"] == 3.0 and record["batch/math"] == 1.0
     assert record["event_loop_lag/max_ms"] == 30.0
+
+
+def test_cohort_builder_is_a_queue_of_rows():
+    builder = CohortBuilder()
+    for i, custom in enumerate([None, {"x": 1.0}, None, {"x": 3.0}]):
+        numeric = {name: float(i) for name in ("reward", "advantage", "num_input_tokens", "num_output_tokens",
+                                               "num_turns", "temperature", "policy_version", "is_truncated",
+                                               "is_trainable", "has_error", "cancelled")}  # fmt: skip
+        builder.append(numeric, {"rollout_id": f"r{i}"}, custom)
+    first = builder.take(2)
+    assert first.labels["rollout_id"] == ["r0", "r1"] and len(builder) == 2
+    np.testing.assert_array_equal(first.numeric["metric/x"], [np.nan, 1.0])
+    removed = builder.remove(builder.column("reward") == 3.0)
+    assert removed.labels["rollout_id"] == ["r3"] and builder.rollout_ids == ["r2"]
+    builder.append({**{n: 9.0 for n in first.numeric if not n.startswith("metric/")}}, {"rollout_id": "r9"})
+    assert builder.build().labels["rollout_id"] == ["r2", "r9"]
+    assert np.isnan(builder.build().numeric["metric/x"]).all()
