@@ -207,6 +207,11 @@ class Orchestrator:
         self.accounting.arrived += 1
         try:
             record = parse_record(raw)
+            envs = self.settings.envs
+            if envs is not None and record.env not in envs:
+                raise RecordRejected(
+                    "unknown_env", f"env: {record.env!r} is not one of the run's envs {envs}"
+                )
             group = self.groups.add(record)
         except RecordRejected as exc:
             self.accounting.rejected[exc.reason] += 1

@@ -21,8 +21,32 @@ import redis.asyncio as aioredis
 
 from orchestrator.records import RolloutRecord
 from orchestrator.settings import RunSettings, add_settings_arguments, settings_from_args
+from tasks.stages.finalize import check_rollout_arrays
 from transport.keys import RunKeys
 from transport.store import DEFAULT_TTL_SECONDS, pack_arrays
+
+
+class RolloutRejected(ValueError):
+    """Rollouts whose arrays cannot train; nothing of the batch was written."""
+
+    def __init__(self, problems: dict[str, str]) -> None:
+        super().__init__("; ".join(f"rollout {rid!r}: {problem}" for rid, problem in problems.items()))
+        self.problems = problems
+
+
+def check_rollouts(
+    rollouts: list[tuple[RolloutRecord, Mapping[str, np.ndarray]]], max_tokens: int, vocab_size: int
+) -> None:
+    """The workers' own payload checks, run where the bad data is made (the producer)."""
+    problems = {}
+    for record, arrays in rollouts:
+        problem = check_rollout_arrays(
+            {k: np.asarray(v) for k, v in arrays.items()}, record.num_tokens, max_tokens, vocab_size
+        )
+        if problem is not None:
+            problems[record.rollout_id] = problem
+    if problems:
+        raise RolloutRejected(problems)
 
 
 def _queue_rollout(
@@ -33,21 +57,42 @@ def _queue_rollout(
     pipe.incr(keys.run_key("produced"))
 
 
-class RolloutProducer:
-    """Synchronous producer API (for inference/env workers)."""
+class _Producer:
+    """What both producer APIs share. Records are validated by their pydantic model; arrays
+    by the workers' checks (`max_tokens` and `vocab_size` as the run's `seq_len` and
+    vocabulary), so a bad rollout fails where it is made, naming its field and value."""
 
-    def __init__(self, client: redis.Redis, run_id: str, ttl_seconds: int = DEFAULT_TTL_SECONDS) -> None:
+    def __init__(
+        self,
+        client: redis.Redis | aioredis.Redis,
+        run_id: str,
+        ttl_seconds: int = DEFAULT_TTL_SECONDS,
+        max_tokens: int = 1 << 31,
+        vocab_size: int = 1 << 31,
+    ) -> None:
         self.client = client
         self.keys = RunKeys(run_id)
         self.ttl = ttl_seconds
+        self.max_tokens = max_tokens
+        self.vocab_size = vocab_size
 
-    def produce(self, rollouts: list[tuple[RolloutRecord, Mapping[str, np.ndarray]]]) -> None:
-        """Store the arrays, then append the records (arrays first: a record never points
-        at a payload that is not there yet)."""
+    def _pipeline(self, rollouts: list[tuple[RolloutRecord, Mapping[str, np.ndarray]]]):
+        """Check every rollout (RolloutRejected, nothing written, if any is bad), then queue
+        the arrays before the records: a record never points at a payload not there yet."""
+        check_rollouts(rollouts, self.max_tokens, self.vocab_size)
         pipe = self.client.pipeline(transaction=False)
         for record, arrays in rollouts:
             _queue_rollout(pipe, self.keys, record, arrays, self.ttl)
-        pipe.execute()
+        return pipe
+
+
+class RolloutProducer(_Producer):
+    """Synchronous producer API (for inference/env workers)."""
+
+    client: redis.Redis
+
+    def produce(self, rollouts: list[tuple[RolloutRecord, Mapping[str, np.ndarray]]]) -> None:
+        self._pipeline(rollouts).execute()
 
     def outstanding(self) -> int:
         """Rollouts appended but not yet accounted for by the orchestrator (shipped or discarded)."""
@@ -55,19 +100,13 @@ class RolloutProducer:
         return int(produced or 0) - int(accounted or 0)
 
 
-class AsyncRolloutProducer:
+class AsyncRolloutProducer(_Producer):
     """The same on `redis.asyncio`, for producers that live on an event loop."""
 
-    def __init__(self, client: aioredis.Redis, run_id: str, ttl_seconds: int = DEFAULT_TTL_SECONDS) -> None:
-        self.client = client
-        self.keys = RunKeys(run_id)
-        self.ttl = ttl_seconds
+    client: aioredis.Redis
 
     async def produce(self, rollouts: list[tuple[RolloutRecord, Mapping[str, np.ndarray]]]) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        for record, arrays in rollouts:
-            _queue_rollout(pipe, self.keys, record, arrays, self.ttl)
-        await pipe.execute()
+        await self._pipeline(rollouts).execute()
 
 
 @dataclass
@@ -162,7 +201,9 @@ def run_producer(
     """Produce groups until `groups` are written or `stop` is set (or forever), staying
     within the orchestrator's outstanding-rollout limit and following the policy version."""
     client = redis.Redis.from_url(settings.redis_url)
-    producer = RolloutProducer(client, settings.run_id)
+    producer = RolloutProducer(
+        client, settings.run_id, max_tokens=settings.seq_len, vocab_size=settings.vocab_size
+    )
     workload = SyntheticWorkload(
         seed=settings.seed,
         group_size=settings.group_size,

@@ -139,6 +139,13 @@ def is_worker_drop(line: dict) -> bool:
     return line["fate"] == "discarded" and line["reason"].startswith(WORKER_REASONS)
 
 
+def drop_label(reason: str) -> str:
+    """`invalid_payload: input_ids: length 11, ...` -> `input_ids`; other reasons as they are."""
+    if reason.startswith("invalid_payload: "):
+        return reason.removeprefix("invalid_payload: ").split(":")[0]
+    return reason
+
+
 def discarded_by_orchestrator_at(line: dict) -> int | None:
     """The step whose record counts the orchestrator's discard of this rollout, if any."""
     if line["fate"] != "discarded" or is_worker_drop(line):
@@ -174,6 +181,8 @@ def reference_records(lines: Iterable[dict], steps: Iterable[int]) -> dict[int, 
         totals["steps"] += 1
         for name, x in progress.items():
             record[f"progress/{name}"] = x
+        for field, count in Counter(drop_label(line["reason"]) for line in dropped).items():
+            record[f"progress/dropped_by_workers/{field}"] = float(count)
         for name, x in totals.items():
             record[f"progress/total_{name}"] = float(x)
         if shipped:

@@ -165,10 +165,11 @@ def test_step_metrics_progress_and_lag():
     manifest = _manifest(cohort)
     manifest.loop_lag_ms = np.array([1.0, 2.0, 30.0])
     shipped = cohort.with_numeric(staleness=np.array([1.0, 3.0]))
-    record = step_metrics(manifest, shipped, dropped_by_workers=0)
+    record = step_metrics(manifest, shipped, dropped_by_workers=["invalid_payload: input_ids: length 3"])
     assert record["progress/tokens"] == 20 and record["progress/rollouts"] == 2
     assert record["off_policy/staleness/max"] == 3.0 and record["batch/math"] == 1.0
     assert record["event_loop_lag/max_ms"] == 30.0
+    assert record["progress/dropped_by_workers"] == 1 and record["progress/dropped_by_workers/input_ids"] == 1
 
 
 def test_cohort_builder_is_a_queue_of_rows():

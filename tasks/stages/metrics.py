@@ -15,6 +15,7 @@ import numpy as np
 
 from tasks.cohort import CUSTOM_PREFIX, Cohort
 from tasks.manifest import StepManifest
+from tasks.stages.prune import drop_field
 
 DISTRIBUTIONS: tuple[str, ...] = (
     "reward",
@@ -107,10 +108,11 @@ def train_metrics(window: Cohort, shipped: Cohort) -> dict[str, float]:
     return record
 
 
-def step_metrics(manifest: StepManifest, shipped: Cohort, dropped_by_workers: int) -> dict[str, float]:
+def step_metrics(manifest: StepManifest, shipped: Cohort, dropped_by_workers: list[str]) -> dict[str, float]:
     """Everything of the record the workers compute from the manifest and the shipped cohort.
 
-    `shipped` carries the finalize annotations (`num_tokens`, `staleness`).
+    `shipped` carries the finalize annotations (`num_tokens`, `staleness`);
+    `dropped_by_workers` the reasons of the cut rollouts the workers could not ship.
     """
     record = train_metrics(manifest.window, shipped)
     input_tokens = float(shipped.numeric["num_input_tokens"].sum())
@@ -122,9 +124,11 @@ def step_metrics(manifest: StepManifest, shipped: Cohort, dropped_by_workers: in
             "progress/output_tokens": output_tokens,
             "progress/rollouts": float(len(shipped)),
             "progress/tasks": float(len(set(shipped.labels["task_id"]))),
-            "progress/dropped_by_workers": float(dropped_by_workers),
+            "progress/dropped_by_workers": float(len(dropped_by_workers)),
         }
     )
+    for field, count in Counter(drop_field(reason) for reason in dropped_by_workers).items():
+        record[f"progress/dropped_by_workers/{field}"] = float(count)
     if len(shipped):
         staleness = shipped.numeric["staleness"]
         record["off_policy/staleness/mean"] = float(staleness.mean())

@@ -8,6 +8,19 @@ import numpy as np
 
 from tasks.cohort import Cohort
 
+NO_TRAINABLE_TOKENS = "no_trainable_tokens"
+INVALID_PAYLOAD = "invalid_payload"
+
+
+def drop_reason(problem: str | None) -> str:
+    """How a worker drop is logged: why finalize refused the payload, or the prune rule."""
+    return NO_TRAINABLE_TOKENS if problem is None else f"{INVALID_PAYLOAD}: {problem}"
+
+
+def drop_field(reason: str) -> str:
+    """The short label a drop is counted under: the offending field, or the prune rule."""
+    return reason.split(": ")[1].split(":")[0] if reason.startswith(INVALID_PAYLOAD) else reason
+
 
 def has_training_signal(advantage: float, num_output_tokens: float) -> bool:
     """Whether a rollout can train at all: the orchestrator's test at group completion."""
