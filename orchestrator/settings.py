@@ -31,6 +31,7 @@ class RunSettings(BaseSettings):
     vocab_size: int = Field(default=151_936, ge=2)
     seed: int = 0
     output_dir: Path = Path("runs/default")
+    envs: list[str] | None = Field(default=None, description="the run's envs; others are rejected")
     max_async_level: int = Field(default=1, ge=0)
     max_off_policy_steps: int = Field(default=8, ge=0)
     normalize_advantages: bool = False
