@@ -4,6 +4,7 @@ overridden by command-line flags. An invalid value stops start-up naming the set
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -91,8 +92,13 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
 
 
 def settings_to_env(settings: RunSettings) -> dict[str, str]:
-    """The settings as environment variables, for child processes."""
-    env = {f"RLSHIP_{name.upper()}": str(value) for name, value in settings.model_dump().items()}
+    """The settings as environment variables, for child processes: unset ones stay unset,
+    lists travel as JSON (how pydantic-settings reads them back)."""
+    env = {
+        f"RLSHIP_{name.upper()}": json.dumps(value) if isinstance(value, list) else str(value)
+        for name, value in settings.model_dump(mode="json").items()
+        if value is not None
+    }
     env["REDIS_URL"] = settings.redis_url
     del env["RLSHIP_REDIS_URL"]
     return env
