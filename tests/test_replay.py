@@ -43,6 +43,7 @@ def produce_scenario(seed: int, settings: RunSettings, stop: threading.Event) ->
     rng = np.random.default_rng(seed + 1000)
     client = redis.Redis.from_url(settings.redis_url)
     producer = RolloutProducer(client, settings.run_id)
+    store = PayloadStore(client, settings.run_id)
     envs = ENVS[: int(rng.integers(1, 4))]
     error_rate, cancel_rate, corrupt_rate = (
         rng.choice([0, 0.05, 0.2]),
@@ -71,11 +72,11 @@ def produce_scenario(seed: int, settings: RunSettings, stop: threading.Event) ->
             if env == "math":
                 fields["metrics"] = {"solve_time": float(rng.exponential())}
             reward = float(rng.random() < difficulty) if env != "chat" else round(float(rng.random()), 2)
-            record, arrays = rollout(f"s{seed}-g{index}-r{member}", f"g{index}", reward, **fields)
-            if rng.random() < corrupt_rate:
-                arrays["input_ids"] = arrays["input_ids"][:-1]
-            group.append((record, arrays))
+            group.append(rollout(f"s{seed}-g{index}-r{member}", f"g{index}", reward, **fields))
         producer.produce(group)
+        for record, arrays in group:
+            if rng.random() < corrupt_rate:  # damaged after the producer's checks: workers must cope
+                store.put_rollouts({record.rollout_id: {**arrays, "input_ids": arrays["input_ids"][:-1]}})
         if rng.random() < 0.05:
             client.xadd(producer.keys.rollout_stream, {"record": b'{"rollout_id": "bad", "reward": 1}'})
         index += 1
