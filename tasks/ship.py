@@ -35,7 +35,7 @@ from tasks.stages.encode import encode_rank, rank_rollout_ids
 from tasks.stages.finalize import finalize_step
 from tasks.stages.metrics import step_metrics
 from tasks.stages.pack import PackPlan, pack_samples
-from tasks.stages.prune import drop_reason, prune_samples
+from tasks.stages.prune import prune_samples, worker_drops
 from tasks.stages.publish import build_record, running_totals
 from tasks.stages.release import trim_process_memory
 from tasks.stages.samples import choose_samples, sample_lines, write_samples
@@ -154,10 +154,9 @@ def prune(run_id: str, step: int) -> None:
     def compute() -> None:
         finalized = ctx.get("finalized")
         samples, pruned = prune_samples(Cohort.from_wire(finalized["samples"]))
-        dropped = {rollout_id: drop_reason(problem) for rollout_id, problem in finalized["failures"].items()}
-        dropped.update(dict.fromkeys(pruned, drop_reason(None)))
         ctx.put("pruned", {"samples": samples.to_wire()})
-        ctx.put("dropped", dropped)  # apart: the orchestrator's rollout log reads just this
+        # Apart from the samples: the orchestrator's rollout log reads just this.
+        ctx.put("dropped", worker_drops(finalized["failures"], pruned))
 
     ctx.run_stage("prune", compute)
     metrics.apply_async((run_id, step), queue=ctx.manifest.config.cpu_queue)

@@ -42,7 +42,7 @@ from tasks.stages.encode import encode_rank
 from tasks.stages.finalize import finalize_step
 from tasks.stages.metrics import step_metrics
 from tasks.stages.pack import pack_samples
-from tasks.stages.prune import prune_samples
+from tasks.stages.prune import prune_samples, worker_drops
 from tasks.stages.publish import build_record, running_totals
 from tasks.stages.release import trim_process_memory
 from transport.keys import RunKeys
@@ -219,9 +219,8 @@ class InProcessShipper:
 
         finalized = await stage("finalize", finalize_step, manifest, arrays)
         samples, pruned = await stage("prune", prune_samples, finalized.samples)
-        metrics = await stage(
-            "metrics", step_metrics, manifest, samples, len(pruned) + len(finalized.failures)
-        )
+        dropped = list(worker_drops(finalized.failures, pruned).values())
+        metrics = await stage("metrics", step_metrics, manifest, samples, dropped)
         plan = await stage(
             "pack",
             pack_samples,

@@ -17,6 +17,13 @@ def drop_reason(problem: str | None) -> str:
     return NO_TRAINABLE_TOKENS if problem is None else f"{INVALID_PAYLOAD}: {problem}"
 
 
+def worker_drops(failures: dict[str, str], pruned: list[str]) -> dict[str, str]:
+    """Every cut rollout the workers will not ship, with its logged reason."""
+    drops = {rollout_id: drop_reason(problem) for rollout_id, problem in failures.items()}
+    drops.update(dict.fromkeys(pruned, drop_reason(None)))
+    return drops
+
+
 def drop_field(reason: str) -> str:
     """The short label a drop is counted under: the offending field, or the prune rule."""
     return reason.split(": ")[1].split(":")[0] if reason.startswith(INVALID_PAYLOAD) else reason
