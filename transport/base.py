@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Self, runtime_checkable
 
 logger = logging.getLogger("rlship.transport")
 
@@ -120,3 +120,42 @@ class StepSequencer:
                 self.next_step,
             )
         return False
+
+
+class Closeable:
+    """Context-manager support for the transports: `with` closes them."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class SequencedReceiver(Closeable):
+    """A receiver's step bookkeeping, read from its StepSequencer."""
+
+    _sequencer: StepSequencer
+
+    @property
+    def rank(self) -> int:
+        return self._sequencer.rank
+
+    @property
+    def next_step(self) -> int:
+        return self._sequencer.next_step
+
+    @property
+    def duplicates_dropped(self) -> int:
+        return self._sequencer.duplicates_dropped
+
+    @property
+    def late_dropped(self) -> int:
+        return self._sequencer.late_dropped
+
+    @property
+    def gaps(self) -> list[tuple[int, int]]:
+        return self._sequencer.gaps

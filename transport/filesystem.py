@@ -13,10 +13,8 @@ import os
 import time
 import uuid
 from pathlib import Path
-from types import TracebackType
-from typing import Self
 
-from transport.base import Payload, ReceivedStep, StepSequencer
+from transport.base import Closeable, Payload, ReceivedStep, SequencedReceiver, StepSequencer
 
 
 def step_dir(output_dir: str | os.PathLike[str], step: int) -> Path:
@@ -27,7 +25,7 @@ def payload_path(output_dir: str | os.PathLike[str], step: int, rank: int) -> Pa
     return step_dir(output_dir, step) / f"rank_{rank}.bin"
 
 
-class FileSender:
+class FileSender(Closeable):
     """Writes each (step, rank) payload atomically. `fsync=True` also makes the bytes durable
     before the rename (a crash cannot leave a complete-looking but empty file); it is off by
     default because the readers are live processes, not crash recovery."""
@@ -61,16 +59,8 @@ class FileSender:
     def close(self) -> None:
         self._closed = True
 
-    def __enter__(self) -> Self:
-        return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-
-class FileReceiver:
+class FileReceiver(SequencedReceiver):
     """Reads one rank's payloads in step order by polling for the file of `next_step`.
 
     Unlike the ZMQ receiver, this one asks for a step by name, so it never sees duplicates
@@ -93,22 +83,6 @@ class FileReceiver:
         self.poll_interval = poll_interval
         self._sequencer = StepSequencer(rank, next_step)
         self._closed = False
-
-    @property
-    def rank(self) -> int:
-        return self._sequencer.rank
-
-    @property
-    def next_step(self) -> int:
-        return self._sequencer.next_step
-
-    @property
-    def duplicates_dropped(self) -> int:
-        return self._sequencer.duplicates_dropped
-
-    @property
-    def gaps(self) -> list[tuple[int, int]]:
-        return self._sequencer.gaps
 
     def receive(self, timeout: float | None = None) -> ReceivedStep | None:
         """The payload of `next_step`, or None if its file does not appear within `timeout`."""
@@ -133,11 +107,3 @@ class FileReceiver:
 
     def close(self) -> None:
         self._closed = True
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()

@@ -18,12 +18,10 @@ import contextlib
 import logging
 import math
 import time
-from types import TracebackType
-from typing import Self
 
 import zmq
 
-from transport.base import Payload, ReceivedStep, StepSequencer
+from transport.base import Closeable, Payload, ReceivedStep, SequencedReceiver, StepSequencer
 
 logger = logging.getLogger("rlship.transport")
 
@@ -60,7 +58,7 @@ def _poll_ms(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000))
 
 
-class ZMQSender:
+class ZMQSender(Closeable):
     """Publishes each (step, rank) payload to that rank's subscriber, after all ranks are ready.
 
     The publisher sets XPUB_NODROP: when a rank's queue holds `hwm` messages, `send` blocks
@@ -173,14 +171,6 @@ class ZMQSender:
         self._pull.close(linger=0)
         self._ctx.term()
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("ZMQSender is closed")
@@ -245,7 +235,7 @@ class ZMQSender:
             logger.warning("ranks %s lost their subscription; sends wait until they return", missing)
 
 
-class ZMQReceiver:
+class ZMQReceiver(SequencedReceiver):
     """One trainer rank's receiving end; delivers each step once, in order (StepSequencer).
 
     Payloads are returned as memoryviews of the received frame (no copy); the frame stays
@@ -292,26 +282,6 @@ class ZMQReceiver:
         self._last_announce = -math.inf
         self._announce()
 
-    @property
-    def rank(self) -> int:
-        return self._sequencer.rank
-
-    @property
-    def next_step(self) -> int:
-        return self._sequencer.next_step
-
-    @property
-    def duplicates_dropped(self) -> int:
-        return self._sequencer.duplicates_dropped
-
-    @property
-    def late_dropped(self) -> int:
-        return self._sequencer.late_dropped
-
-    @property
-    def gaps(self) -> list[tuple[int, int]]:
-        return self._sequencer.gaps
-
     def receive(self, timeout: float | None = None) -> ReceivedStep | None:
         """The next deliverable step, or None after `timeout` seconds (None: wait forever)."""
         if self._closed:
@@ -344,14 +314,6 @@ class ZMQReceiver:
         self._sub.close(linger=0)
         self._push.close(linger=0)
         self._ctx.term()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     def _announce(self) -> None:
         self._last_announce = time.monotonic()
