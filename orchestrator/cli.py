@@ -19,6 +19,10 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
                      "encoder/decoder memory and speed, against msgpack and msgspec"),
     "bench loop": ("orchestrator.bench.loop", "add_arguments", "main",
                    "event-loop lag while shipping: stages inline, in threads, in Celery workers"),
+    "config show": ("orchestrator.config_cli", "add_arguments", "main",
+                    "the effective settings (environment < --config TOML < flags), secrets masked"),
+    "report": ("orchestrator.report", "add_arguments", "main",
+               "report.html and PNG charts of a run from its metrics.jsonl"),
 }  # fmt: skip
 
 

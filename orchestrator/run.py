@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import secrets
 import signal
 import sys
@@ -25,7 +24,13 @@ import redis.asyncio as aioredis
 
 from orchestrator.loop import Orchestrator
 from orchestrator.processes import ProcessGroup, ensure_redis, rlship_command, worker_commands
-from orchestrator.settings import RunSettings, add_settings_arguments, settings_from_args, settings_to_env
+from orchestrator.settings import (
+    RunSettings,
+    add_settings_arguments,
+    resolve_settings,
+    settings_from_args,
+    settings_to_env,
+)
 from tasks.ship import RunState
 from transport.keys import RunKeys
 from transport.store import PayloadStore
@@ -143,11 +148,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.run_id is None and "RLSHIP_RUN_ID" not in os.environ:
+    sources = resolve_settings(args).sources
+    if sources["run_id"] == "default":
         args.run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-    if args.output_dir is None and "RLSHIP_OUTPUT_DIR" not in os.environ:
-        args.output_dir = str(Path("runs") / args.run_id) if args.run_id else None
     settings = settings_from_args(args)
+    if sources["output_dir"] == "default":
+        settings = settings.model_copy(update={"output_dir": Path("runs") / settings.run_id})
     summary = run_local(settings, args.summary_json)
     print_summary(summary)
     return 0 if summary.get("steps_shipped", 0) == settings.steps else 1

@@ -1,18 +1,29 @@
-"""Run settings: one model, read from the environment (`RLSHIP_*`, `REDIS_URL`) and then
-overridden by command-line flags. An invalid value stops start-up naming the setting."""
+"""Run settings: one model, resolved from the environment (`RLSHIP_*`, `REDIS_URL`), then a
+TOML file (`--config PATH` or `RLSHIP_CONFIG`), then command-line flags; each later source
+wins. An invalid value stops start-up with a message naming the setting, its value (secrets
+masked) and where it came from."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import tomllib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from pydantic import AliasChoices, Field, ValidationError
+from pydantic import AliasChoices, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tasks.app import DEFAULT_REDIS_URL
 from tasks.manifest import ShipConfig
+
+CONFIG_ENV = "RLSHIP_CONFIG"
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+# Settings whose values may hold credentials: shown and reported only through `mask_url`.
+SECRET_SETTINGS = frozenset({"redis_url"})
 
 
 class RunSettings(BaseSettings):
@@ -49,6 +60,20 @@ class RunSettings(BaseSettings):
     )
     max_outstanding_rollouts: int = Field(default=0, ge=0, description="producer backlog; 0 = 4 batches")
 
+    @field_validator("wandb_project", "record_rollouts", "envs", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        """An empty variable means unset, which is how `settings_to_env` passes None on."""
+        return None if value == "" else value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: str) -> str:
+        scheme = urlsplit(value).scheme
+        if scheme not in REDIS_SCHEMES:
+            raise ValueError(f"the scheme must be one of {', '.join(REDIS_SCHEMES)}, not {scheme!r}")
+        return value
+
     def ship_config(self) -> ShipConfig:
         return ShipConfig(
             ranks=self.ranks,
@@ -69,36 +94,113 @@ class RunSettings(BaseSettings):
         return self.max_outstanding_rollouts or 4 * self.batch_size
 
 
+def env_name(name: str) -> str:
+    """The environment variable a setting is read from."""
+    return "REDIS_URL" if name == "redis_url" else f"RLSHIP_{name.upper()}"
+
+
+def mask_url(url: str) -> str:
+    """The URL with its password (in the user part or a `password=` query) replaced by ***."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = f"{parts.username or ''}:***@{netloc.rsplit('@', 1)[1]}"
+    query = parts.query
+    pairs = parse_qsl(query, keep_blank_values=True)
+    if any(key == "password" for key, _ in pairs):
+        query = urlencode([(k, "***" if k == "password" else v) for k, v in pairs], safe="*")
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+def shown_value(name: str, value: Any) -> Any:
+    """A setting's value as it may be printed or logged."""
+    return mask_url(value) if name in SECRET_SETTINGS and isinstance(value, str) else value
+
+
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
-    """One `--flag` per setting (default: unset, so the environment's value stands)."""
+    """`--config` and one `--flag` per setting (default: unset, so the file's or the
+    environment's value stands)."""
+    parser.add_argument("--config", type=Path, default=None, help=f"TOML file of settings (env {CONFIG_ENV})")
     for name, field in RunSettings.model_fields.items():
         flag = "--" + name.replace("_", "-")
+        default = shown_value(name, field.default)
+        help_text = f"{field.description + '; ' if field.description else ''}env {env_name(name)}"
+        help_text = f"{help_text}, default {default}".replace("%", "%%")
         if field.annotation is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None)
+            parser.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
         else:
-            parser.add_argument(flag, dest=name, default=None, help=field.description)
+            parser.add_argument(flag, dest=name, default=None, help=help_text)
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """A TOML file of settings by name (`batch_size` or `batch-size`). An unknown key stops
+    start-up: a misspelt setting would otherwise be ignored without a word."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise SystemExit(f"rlship: config file {path}: {exc.strerror or exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise SystemExit(f"rlship: config file {path}: invalid TOML: {exc}") from exc
+    values = {key.replace("-", "_"): value for key, value in data.items()}
+    unknown = sorted(set(values) - set(RunSettings.model_fields))
+    if unknown:
+        raise SystemExit(
+            f"rlship: config file {path}: unknown setting(s) {', '.join(unknown)} "
+            "(`rlship config show` lists them)"
+        )
+    return values
+
+
+@dataclass(frozen=True)
+class ResolvedSettings:
+    """The settings and, per setting, where its value came from."""
+
+    settings: RunSettings
+    sources: dict[str, str]
+
+
+def resolve_settings(args: argparse.Namespace) -> ResolvedSettings:
+    """Environment, then the TOML file, then flags; exits with a message naming the bad setting."""
+    flags = {n: v for n in RunSettings.model_fields if (v := getattr(args, n, None)) is not None}
+    config = getattr(args, "config", None) or os.environ.get(CONFIG_ENV) or None
+    from_file = read_config_file(Path(config)) if config else {}
+    environment = {key.upper() for key in os.environ}
+    sources = {}
+    for name in RunSettings.model_fields:
+        if name in flags:
+            sources[name] = "--" + name.replace("_", "-")
+        elif name in from_file:
+            sources[name] = str(config)
+        elif env_name(name) in environment:
+            sources[name] = env_name(name)
+        else:
+            sources[name] = "default"
+    try:
+        return ResolvedSettings(RunSettings(**{**from_file, **flags}), sources)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            name = str(error["loc"][0]) if error["loc"] else ""
+            name = name if name in sources else name.lower()
+            value = shown_value(name, error.get("input"))
+            problems.append(f"{name}={value!r} (from {sources.get(name, 'input')}): {error['msg']}")
+        raise SystemExit(f"rlship: invalid setting: {'; '.join(problems)}") from exc
 
 
 def settings_from_args(args: argparse.Namespace) -> RunSettings:
-    """Environment, then flags; exits with a message naming the bad setting."""
-    overrides = {n: v for n in RunSettings.model_fields if (v := getattr(args, n, None)) is not None}
-    try:
-        return RunSettings(**overrides)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}={e.get('input')!r}: {e['msg']}" for e in exc.errors()
-        )
-        raise SystemExit(f"rlship: invalid setting: {problems}") from exc
+    """Environment, then the TOML file, then flags; exits with a message naming the bad setting."""
+    return resolve_settings(args).settings
 
 
 def settings_to_env(settings: RunSettings) -> dict[str, str]:
-    """The settings as environment variables, for child processes: unset ones stay unset,
-    lists travel as JSON (how pydantic-settings reads them back)."""
+    """The settings as environment variables, for child processes. None travels as an empty
+    value, lists as JSON, and `RLSHIP_CONFIG` is emptied: the values are already resolved, and a child that
+    read the file again would let it override the parent's flags."""
     env = {
-        f"RLSHIP_{name.upper()}": json.dumps(value) if isinstance(value, list) else str(value)
+        env_name(name): "" if value is None else json.dumps(value) if isinstance(value, list) else str(value)
         for name, value in settings.model_dump(mode="json").items()
-        if value is not None
     }
-    env["REDIS_URL"] = settings.redis_url
-    del env["RLSHIP_REDIS_URL"]
+    env[CONFIG_ENV] = ""
     return env

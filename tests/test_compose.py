@@ -1,0 +1,197 @@
+"""compose.yaml and the Procfile kept true. No container engine runs here, so the compose file
+is checked for what would break it: every service's command is a real entry point of this
+project that accepts its options, every `RLSHIP_*` variable is a real setting, ports are on
+loopback, Redis keeps an append-only file, services wait for what they need and report
+health. The Procfile's commands pass the same checks, and `honcho start` runs it for real."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tomllib
+import uuid
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+import yaml
+from celery import Celery
+from celery.app.control import Inspect
+from celery.bin.celery import celery as celery_cli
+from flower.options import options as flower_options
+
+from orchestrator.cli import COMMANDS
+from orchestrator.settings import CONFIG_ENV, RunSettings, env_name
+from tests.conftest import REPO, free_port_pair
+
+# Redis, the two kinds of workers, Flower, the orchestrator, the producer and the trainer ranks.
+SERVICES = {"redis", "cpu-worker", "ship-worker", "flower", "orchestrator", "producer"} | {
+    f"trainer-{rank}" for rank in range(2)
+}
+SETTINGS_ENV = {env_name(name) for name in RunSettings.model_fields} | {CONFIG_ENV}
+
+
+def compose() -> dict[str, Any]:
+    return yaml.safe_load((REPO / "compose.yaml").read_text())
+
+
+def procfile() -> dict[str, list[str]]:
+    """Process name -> argv, with `${VAR:-default}` at its default and the `&& ...` tail cut."""
+    processes = {}
+    for line in (REPO / "Procfile").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, command = line.split(":", 1)
+            command = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", command.split("&&")[0])
+            processes[name.strip()] = shlex.split(command)
+    return processes
+
+
+def check_celery(argv: list[str]) -> None:
+    """`celery -A tasks SUBCOMMAND ...`: the app imports and the subcommand takes every option."""
+    assert argv[:3] == ["celery", "-A", "tasks"], argv
+    assert isinstance(importlib.import_module("tasks").app, Celery)
+    subcommand, rest = argv[3], argv[4:]
+    if subcommand == "flower":  # Flower hands its options to tornado
+        for token in rest:
+            assert token.startswith("--") and "=" in token, f"flower option {token!r}: use --name=value"
+            assert token[2:].split("=", 1)[0] in flower_options, f"flower has no option {token}"
+        return
+    command = celery_cli.commands[subcommand]
+    takes_value = {
+        opt: not (param.is_flag or param.count)
+        for param in command.params
+        if isinstance(param, click.Option)
+        for opt in (*param.opts, *param.secondary_opts)
+    }
+    tokens, positionals = iter(rest), []
+    for token in tokens:
+        if token.startswith("-"):
+            name = token.split("=", 1)[0]
+            assert name in takes_value, f"celery {subcommand} has no option {name}"
+            if takes_value[name] and "=" not in token:
+                next(tokens)
+        else:
+            positionals.append(token)
+    if subcommand == "inspect":
+        assert positionals and hasattr(Inspect, positionals[0]), argv
+    else:
+        assert subcommand == "worker" and not positionals, argv
+
+
+def check_rlship(argv: list[str]) -> None:
+    """`rlship COMMAND ...`: a command of the CLI whose parser accepts the arguments."""
+    assert argv[0] == "rlship", argv
+    name = max((n for n in COMMANDS if argv[1 : 1 + len(n.split())] == n.split()), key=len, default=None)
+    assert name is not None, f"{argv}: not an rlship command ({', '.join(COMMANDS)})"
+    module_name, add_arguments, main, _ = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    assert callable(getattr(module, main))
+    parser = argparse.ArgumentParser(prog=f"rlship {name}", exit_on_error=False)
+    getattr(module, add_arguments)(parser)
+    parser.parse_args(argv[1 + len(name.split()) :])
+
+
+def check_entry_point(argv: list[str]) -> None:
+    if argv[0] == "celery":
+        check_celery(argv)
+    else:
+        check_rlship(argv)
+
+
+def test_compose_services_are_entry_points() -> None:
+    services = compose()["services"]
+    assert set(services) == SERVICES
+    redis = services.pop("redis")
+    assert redis["command"][0] == "redis-server"
+    assert "--appendonly yes" in " ".join(redis["command"]), redis["command"]
+    for name, service in services.items():
+        check_entry_point(service["command"])
+        healthcheck = service.get("healthcheck", {}).get("test", [])
+        if healthcheck and healthcheck[0] == "CMD-SHELL" and healthcheck[1].startswith("celery"):
+            check_celery(shlex.split(healthcheck[1].replace("$$", "$")))
+        for variable in service["environment"]:
+            assert variable in SETTINGS_ENV or not variable.startswith("RLSHIP_"), f"{name}: {variable}"
+        assert service["environment"]["REDIS_URL"].startswith("redis://redis:"), name
+
+
+def test_compose_health_loopback_and_order() -> None:
+    services = compose()["services"]
+    assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    for name, service in services.items():
+        for port in service.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
+        if name == "redis":
+            continue
+        assert service["depends_on"]["redis"] == {"condition": "service_healthy"}, name
+        if service["command"][:1] == ["celery"]:
+            assert "healthcheck" in service, f"{name} serves others and has no healthcheck"
+        for dependency, condition in service["depends_on"].items():
+            assert "healthcheck" in services[dependency], f"{name} waits for {dependency}, which has none"
+            assert condition == {"condition": "service_healthy"}, name
+    assert {"cpu-worker", "ship-worker"} <= set(services["orchestrator"]["depends_on"])
+
+
+def test_procfile_processes_are_entry_points() -> None:
+    processes = procfile()
+    assert {"cpu", "ship", "flower", "producer", "orchestrator"} <= set(processes)
+    assert any(argv[:2] == ["rlship", "trainer"] for argv in processes.values())
+    for argv in processes.values():
+        check_entry_point(argv)
+    # Flower shows the same columns however it is started.
+    compose_flower = {t for t in compose()["services"]["flower"]["command"] if t.startswith("--tasks")}
+    assert compose_flower == {t for t in processes["flower"] if t.startswith("--tasks")} != set()
+
+
+def test_dockerfile_copies_every_package() -> None:
+    dockerfile = (REPO / "Dockerfile").read_text()
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = setuptools["packages"]
+    if isinstance(packages, dict):  # [tool.setuptools.packages.find]: include patterns
+        packages = packages["find"]["include"]
+    for top in {package.split(".")[0].rstrip("*") for package in packages}:
+        assert re.search(rf"^COPY {top} {top}$", dockerfile, re.MULTILINE), f"Dockerfile does not copy {top}/"
+
+
+def test_honcho_runs_the_procfile(redis_url: str, tmp_path: Path) -> None:
+    """`honcho start` against the Redis at REDIS_URL ships the steps; the orchestrator's exit
+    ends the run."""
+    suffix = uuid.uuid4().hex[:8]
+    empty_env_file = tmp_path / "empty.env"
+    empty_env_file.write_text("")
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "REDIS_URL": redis_url,
+        "RLSHIP_RUN_ID": f"honcho-{suffix}",
+        "RLSHIP_STEPS": "2",
+        "RLSHIP_BATCH_SIZE": "16",
+        "RLSHIP_GROUP_SIZE": "4",
+        "RLSHIP_SEQ_LEN": "512",
+        "RLSHIP_ZMQ_PORT": str(free_port_pair()),
+        "RLSHIP_CPU_QUEUE": f"cpu-honcho-{suffix}",
+        "RLSHIP_SHIP_QUEUE": f"ship-honcho-{suffix}",
+        "RLSHIP_OUTPUT_DIR": str(tmp_path / "run"),
+        "FLOWER_PORT": str(free_port_pair()),
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "honcho", "start", "-f", str(REPO / "Procfile"), "-e", str(empty_env_file)],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = process.communicate(timeout=50)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGTERM)
+        output, _ = process.communicate(timeout=20)
+        pytest.fail(f"honcho start did not finish in 50 s:\n{output[-4000:]}")
+    stops = re.findall(r"\| (\w+)\.1 stopped \(rc=(-?\d+)\)", output)
+    assert process.returncode == 0 and stops and stops[0] == ("orchestrator", "0"), output[-4000:]
+    records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(records) == 2, output[-4000:]
