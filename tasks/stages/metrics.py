@@ -135,16 +135,17 @@ def step_metrics(manifest: StepManifest, shipped: Cohort, dropped_by_workers: li
         record["off_policy/staleness/max"] = float(staleness.max())
         for env, count in Counter(shipped.labels["env"]).items():
             record[f"batch/{env}"] = count / len(shipped)
-    lag = manifest.loop_lag_ms
-    if len(lag):
-        p50, p99 = np.percentile(lag, [50, 99])
-        record.update(
-            {
-                "event_loop_lag/p50_ms": float(p50),
-                "event_loop_lag/p99_ms": float(p99),
-                "event_loop_lag/max_ms": float(lag.max()),
-            }
-        )
+    # Lag since the previous cut; two cuts closer than one probe period have no sample: 0.
+    lag = manifest.loop_lag_ms if len(manifest.loop_lag_ms) else np.zeros(1)
+    p50, p99 = np.percentile(lag, [50, 99])
+    record.update(
+        {
+            "event_loop_lag/p50_ms": float(p50),
+            "event_loop_lag/p99_ms": float(p99),
+            "event_loop_lag/max_ms": float(lag.max()),
+            "event_loop_lag/samples": float(len(manifest.loop_lag_ms)),
+        }
+    )
     for name, value in manifest.counters.items():
         record[name] = float(value)
     return record
