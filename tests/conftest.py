@@ -108,24 +108,5 @@ def workers(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         pool.stop()
 
 
-def free_port_pair() -> int:
-    """A port p with p and p+1 free (the ZMQ data and control ports)."""
-    import socket
-
-    for _ in range(100):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no free port pair")
-
-
 def python_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "orchestrator.cli", *args]

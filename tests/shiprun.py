@@ -19,8 +19,9 @@ import redis.asyncio as aioredis
 from orchestrator.loop import Orchestrator
 from orchestrator.producer import run_producer
 from orchestrator.settings import RunSettings, settings_to_env
-from tests.conftest import REPO, Workers, free_port_pair, python_command
+from tests.conftest import REPO, Workers, python_command
 from transport.store import PayloadStore
+from transport.zmq import free_port_pair
 
 
 def ship_settings(

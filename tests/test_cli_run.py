@@ -12,7 +12,8 @@ import uuid
 import pytest
 
 from orchestrator.reference import compare, reference_records
-from tests.conftest import REPO, free_port_pair
+from tests.conftest import REPO
+from transport.zmq import free_port_pair
 
 
 @pytest.mark.timeout(300)

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from orchestrator.bench.encode import WireMicroBatch
 from transport import _msgpack_arrays as mp
 from transport.codec import (
     array_header,
@@ -52,27 +53,6 @@ INT_BOUNDARIES = [
 ]
 NAMES = ["", "math", "a" * 31, "b" * 32, "é" * 127, "c" * 255, "d" * 256, "数学-" * 30, "x" * 70000]
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-class WireMicroBatch(msgspec.Struct, array_like=True):
-    """The wire format as a msgspec struct: an encoder written independently of ours."""
-
-    input_ids: list[int]
-    loss_mask: list[bool]
-    advantages: list[float]
-    inference_logprobs: list[float]
-    position_ids: list[int]
-    sequence_lengths: list[int]
-    temperatures: list[float]
-    env_names: list[str]
-    seq_lens: list[int]
-    ref_logprobs: list[float] | None = None
-    routed_experts: tuple[bytes, list[int], str] | None = None
-    mm_kwargs: dict[str, Any] | None = None
-    mm_token_type_ids: list[int] | None = None
-    rl_weights: list[float] | None = None
-    ce_weights: list[float] | None = None
-    ref_kl_weights: list[float] | None = None
 
 
 def msgpack_oracle(batches: list[MicroBatch]) -> bytes:

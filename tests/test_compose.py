@@ -29,7 +29,8 @@ from flower.options import options as flower_options
 
 from orchestrator.cli import COMMANDS
 from orchestrator.settings import CONFIG_ENV, RunSettings, env_name
-from tests.conftest import REPO, free_port_pair
+from tests.conftest import REPO
+from transport.zmq import free_port_pair
 
 # Redis, the two kinds of workers, Flower, the orchestrator, the producer and the trainer ranks.
 SERVICES = {"redis", "cpu-worker", "ship-worker", "flower", "orchestrator", "producer"} | {

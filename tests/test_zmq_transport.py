@@ -7,7 +7,6 @@ import hashlib
 import logging
 import multiprocessing as mp
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -19,30 +18,13 @@ import pytest
 import zmq
 
 from transport.base import ReceivedStep, StepReceiver, StepSender, StepSequencer
-from transport.zmq import ZMQReceiver, ZMQSender, parse_topic, topic
+from transport.zmq import ZMQReceiver, ZMQSender, free_port_pair, parse_topic, topic
 
 HOST = "127.0.0.1"
 MIB = 1 << 20
 SIZES = [0, 1, 4096, 3 * MIB + 17, MIB]
 CTX = mp.get_context("spawn")
 WAIT = 30.0  # generous bound for anything that involves another process starting up
-
-
-def free_port_pair() -> int:
-    """A port p such that p and p + 1 are both free right now (the sender binds both)."""
-    for _ in range(200):
-        with socket.socket() as first:
-            first.bind((HOST, 0))
-            port = first.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as second:
-                try:
-                    second.bind((HOST, port + 1))
-                except OSError:
-                    continue
-        return port
-    raise RuntimeError("no free port pair")
 
 
 def payload_for(step: int, rank: int) -> bytes:

@@ -114,6 +114,14 @@ OPTIONAL_FIELDS: frozenset[str] = frozenset(
 )
 
 
+def check_routed_experts_shape(shape: tuple[int, ...], num_tokens: int) -> None:
+    """Routed experts are per token: their first dimension is the token axis."""
+    if not shape or shape[0] != num_tokens:
+        raise SchemaError(
+            f"routed_experts.shape: {shape}, expected first dimension {num_tokens} (len(input_ids))"
+        )
+
+
 def as_array(name: str, value: Any) -> np.ndarray:
     """Convert a sequence or array to the field's dtype, one-dimensional, without copying
     when it already is one."""
@@ -207,13 +215,8 @@ class MicroBatch:
             total = int(getattr(self, name).sum())
             if total != num_tokens:
                 raise SchemaError(f"{name}: sums to {total}, expected {num_tokens} (len(input_ids))")
-        if self.routed_experts is not None and (
-            not self.routed_experts.shape or self.routed_experts.shape[0] != num_tokens
-        ):
-            raise SchemaError(
-                f"routed_experts.shape: {self.routed_experts.shape}, expected first dimension "
-                f"{num_tokens} (len(input_ids))"
-            )
+        if self.routed_experts is not None:
+            check_routed_experts_shape(self.routed_experts.shape, num_tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -290,13 +293,8 @@ class TrainingSample:
             value = getattr(self, name)
             if value is not None and len(value) != num_tokens:
                 raise SchemaError(f"{name}: length {len(value)}, expected {num_tokens} (len(input_ids))")
-        if self.routed_experts is not None and (
-            self.routed_experts.ndim == 0 or self.routed_experts.shape[0] != num_tokens
-        ):
-            raise SchemaError(
-                f"routed_experts.shape: {self.routed_experts.shape}, expected first dimension "
-                f"{num_tokens} (len(input_ids))"
-            )
+        if self.routed_experts is not None:
+            check_routed_experts_shape(self.routed_experts.shape, num_tokens)
 
     @property
     def num_tokens(self) -> int:

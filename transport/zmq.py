@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import socket
 import time
 
 import zmq
@@ -47,6 +48,23 @@ def parse_topic(frame: bytes) -> tuple[int, int] | None:
     if not (rank.isdigit() and step.isdigit()):
         return None
     return int(rank), int(step)
+
+
+def free_port_pair(host: str = "127.0.0.1") -> int:
+    """A port p with p and p + 1 free on `host`: the data and control ports of a sender."""
+    for _ in range(100):
+        with socket.socket() as first:
+            first.bind((host, 0))
+            port = first.getsockname()[1]
+            if port >= 65535:
+                continue
+            with socket.socket() as second:
+                try:
+                    second.bind((host, port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError(f"no free port pair on {host}")
 
 
 def _endpoint(host: str, port: int) -> str:

@@ -23,7 +23,6 @@ import os
 import resource
 import secrets
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,7 @@ from orchestrator.settings import RunSettings, settings_to_env
 from tasks.ship import RunState
 from transport.checksum import payload_checksum
 from transport.keys import RunKeys
+from transport.zmq import free_port_pair
 
 WORKER_READY_SECONDS = 60.0
 TRAINER_IDLE_SECONDS = 300
@@ -283,23 +283,6 @@ def run_placement(
         group.stop_all()
         delete_run_keys(settings)
     return {**json.loads(result.read_text()), "received": received, "records": records}
-
-
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free (the ZMQ data and control ports)."""
-    for _ in range(100):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no free port pair")
 
 
 def wait_for_workers(
