@@ -51,6 +51,9 @@ READY_WAIT_SECONDS = 1.0
 # A trainer whose queue stays full this long makes the send fail and retry later, so a
 # stuck rank holds back its own step instead of blocking the ship worker forever.
 SEND_TIMEOUT_SECONDS = 30.0
+# Records kept in the Redis stream (followers read them within seconds; metrics.jsonl and
+# W&B keep them all): a run of any length holds a bounded history in Redis.
+RECORDS_KEPT = 1000
 
 
 @functools.cache
@@ -314,7 +317,12 @@ def publish(self: Task, run_id: str, step: int) -> None:
                     step, step_record, stage_seconds, time.time() - manifest.cut_time, waited, totals
                 )
                 pipe.multi()
-                pipe.xadd(ctx.keys.metrics_stream, {"step": step, "record": json.dumps(record)})
+                pipe.xadd(
+                    ctx.keys.metrics_stream,
+                    {"step": step, "record": json.dumps(record)},
+                    maxlen=RECORDS_KEPT,
+                    approximate=True,
+                )
                 pipe.hset(state.published, step, time.time())
                 pipe.incrbyfloat(state.policy_wait, -waited)
                 pipe.hset(state.totals, mapping=totals)
