@@ -6,6 +6,7 @@ gives) tasks of another session or of a local run on the same Redis.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -95,10 +97,10 @@ class Workers:
                 process.wait()
 
 
-@pytest.fixture(scope="session")
-def workers(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workers]:
-    os.environ["REDIS_URL"] = redis_url
-    pool = Workers(redis_url, tmp_path_factory.mktemp("worker-logs"))
+@contextlib.contextmanager
+def running_workers(redis_url: str, log_dir: Path, env: dict[str, str] | None = None) -> Iterator[Workers]:
+    """A cpu and a ship worker, answering pings, stopped by PID on the way out."""
+    pool = Workers(redis_url, log_dir, env)
     pool.start("cpu")
     pool.start("ship")
     try:
@@ -106,6 +108,28 @@ def workers(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield pool
     finally:
         pool.stop()
+
+
+@pytest.fixture(scope="session")
+def workers(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workers]:
+    os.environ["REDIS_URL"] = redis_url
+    with running_workers(redis_url, tmp_path_factory.mktemp("worker-logs")) as pool:
+        yield pool
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Any]]:
+    """Processes a test starts; whatever is still running at teardown is terminated."""
+    started: list[Any] = []
+    yield started
+    for proc in started:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
 
 
 def python_command(*args: str) -> list[str]:

@@ -12,7 +12,7 @@ from orchestrator.producer import RolloutProducer
 from orchestrator.settings import RunSettings
 from tasks.faults import arm, faults_key
 from tasks.ship import RunState
-from tests.conftest import Workers
+from tests.conftest import Workers, running_workers
 from tests.factories import group
 from tests.shiprun import ship, ship_settings
 from tests.test_ship_path import leftover_keys
@@ -28,14 +28,9 @@ STAGES = ("finalize", "prune", "metrics", "pack", "encode", "send", "publish", "
 @pytest.fixture(scope="module")
 def faulty_workers(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workers]:
     """Workers that obey armed faults (RLSHIP_FAULTS=1), on queues of their own."""
-    pool = Workers(redis_url, tmp_path_factory.mktemp("faulty-worker-logs"), env={"RLSHIP_FAULTS": "1"})
-    pool.start("cpu")
-    pool.start("ship")
-    try:
-        pool.wait_ready()
+    log_dir = tmp_path_factory.mktemp("faulty-worker-logs")
+    with running_workers(redis_url, log_dir, env={"RLSHIP_FAULTS": "1"}) as pool:
         yield pool
-    finally:
-        pool.stop()
 
 
 def deterministic_run(client, run_id: str, redis_url: str, workers: Workers, tmp_path) -> RunSettings:

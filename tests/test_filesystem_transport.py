@@ -6,7 +6,6 @@ import hashlib
 import multiprocessing as mp
 import random
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,20 +86,6 @@ def receiver_main(output_dir: str, rank: int, steps: int, queue: Any) -> None:
                 return
             queue.put(("step", rank, got.step, digest(got.payload)))
         queue.put(("done", rank, receiver.duplicates_dropped, receiver.gaps, receiver.next_step))
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Any]]:
-    started: list[Any] = []
-    yield started
-    for proc in started:
-        proc.join(timeout=5)
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(timeout=5)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=5)
 
 
 def start(procs: list[Any], target: Any, *args: Any) -> Any:

@@ -10,7 +10,7 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,21 +63,6 @@ def sender_main(port: int, ranks: int, steps: int, queue: Any, finished: Any) ->
                 sender.send(step, rank, kinds[step % 3](payload_for(step, rank)))
         queue.put(("sent",))
         finished.wait(WAIT)
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Any]]:
-    """Processes a test starts; whatever is still running at teardown is terminated."""
-    started: list[Any] = []
-    yield started
-    for proc in started:
-        proc.join(timeout=5)
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(timeout=5)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=5)
 
 
 def start(procs: list[Any], target: Callable[..., None], *args: Any) -> Any:
