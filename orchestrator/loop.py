@@ -44,6 +44,7 @@ READ_BATCH = 128  # records handled per turn of the loop: a few ms, then other t
 READ_BLOCK_MS = 100
 POLL_SECONDS = 0.01
 RECENT_RECORDS = 8
+STALL_REPORT_SECONDS = 2.0  # a policy wait this long is reported, naming the ranks behind it
 
 
 class LagProbe:
@@ -57,6 +58,7 @@ class LagProbe:
         self.interval = interval
         self._window = array("d")
         self.max_ms = 0.0
+        self.recent_max_ms = 0.0
         self.samples = 0
         self.times: array | None = array("d") if keep_timeline else None
         self.lags_ms = array("d")
@@ -70,10 +72,16 @@ class LagProbe:
             lag_ms = max(0.0, (now - started - self.interval) * 1000.0)
             self._window.append(lag_ms)
             self.max_ms = max(self.max_ms, lag_ms)
+            self.recent_max_ms = max(self.recent_max_ms, lag_ms)
             self.samples += 1
             if self.times is not None:
                 self.times.append(now)
                 self.lags_ms.append(lag_ms)
+
+    def take_recent_max(self) -> float:
+        """The worst lag since the previous call (for the live status)."""
+        worst, self.recent_max_ms = self.recent_max_ms, 0.0
+        return worst
 
     def take_window(self) -> np.ndarray:
         """The observations since the previous call (for the next record)."""
@@ -198,6 +206,7 @@ class Orchestrator:
                 pipe.unlink(*(self.keys.rollout(r) for r in release_ids))
             pipe.set(self.keys.run_key("accounted"), self.accounting.accounted)
             pipe.xtrim(self.keys.rollout_stream, minid=self._stream_cursor)
+            pipe.hset(self.state.status, mapping=self.status())
             await pipe.execute()
             if len(self.pending) >= self.settings.batch_size:
                 self._work.set()
@@ -233,6 +242,18 @@ class Orchestrator:
                 released.append(outcome.record.rollout_id)
         return released
 
+    def status(self) -> dict[str, float]:
+        """What `rlship run`'s progress display shows (written each ingest turn)."""
+        return {
+            "arrived": self.accounting.arrived,
+            "pending": len(self.pending),
+            "in_open_groups": len(self.groups),
+            "next_step": self.next_step,
+            "last_published": self.last_published,
+            "loop_lag_max_ms": round(self.probe.take_recent_max(), 3),
+            "updated_at": time.time(),
+        }
+
     # -- cutting and dispatch ----------------------------------------------------------
 
     async def wait_for_policy(self, step: int) -> float:
@@ -244,13 +265,33 @@ class Orchestrator:
         if int(await self.client.get(self.keys.policy_version) or 0) >= needed:
             return 0.0
         started = time.perf_counter()
+        next_report = started + STALL_REPORT_SECONDS
         while int(await self.client.get(self.keys.policy_version) or 0) < needed:
             if self._stopping.is_set():
                 return 0.0
+            if time.perf_counter() >= next_report:
+                await self._report_stalled_ranks(step, needed - 1, time.perf_counter() - started)
+                next_report += STALL_REPORT_SECONDS * 10
             await asyncio.sleep(POLL_SECONDS)
+        if next_report > started + STALL_REPORT_SECONDS:
+            await self.client.hdel(self.state.status, "stalled_ranks")
+            log.warning("step %d: the policy gate opened after %.1f s", step, time.perf_counter() - started)
         waited = time.perf_counter() - started
         await self.client.incrbyfloat(self.state.policy_wait, waited)
         return waited
+
+    async def _report_stalled_ranks(self, step: int, awaited_step: int, seconds: float) -> None:
+        """Name the ranks that hold the gate shut (a trainer that stopped reading, or died)."""
+        acknowledged = {int(r) for r in await self.client.smembers(self.keys.trained(awaited_step))}
+        stalled = sorted(set(range(self.settings.ranks)) - acknowledged)
+        await self.client.hset(self.state.status, "stalled_ranks", json.dumps(stalled))
+        log.warning(
+            "step %d waits for the policy: rank(s) %s have not acknowledged step %d for %.0f s",
+            step,
+            stalled,
+            awaited_step,
+            seconds,
+        )
 
     def _drop_stale_pending(self, step: int) -> list[str]:
         """Pending rollouts that went stale while waiting are discarded at the cut."""
@@ -297,9 +338,11 @@ class Orchestrator:
         await self._enqueue(finalize, step)
         return manifest
 
-    async def _enqueue(self, task: Any, step: int) -> None:
+    async def _enqueue(self, task: Any, step: int, *args: Any) -> None:
         """`apply_async` blocks on the broker, so it runs on the publisher thread."""
-        send = functools.partial(task.apply_async, (self.settings.run_id, step), queue=self.config.cpu_queue)
+        send = functools.partial(
+            task.apply_async, (self.settings.run_id, step, *args), queue=self.config.cpu_queue
+        )
         await asyncio.get_running_loop().run_in_executor(self._publisher, send)
 
     async def dispatch(self) -> None:
@@ -352,7 +395,7 @@ class Orchestrator:
     async def schedule_release(self, step: int) -> None:
         """At most one release pending: wait for the previous one, then enqueue this one."""
         await self.drain_release()
-        await self._enqueue(release, step)
+        await self._enqueue(release, step, self.settings.ranks, self.settings.replay_steps)
         self._release_pending = asyncio.create_task(self._await_released(step))
 
     async def _await_released(self, step: int) -> None:
@@ -363,6 +406,26 @@ class Orchestrator:
         if self._release_pending is not None:
             await self._release_pending
             self._release_pending = None
+
+    async def release_acknowledged_payloads(self) -> list[int]:
+        """At the end of the run, give the ranks `ack_timeout` seconds to acknowledge the
+        last steps, then release every retained payload; return the steps never acknowledged.
+        External trainers acknowledge nothing to Redis: their payloads go at once."""
+        builtin = self.settings.trainers == "builtin"
+        deadline = time.monotonic() + (self.settings.ack_timeout if builtin else 0.0)
+        while await self.store.unacknowledged_steps() and time.monotonic() < deadline:
+            await self.store.release_payloads(self.settings.ranks, self.last_published, evict_through=-1)
+            await asyncio.sleep(POLL_SECONDS * 10)
+        released = await self.store.release_payloads(
+            self.settings.ranks, self.last_published, evict_through=self.last_published
+        )
+        if released.evicted_unacknowledged and builtin:
+            log.error(
+                "steps %s were never acknowledged by every rank within %.0f s",
+                released.evicted_unacknowledged,
+                self.settings.ack_timeout,
+            )
+        return released.evicted_unacknowledged if builtin else []
 
     async def release_unshipped(self) -> int:
         """At the end of the run every rollout still held (pending, in open groups, or not
@@ -394,8 +457,10 @@ class Orchestrator:
             self._monitor_thread.submit(self.monitors.close).result()
             self._monitor_thread.shutdown(wait=True)
             self.rollout_log.close()
+        unacknowledged = await self.release_acknowledged_payloads()
         await self.release_unshipped()
         return {
+            "steps_unacknowledged": unacknowledged,
             "steps_shipped": self.records_published,
             "records_published": self.records_published,
             "tokens_shipped": self.tokens_shipped,

@@ -33,6 +33,7 @@ from orchestrator.settings import (
 )
 from tasks.ship import RunState
 from transport.keys import RunKeys
+from transport.replay import RetainedPayloads
 from transport.store import PayloadStore
 from transport.trainer import TrainerRank, open_receiver
 
@@ -208,6 +209,7 @@ def trainer_main(args: argparse.Namespace) -> int:
         port=settings.zmq_port,
         output_dir=Path(settings.output_dir),
         next_step=next_step,
+        replay=RetainedPayloads(client, settings.run_id),
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from pydantic import AliasChoices, Field, ValidationError, field_validator
+from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tasks.app import DEFAULT_REDIS_URL
@@ -59,6 +59,12 @@ class RunSettings(BaseSettings):
         default=None, description="write one JSON line per finalized rollout"
     )
     max_outstanding_rollouts: int = Field(default=0, ge=0, description="producer backlog; 0 = 4 batches")
+    replay_steps: int = Field(
+        default=8, ge=1, description="steps whose payloads stay in Redis until every rank acknowledges them"
+    )
+    ack_timeout: float = Field(
+        default=30.0, ge=0, description="seconds the end of a run waits for ranks to acknowledge"
+    )
 
     @field_validator("wandb_project", "record_rollouts", "envs", mode="before")
     @classmethod
@@ -74,6 +80,17 @@ class RunSettings(BaseSettings):
             raise ValueError(f"the scheme must be one of {', '.join(REDIS_SCHEMES)}, not {scheme!r}")
         return value
 
+    @model_validator(mode="after")
+    def _replay_covers_async_steps(self) -> RunSettings:
+        """The policy gate lets max_async_level + 2 steps be unacknowledged at once; a rank
+        that restarts must be able to replay all of them."""
+        if self.replay_steps < self.max_async_level + 2:
+            raise ValueError(
+                f"replay_steps: {self.replay_steps} must be >= max_async_level + 2 "
+                f"({self.max_async_level + 2}), or a restarted rank could miss a step"
+            )
+        return self
+
     def ship_config(self) -> ShipConfig:
         return ShipConfig(
             ranks=self.ranks,
@@ -87,6 +104,7 @@ class RunSettings(BaseSettings):
             cpu_queue=self.cpu_queue,
             ship_queue=self.ship_queue,
             samples_per_step=self.samples_per_step,
+            replay_steps=self.replay_steps,
         )
 
     @property

@@ -30,6 +30,7 @@ class ShipConfig:
     cpu_queue: str = "cpu"
     ship_queue: str = "ship"
     samples_per_step: int = 0
+    replay_steps: int = 8
 
     @property
     def output_path(self) -> Path:

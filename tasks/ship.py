@@ -74,6 +74,9 @@ class RunState:
         self.sent_checksums = self.keys.run_key("sent_checksums")
         self.stage_calls = self.keys.run_key("stage_calls")
         self.next_step = self.keys.run_key("next_step")
+        # The orchestrator's live counters (pending, open groups, lag), for progress displays.
+        self.status = self.keys.run_key("status")
+        self.evicted = self.keys.run_key("payloads_evicted_unacknowledged")
 
 
 class StepContext:
@@ -334,12 +337,22 @@ def publish(self: Task, run_id: str, step: int) -> None:
 
 
 @app.task(name="rlship.release")
-def release(run_id: str, step: int) -> None:
-    """Delete every key of a published step, trim the heap, and mark the step released."""
+def release(run_id: str, step: int, ranks: int, replay_steps: int) -> None:
+    """Delete every key of a published step but its per-rank payloads; release the payloads
+    of every step all ranks have acknowledged (and, past the retention bound, of older steps
+    regardless); trim the heap; mark the step released."""
     ctx = StepContext(run_id, step)
     deleted = ctx.store.delete_step(step)
+    payloads = ctx.store.release_payloads(ranks, step, evict_through=step - replay_steps)
+    if payloads.evicted_unacknowledged:
+        log.warning(
+            "steps %s evicted from the replay window before every rank acknowledged them; "
+            "a rank restarting now cannot replay them",
+            payloads.evicted_unacknowledged,
+        )
+        ctx.client.hincrby(ctx.state.evicted, "steps", len(payloads.evicted_unacknowledged))
     ctx.crash_if_armed("release")
     trim_process_memory()
     ctx.client.hset(ctx.state.released, step, time.time())
     ctx.client.hincrby(ctx.state.stage_calls, f"{socket.gethostname()}:{os.getpid()}:release", 1)
-    log.info("step %d released: %d keys deleted", step, deleted)
+    log.info("step %d released: %d keys deleted, payloads of %d steps", step, deleted, payloads.steps)

@@ -44,7 +44,8 @@ def ship_settings(
     return RunSettings(**values)
 
 
-def start_trainers(settings: RunSettings) -> list[subprocess.Popen]:
+def start_trainers(settings: RunSettings, ranks: list[int] | None = None) -> list[subprocess.Popen]:
+    """Trainer rank processes (all ranks, or the ones named)."""
     env = {**os.environ, **settings_to_env(settings), "PYTHONPATH": str(REPO)}
     log_dir = Path(settings.output_dir) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -56,7 +57,7 @@ def start_trainers(settings: RunSettings) -> list[subprocess.Popen]:
             stdout=open(log_dir / f"trainer-{rank}.log", "ab"),
             stderr=subprocess.STDOUT,
         )
-        for rank in range(settings.ranks)
+        for rank in (range(settings.ranks) if ranks is None else ranks)
     ]
 
 

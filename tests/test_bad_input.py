@@ -145,8 +145,8 @@ def test_the_producer_refuses_bad_arrays_and_writes_nothing(case, client, run_id
 def test_workers_refuse_pickle(client, run_id, workers):
     """A pickled task is refused by the worker (never deserialized); a msgpack one runs."""
     released = RunState(run_id).released
-    app.send_task("rlship.release", args=(run_id, 0), queue=workers.cpu_queue, serializer="pickle")
-    app.send_task("rlship.release", args=(run_id, 1), queue=workers.cpu_queue)
+    app.send_task("rlship.release", args=(run_id, 0, 1, 8), queue=workers.cpu_queue, serializer="pickle")
+    app.send_task("rlship.release", args=(run_id, 1, 1, 8), queue=workers.cpu_queue)
     deadline = time.monotonic() + 30
     while not client.hexists(released, 1):
         assert time.monotonic() < deadline, "the msgpack task did not run"

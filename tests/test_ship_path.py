@@ -18,11 +18,11 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def leftover_keys(client, run_id: str) -> list[str]:
-    """Payload and step keys of the run still in Redis."""
+    """Payload, step and retention keys of the run still in Redis."""
     prefix = RunKeys(run_id).prefix
     return sorted(
         key.decode()
-        for pattern in ("rollout:*", "step:*")
+        for pattern in ("rollout:*", "step:*", "retained_payloads", "trained:*")
         for key in client.scan_iter(match=prefix + pattern, count=1000)
     )
 

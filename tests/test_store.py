@@ -62,15 +62,40 @@ def test_delete_step_is_one_call_and_touches_only_its_run(client, run_id):
     mine.put_payload(7, 0, b"rank0")
     mine.put_payload(7, 1, memoryview(b"rank1"))
     other.put_payload(7, 0, b"theirs")
+    mine.put_step_value(7, "plan", b"plan")
     client.sadd(mine.keys.step_keys(7), mine.keys.rollout("r1"))
     assert mine.get_payload(7, 1) == b"rank1"
-    assert mine.delete_step(7) == 3
-    assert not client.exists(mine.keys.rollout("r1"), mine.keys.payload(7, 0), mine.keys.step_keys(7))
+    assert mine.delete_step(7) == 2
+    assert not client.exists(mine.keys.rollout("r1"), mine.keys.step(7, "plan"), mine.keys.step_keys(7))
+    assert mine.get_payload(7, 0) == b"rank0", "payloads outlive the step until acknowledged"
+    mine.release_payloads(ranks=2, through_step=7, evict_through=7)
     assert other.get_payload(7, 0) == b"theirs" and other.get_rollouts(["r1"])
-    other.delete_step(7)
+    other.release_payloads(ranks=1, through_step=7, evict_through=7)
     other.delete_all_rollouts()
     with pytest.raises(PayloadMissingError):
         mine.get_payload(7, 0)
+
+
+def test_payloads_are_retained_until_every_rank_acknowledges(client, run_id):
+    store = PayloadStore(client, run_id)
+    for step in range(4):
+        for rank in range(2):
+            store.put_payload(step, rank, b"%d:%d" % (step, rank))
+    client.sadd(store.keys.trained(0), 0, 1)  # both ranks acknowledged step 0
+    client.sadd(store.keys.trained(1), 0)  # only rank 0 acknowledged step 1
+    client.sadd(store.keys.trained(3), 0, 1)  # step 3: acknowledged, but not yet released
+
+    released = store.release_payloads(ranks=2, through_step=2, evict_through=-1)
+    assert (released.steps, released.evicted_unacknowledged) == (1, [])
+    assert not client.exists(store.keys.payload(0, 0), store.keys.payload(0, 1), store.keys.trained(0))
+    assert store.get_payload(1, 1) == b"1:1" and store.get_payload(3, 0) == b"3:0"
+
+    released = store.release_payloads(ranks=2, through_step=3, evict_through=1)
+    assert (released.steps, released.evicted_unacknowledged) == (2, [1])
+    assert store.get_payload(2, 0) == b"2:0", "unacknowledged inside the bound: kept"
+    assert client.zrange(store.keys.retained_payloads, 0, -1) == [b"2"]
+    store.release_payloads(ranks=2, through_step=3, evict_through=3)
+    assert not client.exists(store.keys.retained_payloads, store.keys.payload(2, 1), store.keys.trained(1))
 
 
 def test_async_store(redis_url, run_id):

@@ -57,6 +57,19 @@ class StepReceiver(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class ReplaySource(Protocol):
+    """Where a receiver gets again a step its transport lost: the sender's retained payloads.
+
+    `last_sent(rank)` is the newest step the sender has handed to the transport for `rank`;
+    `payload(step, rank)` is that step's bytes, or None once they are no longer retained.
+    """
+
+    def last_sent(self, rank: int) -> int: ...
+
+    def payload(self, step: int, rank: int) -> bytes | None: ...
+
+
 class StepSequencer:
     """Receiver-side ordering, shared by every receiver so they agree on what is a duplicate.
 

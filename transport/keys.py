@@ -39,6 +39,12 @@ class RunKeys:
         return self.step(step, f"payload:{rank}")
 
     @property
+    def retained_payloads(self) -> str:
+        """Steps whose per-rank payloads outlive the step's release (sorted set, score = step)
+        so that a rank can replay what it has not acknowledged."""
+        return f"{self.prefix}retained_payloads"
+
+    @property
     def metrics_stream(self) -> str:
         return f"{self.prefix}metrics"
 

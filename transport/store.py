@@ -4,12 +4,15 @@ Messages (stream records, Celery tasks) carry keys; the bytes live here. Arrays 
 in a compact binary blob (a MessagePack map of name -> [dtype, shape, raw bytes]) that
 decodes into zero-copy numpy views. Every write carries a TTL as a safety net; the ship
 path deletes a step's keys explicitly when the step is released. Every key a step owns is
-registered in the step's key set, so releasing the step is one call.
+registered in the step's key set, so releasing the step is one call. The per-rank payloads
+are the exception: they are retained until every rank has acknowledged the step (or a
+bound on retained steps evicts them), so a rank that lost a message can replay it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -134,10 +137,23 @@ class PayloadStore:
         return _check_found([key], [self.client.get(key)])[0]
 
     def put_payload(self, step: int, rank: int, payload: bytes | memoryview) -> str:
-        return self.put_step_value(step, f"payload:{rank}", payload)
+        """Write one rank's encoded step, retained past the step's release (module docstring)."""
+        key = self.keys.payload(step, rank)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.set(key, payload, ex=self.ttl)
+        pipe.zadd(self.keys.retained_payloads, {str(step): step})
+        pipe.execute()
+        return key
 
     def get_payload(self, step: int, rank: int) -> bytes:
         return self.get_step_value(step, f"payload:{rank}")
+
+    def release_payloads(self, ranks: int, through_step: int, evict_through: int) -> ReleasedPayloads:
+        """Release the retained payloads of steps <= `through_step` that every rank has
+        acknowledged, and of steps <= `evict_through` whether acknowledged or not."""
+        return ReleasedPayloads.from_script(
+            _release_payloads(self.client, self.keys, ranks, through_step, evict_through)
+        )
 
     def delete_step(self, step: int) -> int:
         """Unlink every key registered with the step (and the registry); returns how many."""
@@ -189,6 +205,16 @@ class AsyncPayloadStore:
     async def delete_step(self, step: int) -> int:
         return int(await _unlink_step_keys(self.client, self.keys, step))
 
+    async def release_payloads(self, ranks: int, through_step: int, evict_through: int) -> ReleasedPayloads:
+        """See `PayloadStore.release_payloads`."""
+        return ReleasedPayloads.from_script(
+            await _release_payloads(self.client, self.keys, ranks, through_step, evict_through)
+        )
+
+    async def unacknowledged_steps(self) -> list[int]:
+        """Steps whose payloads are still retained (some rank has not acknowledged them)."""
+        return [int(s) for s in await self.client.zrange(self.keys.retained_payloads, 0, -1)]
+
     async def delete_all_rollouts(self) -> int:
         """Unlink every rollout payload of the run (see `PayloadStore.delete_all_rollouts`)."""
         keys = [key async for key in self.client.scan_iter(match=self.keys.rollout("*"), count=1000)]
@@ -204,6 +230,53 @@ end
 redis.call('UNLINK', KEYS[1])
 return deleted
 """
+
+
+@dataclass(frozen=True)
+class ReleasedPayloads:
+    """What one release of retained payloads did: how many steps it freed, and which of
+    them were evicted by the retention bound before every rank acknowledged them."""
+
+    steps: int
+    evicted_unacknowledged: list[int]
+
+    @classmethod
+    def from_script(cls, reply: list[Any]) -> ReleasedPayloads:
+        return cls(int(reply[0]), sorted(int(s) for s in reply[1]))
+
+
+# KEYS[1]: the retained-steps set. ARGV: the step-key prefix ("...:step:"), the trained-set
+# prefix ("...:trained:"), ranks, the newest step to consider, the newest step to evict
+# even if unacknowledged. A released step also loses its `trained` set.
+_RELEASE_PAYLOADS_LUA = """
+local ranks = tonumber(ARGV[3])
+local evict_through = tonumber(ARGV[5])
+local released, evicted = 0, {}
+for _, step in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[4])) do
+  local acked = redis.call('SCARD', ARGV[2] .. step)
+  if acked >= ranks or tonumber(step) <= evict_through then
+    for rank = 0, ranks - 1 do
+      redis.call('UNLINK', ARGV[1] .. step .. ':payload:' .. rank)
+    end
+    redis.call('UNLINK', ARGV[2] .. step)
+    if acked < ranks then
+      table.insert(evicted, step)
+    end
+    redis.call('ZREM', KEYS[1], step)
+    released = released + 1
+  end
+end
+return {released, evicted}
+"""
+
+
+def _release_payloads(client: Any, keys: RunKeys, ranks: int, through_step: int, evict_through: int) -> Any:
+    step_prefix = keys.step(0, "")[: -len("0:")]
+    trained_prefix = keys.trained(0)[: -len("0")]
+    return client.register_script(_RELEASE_PAYLOADS_LUA)(
+        keys=[keys.retained_payloads],
+        args=[step_prefix, trained_prefix, ranks, through_step, evict_through],
+    )
 
 
 def _unlink_step_keys(client: Any, keys: RunKeys, step: int) -> Any:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import redis
 
-from transport.base import ReceivedStep, StepReceiver
+from transport.base import ReceivedStep, ReplaySource, StepReceiver
 from transport.checksum import payload_checksum
 from transport.codec import decode_microbatches
 from transport.keys import RunKeys
@@ -98,13 +98,20 @@ class TrainerRank:
 
 
 def open_receiver(
-    transport: str, rank: int, *, host: str, port: int, output_dir: Path, next_step: int = 0
+    transport: str,
+    rank: int,
+    *,
+    host: str,
+    port: int,
+    output_dir: Path,
+    next_step: int = 0,
+    replay: ReplaySource | None = None,
 ) -> StepReceiver:
-    """The rank's receiver for the configured transport."""
+    """The rank's receiver for the configured transport (files need no replay: they stay)."""
     if transport == "zmq":
         from transport.zmq import ZMQReceiver
 
-        return ZMQReceiver(host, port, rank, next_step=next_step)
+        return ZMQReceiver(host, port, rank, next_step=next_step, replay=replay)
     if transport == "fs":
         from transport.filesystem import FileReceiver
 

@@ -9,7 +9,11 @@ PUB would silently drop whatever it publishes in between (the "slow joiner").
 
 Receiver: a SUB socket subscribed to `data_rank|{rank}|` and a PUSH socket to port+1. It
 re-announces READY while it waits, so a sender that restarted and bound again (a
-replacement ship worker) learns about it without the trainer restarting.
+replacement ship worker) learns about it without the trainer restarting. PUB/SUB cannot
+replay, so with a `ReplaySource` the receiver fills what the socket lost from the sender's
+retained payloads: the steps before the first one it sees (a restarted rank), a gap
+(a message lost in flight), and a step the sender reports sent that has not arrived after
+`replay_after` seconds (the last step of a run lost in flight).
 """
 
 from __future__ import annotations
@@ -19,10 +23,18 @@ import logging
 import math
 import socket
 import time
+from collections import deque
 
 import zmq
 
-from transport.base import Closeable, Payload, ReceivedStep, SequencedReceiver, StepSequencer
+from transport.base import (
+    Closeable,
+    Payload,
+    ReceivedStep,
+    ReplaySource,
+    SequencedReceiver,
+    StepSequencer,
+)
 
 logger = logging.getLogger("rlship.transport")
 
@@ -269,6 +281,8 @@ class ZMQReceiver(SequencedReceiver):
         next_step: int = 0,
         hwm: int = 64,
         announce_interval: float = 1.0,
+        replay: ReplaySource | None = None,
+        replay_after: float = 1.0,
     ) -> None:
         if rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
@@ -277,6 +291,11 @@ class ZMQReceiver(SequencedReceiver):
         self.host = host
         self.port = port
         self.announce_interval = announce_interval
+        self.replay = replay
+        self.replay_after = replay_after
+        self.replayed = 0
+        self._ready: deque[ReceivedStep] = deque()
+        self._last_arrival = -math.inf  # a restarted rank catches up at its first receive
         self._sequencer = StepSequencer(rank, next_step)
         self._ready_msg = str(rank).encode()
         self._closed = False
@@ -306,16 +325,21 @@ class ZMQReceiver(SequencedReceiver):
             raise RuntimeError("ZMQReceiver is closed")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            if self._ready:
+                return self._ready.popleft()
             try:
                 frames = self._sub.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 frames = None
             if frames is not None:
-                received = self._accept(frames)
-                if received is not None:
-                    return received
+                self._accept(frames)
                 continue
             now = time.monotonic()
+            if self.replay is not None and now - self._last_arrival >= self.replay_after:
+                self._last_arrival = now
+                self._replay_through(self.replay.last_sent(self.rank))
+                if self._ready:
+                    continue
             if deadline is not None and now >= deadline:
                 return None
             if now >= self._last_announce + self.announce_interval:
@@ -339,15 +363,33 @@ class ZMQReceiver(SequencedReceiver):
         with contextlib.suppress(zmq.Again):
             self._push.send(self._ready_msg, zmq.NOBLOCK)
 
-    def _accept(self, frames: list[zmq.Frame]) -> ReceivedStep | None:
+    def _accept(self, frames: list[zmq.Frame]) -> None:
+        """Queue a received message for delivery, after any lost steps before it."""
         if len(frames) != 2:
             logger.error("rank %d: dropping a message of %d frames (expected 2)", self.rank, len(frames))
-            return None
+            return
         parsed = parse_topic(frames[0].bytes)
         if parsed is None or parsed[0] != self.rank:
             logger.error("rank %d: dropping a message with topic %r", self.rank, frames[0].bytes[:64])
-            return None
+            return
         step = parsed[1]
-        if not self._sequencer.admit(step):
-            return None
-        return ReceivedStep(step=step, rank=self.rank, payload=frames[1].buffer)
+        self._last_arrival = time.monotonic()
+        if self.replay is not None and step > self.next_step:
+            self._replay_through(step - 1)
+        if self._sequencer.admit(step):
+            self._ready.append(ReceivedStep(step=step, rank=self.rank, payload=frames[1].buffer))
+
+    def _replay_through(self, last: int) -> None:
+        """Queue steps next_step..last from the replay source, stopping at the first one it
+        no longer holds (the sequencer then reports the gap)."""
+        assert self.replay is not None
+        while self.next_step <= last:
+            step = self.next_step
+            payload = self.replay.payload(step, self.rank)
+            if payload is None:
+                logger.error("rank %d: step %d was lost and is no longer retained", self.rank, step)
+                return
+            self._sequencer.admit(step)
+            self._ready.append(ReceivedStep(step=step, rank=self.rank, payload=payload))
+            self.replayed += 1
+            logger.warning("rank %d: step %d replayed from the retained payloads", self.rank, step)
