@@ -14,9 +14,12 @@ completions are learned from Redis through `redis.asyncio`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
+import os
+import socket
 import time
 from array import array
 from collections import Counter, deque
@@ -28,6 +31,7 @@ import msgpack
 import numpy as np
 import redis.asyncio as aioredis
 
+from orchestrator.checkpoint import Checkpoint
 from orchestrator.groups import TRAINABLE, GroupBuffer, Outcome, decide_group
 from orchestrator.monitors import Monitors
 from orchestrator.records import IDENTIFIER, RecordRejected, RolloutRecord, parse_record
@@ -44,6 +48,7 @@ READ_BATCH = 128  # records handled per turn of the loop: a few ms, then other t
 READ_BLOCK_MS = 100
 POLL_SECONDS = 0.01
 RECENT_RECORDS = 8
+LEASE_SECONDS = 5  # a killed orchestrator's successor waits at most this long to start
 STALL_REPORT_SECONDS = 2.0  # a policy wait this long is reported, naming the ranks behind it
 
 
@@ -134,6 +139,25 @@ class Accounting:
         if reason == "stale":
             self.stale_in_window += count
 
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "arrived": self.arrived,
+            "cut": self.cut,
+            "rejected": dict(self.rejected),
+            "discarded": dict(self.discarded),
+            "stale_in_window": self.stale_in_window,
+        }
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> Accounting:
+        return cls(
+            arrived=data["arrived"],
+            cut=data["cut"],
+            rejected=Counter(data["rejected"]),
+            discarded=Counter(data["discarded"]),
+            stale_in_window=data["stale_in_window"],
+        )
+
     @property
     def accounted(self) -> int:
         """Rollouts that left the orchestrator: rejected, discarded or cut."""
@@ -185,6 +209,10 @@ class Orchestrator:
         self._stream_cursor = "0-0"
         self.rollout_log = RolloutLog(settings.record_rollouts)
         self._cut_rollouts: dict[int, list[str]] = {}
+        # Stream entry of every rollout in an open group, oldest first (insertion order):
+        # the stream is trimmed no further than the oldest, so a restart can re-read them.
+        self._open_entries: dict[str, str] = {}
+        self._resumed_from: Checkpoint | None = None
 
     # -- ingestion ---------------------------------------------------------------------
 
@@ -198,22 +226,28 @@ class Orchestrator:
                 continue
             entries = response[0][1]
             release_ids: list[str] = []
-            for _entry_id, fields in entries:
-                release_ids.extend(self._take_record(fields.get(b"record", b"")))
+            for entry_id, fields in entries:
+                release_ids.extend(self._take_record(entry_id.decode(), fields.get(b"record", b"")))
             self._stream_cursor = entries[-1][0].decode()
             pipe = self.client.pipeline(transaction=False)
             if release_ids:
                 pipe.unlink(*(self.keys.rollout(r) for r in release_ids))
             pipe.set(self.keys.run_key("accounted"), self.accounting.accounted)
-            pipe.xtrim(self.keys.rollout_stream, minid=self._stream_cursor)
             pipe.hset(self.state.status, mapping=self.status())
             await pipe.execute()
             if len(self.pending) >= self.settings.batch_size:
                 self._work.set()
 
-    def _take_record(self, raw: bytes) -> list[str]:
-        """Account one stream record; return the rollout ids whose payloads to release."""
-        self.accounting.arrived += 1
+    def _take_record(self, entry_id: str, raw: bytes) -> list[str]:
+        """Account one stream record; return the rollout ids whose payloads to release.
+
+        After a restart, a record the checkpoint covers is taken again only if its rollout
+        was in an open group then (it was counted as arrived already)."""
+        if self._resumed_from is not None and self._resumed_from.covers(entry_id):
+            if _rollout_id_of(raw) not in self._resumed_from.open_rollouts:
+                return []
+        else:
+            self.accounting.arrived += 1
         try:
             record = parse_record(raw)
             envs = self.settings.envs
@@ -228,7 +262,10 @@ class Orchestrator:
             rollout_id = _rollout_id_of(raw)
             return [rollout_id] if rollout_id and exc.reason != "duplicate_rollout" else []
         if group is None:
+            self._open_entries[record.rollout_id] = entry_id
             return []
+        for member in group:
+            self._open_entries.pop(member.rollout_id, None)
         released = []
         for outcome in decide_group(
             group, self.next_step, self.settings.max_off_policy_steps, self.settings.normalize_advantages
@@ -328,12 +365,21 @@ class Orchestrator:
         )
         self.window = CohortBuilder()
         manifest_key = self.keys.step(step, "manifest")
+        checkpoint = Checkpoint(
+            cursor=self._stream_cursor,
+            open_rollouts=frozenset(self._open_entries),
+            pending=self.pending.build(),
+            accounting=self.accounting.to_wire(),
+        )
         pipe = self.client.pipeline(transaction=True)
         pipe.set(manifest_key, manifest.to_bytes(), ex=self.store.ttl)
         pipe.sadd(self.keys.step_keys(step), manifest_key, *(self.keys.rollout(r) for r in batch_ids))
         pipe.expire(self.keys.step_keys(step), self.store.ttl)
         pipe.set(self.state.next_step, step + 1)
+        pipe.set(self.state.checkpoint, checkpoint.to_bytes())
         pipe.set(self.keys.run_key("accounted"), self.accounting.accounted)
+        oldest_held = next(iter(self._open_entries.values()), self._stream_cursor)
+        pipe.xtrim(self.keys.rollout_stream, minid=oldest_held)
         await pipe.execute()
         await self._enqueue(finalize, step)
         return manifest
@@ -383,6 +429,7 @@ class Orchestrator:
                 await self._log_shipped(step)
                 self._work.set()
                 await self.schedule_release(step)
+                await self.client.set(self.state.followed, step)
         await self.drain_release()
 
     async def _log_shipped(self, step: int) -> None:
@@ -431,21 +478,76 @@ class Orchestrator:
         """At the end of the run every rollout still held (pending, in open groups, or not
         yet read from the stream) will never ship: release the payloads and the stream."""
         deleted = await self.store.delete_all_rollouts()
-        await self.client.unlink(self.keys.rollout_stream)
+        await self.client.unlink(self.keys.rollout_stream, self.state.checkpoint)
         if deleted:
             log.info("released %d unshipped rollouts at shutdown", deleted)
         return deleted
 
     # -- lifecycle ---------------------------------------------------------------------
 
+    async def hold_lease(self, acquired: asyncio.Event) -> None:
+        """Hold the run's orchestrator lease while running: a second orchestrator of the
+        same run (a restart racing a live one) waits instead of cutting the same steps."""
+        token = f"{socket.gethostname()}:{os.getpid()}:{id(self)}"
+        waiting_logged = False
+        while not acquired.is_set():
+            if await self.client.set(self.state.orchestrator_lease, token, nx=True, ex=LEASE_SECONDS):
+                acquired.set()
+            elif not waiting_logged:
+                log.warning("run %s: another orchestrator holds the lease; waiting", self.settings.run_id)
+                waiting_logged = True
+            await asyncio.sleep(LEASE_SECONDS / 5)
+        while not self._stopping.is_set():
+            if await self.client.get(self.state.orchestrator_lease) != token.encode():
+                log.error("run %s: lost the orchestrator lease; stopping", self.settings.run_id)
+                self._stopping.set()
+                self._work.set()
+                return
+            await self.client.expire(self.state.orchestrator_lease, LEASE_SECONDS)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), LEASE_SECONDS / 5)
+        await self.client.delete(self.state.orchestrator_lease)
+
+    async def resume(self) -> None:
+        """Pick up the run where a previous orchestrator left it (orchestrator.checkpoint):
+        its counters and held rollouts, and the cut steps not yet published (their first
+        task is enqueued again; the stages are idempotent)."""
+        self.next_step = int(await self.client.get(self.state.next_step) or 0)
+        self.last_published = int(await self.client.get(self.state.followed) or -1)
+        raw = await self.client.get(self.state.checkpoint)
+        if raw is None:
+            return
+        checkpoint = Checkpoint.from_bytes(raw)
+        self._resumed_from = checkpoint
+        self.pending = CohortBuilder.from_cohort(checkpoint.pending)
+        self.accounting = Accounting.from_wire(checkpoint.accounting)
+        unpublished = [
+            step
+            for step in range(self.last_published + 1, self.next_step)
+            if not await self.client.hexists(self.state.published, step)
+        ]
+        for step in unpublished:
+            await self._enqueue(finalize, step)
+        log.warning(
+            "run %s resumed: next step %d, %d pending rollouts, %d in open groups to re-read; "
+            "steps %s enqueued again",
+            self.settings.run_id,
+            self.next_step,
+            len(self.pending),
+            len(checkpoint.open_rollouts),
+            unpublished,
+        )
+
     async def run(self) -> dict[str, Any]:
         """Ship `settings.steps` steps (counting from where the run left off); return a summary."""
         started = time.perf_counter()
         self.monitors = Monitors(self.settings)
-        self.next_step = int(await self.client.get(self.state.next_step) or 0)
-        self.last_published = self.next_step - 1
+        leased = asyncio.Event()
+        lease = asyncio.create_task(self.hold_lease(leased))
+        await leased.wait()
+        await self.resume()
         probe = asyncio.create_task(self.probe.run())
-        loops = [asyncio.create_task(self.ingest()), asyncio.create_task(self.dispatch())]
+        loops = [lease, asyncio.create_task(self.ingest()), asyncio.create_task(self.dispatch())]
         try:
             await self.follow_records()
         finally:

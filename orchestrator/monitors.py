@@ -24,16 +24,38 @@ class Monitor(Protocol):
 
 
 class JsonlMonitor:
+    """Appends one line per record. A restarted orchestrator may hand it again a record it
+    wrote just before dying; steps at or below the file's last one are skipped."""
+
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        self._last_step = last_logged_step(path)
         self._sink = path.open("a")
 
     def log(self, record: dict[str, float]) -> None:
+        if record["step"] <= self._last_step:
+            return
         self._sink.write(json.dumps(record, sort_keys=True) + "\n")
         self._sink.flush()
+        self._last_step = record["step"]
 
     def close(self) -> None:
         self._sink.close()
+
+
+def last_logged_step(path: Path, tail_bytes: int = 1 << 20) -> float:
+    """The step of the last complete line of a metrics.jsonl (-1 if none), read from its tail."""
+    if not path.exists():
+        return -1
+    with path.open("rb") as f:
+        f.seek(max(0, f.seek(0, 2) - tail_bytes))
+        lines = f.read().split(b"\n")
+    for line in reversed(lines):
+        try:
+            return float(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return -1
 
 
 class WandbMonitor:

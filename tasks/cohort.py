@@ -136,6 +136,17 @@ class CohortBuilder:
             if len(column) < self._rows:
                 column.append(np.nan)
 
+    @classmethod
+    def from_cohort(cls, cohort: Cohort) -> CohortBuilder:
+        """A builder holding `cohort`'s rows, to append to (a restored queue)."""
+        builder = cls()
+        for name, values in cohort.numeric.items():
+            builder._numeric[name] = array("d", np.asarray(values, dtype=np.float64).tobytes())
+        for name in LABEL_COLUMNS:
+            builder._labels[name] = list(cohort.labels[name])
+        builder._rows = len(cohort)
+        return builder
+
     def build(self, limit: int | None = None) -> Cohort:
         """The first `limit` rows (all by default) as a Cohort; the builder is unchanged."""
         return Cohort(

@@ -77,6 +77,11 @@ class RunState:
         # The orchestrator's live counters (pending, open groups, lag), for progress displays.
         self.status = self.keys.run_key("status")
         self.evicted = self.keys.run_key("payloads_evicted_unacknowledged")
+        # The orchestrator's restart point (orchestrator.checkpoint), the newest step whose
+        # record it has mirrored and released, and the lease only one live orchestrator holds.
+        self.checkpoint = self.keys.run_key("checkpoint")
+        self.followed = self.keys.run_key("followed")
+        self.orchestrator_lease = self.keys.run_key("orchestrator_lease")
 
 
 class StepContext:

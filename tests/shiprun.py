@@ -17,9 +17,11 @@ import redis
 import redis.asyncio as aioredis
 
 from orchestrator.loop import Orchestrator
-from orchestrator.producer import run_producer
+from orchestrator.producer import RolloutProducer, run_producer
 from orchestrator.settings import RunSettings, settings_to_env
 from tests.conftest import REPO, Workers, python_command
+from tests.factories import group
+from transport.keys import RunKeys
 from transport.store import PayloadStore
 from transport.zmq import free_port_pair
 
@@ -110,3 +112,38 @@ def ship(settings: RunSettings, trainers: bool = True, produce: bool = True) -> 
 def metrics_lines(settings: RunSettings) -> list[dict[str, float]]:
     path = Path(settings.output_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def deterministic_run(
+    client: redis.Redis, run_id: str, redis_url: str, workers: Workers, output_dir: Path, steps: int
+) -> RunSettings:
+    """Rollouts written up front, all trainable and on-policy: every step's cohort, and so
+    every payload, is the same in every run."""
+    settings = ship_settings(
+        run_id,
+        redis_url,
+        workers,
+        output_dir,
+        steps=steps,
+        batch_size=8,
+        group_size=4,
+        max_off_policy_steps=100,
+    )
+    producer = RolloutProducer(client, run_id)
+    for index in range(steps * 2 + 2):
+        producer.produce(group(f"d{index}", [1.0, 0.0, 1.0, 0.0], num_output_tokens=10 + index, env="math"))
+    return settings
+
+
+def delivered(
+    client: redis.Redis, run_id: str, ranks: int
+) -> tuple[dict[int, dict[int, str]], dict[int, dict[int, int]]]:
+    """What each rank acknowledged (step -> checksum) and how often each step reached it."""
+    keys = RunKeys(run_id)
+    checksums = {
+        r: {int(s): c.decode() for s, c in client.hgetall(keys.received(r)).items()} for r in range(ranks)
+    }
+    counts = {
+        r: {int(s): int(n) for s, n in client.hgetall(keys.deliveries(r)).items()} for r in range(ranks)
+    }
+    return checksums, counts
