@@ -25,6 +25,7 @@ from array import array
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -49,7 +50,21 @@ READ_BLOCK_MS = 100
 POLL_SECONDS = 0.01
 RECENT_RECORDS = 8
 LEASE_SECONDS = 5  # a killed orchestrator's successor waits at most this long to start
-STALL_REPORT_SECONDS = 2.0  # a policy wait this long is reported, naming the ranks behind it
+STALL_REPORT_SECONDS = 2.0
+STALL_CHECK_SECONDS = 1.0  # a policy wait this long is reported, naming the ranks behind it
+
+
+class RunStateLost(RuntimeError):
+    """Redis no longer holds the run (it restarted without persistence, or was flushed)."""
+
+    def __init__(self, run_id: str, report: dict[str, Any]) -> None:
+        super().__init__(
+            f"run {run_id}: Redis lost the run's state (restarted without persistence?): "
+            f"steps {report['steps_lost']} were cut and not yet recorded, "
+            f"{len(report['rollouts_lost_pending'])} pending rollouts and "
+            f"{len(report['rollouts_lost_in_open_groups'])} in open groups are gone"
+        )
+        self.report = report
 
 
 class LagProbe:
@@ -213,6 +228,7 @@ class Orchestrator:
         # the stream is trimmed no further than the oldest, so a restart can re-read them.
         self._open_entries: dict[str, str] = {}
         self._resumed_from: Checkpoint | None = None
+        self._aborted: Exception | None = None
 
     # -- ingestion ---------------------------------------------------------------------
 
@@ -404,13 +420,43 @@ class Orchestrator:
             if not self._stopping.is_set() and await self.cut(step) is not None:
                 self.next_step = step + 1
 
+    async def watch_stalled_steps(self) -> None:
+        """Enqueue again the first task of a step that has made no progress for
+        `stall_seconds`: a task message can be lost outright (a Redis that dies between
+        handing a message to a worker and the worker receiving it), and the stages are
+        idempotent, so the re-run skips what is done and redoes only what is missing."""
+        progress: dict[int, tuple[int, int, float]] = {}
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), STALL_CHECK_SECONDS)
+            steps = range(self.last_published + 1, self.next_step)
+            pipe = self.client.pipeline(transaction=False)
+            for step in steps:
+                pipe.scard(self.keys.step_keys(step))
+                pipe.scard(self.keys.step(step, "sent"))
+            counts = await pipe.execute()
+            now = time.monotonic()
+            for index, step in enumerate(steps):
+                marks = (counts[2 * index], counts[2 * index + 1])
+                previous = progress.get(step)
+                if previous is None or previous[:2] != marks:
+                    progress[step] = (*marks, now)
+                elif now - previous[2] >= self.settings.stall_seconds:
+                    log.warning(
+                        "step %d made no progress for %.0f s; enqueueing it again", step, now - previous[2]
+                    )
+                    await self._enqueue(finalize, step)
+                    progress[step] = (*marks, now)
+            for step in [s for s in progress if s not in steps]:
+                del progress[step]
+
     # -- records and release -----------------------------------------------------------
 
     async def follow_records(self) -> None:
         """Mirror published records to metrics.jsonl, print a line each, release each step."""
         cursor = "0-0"
         loop = asyncio.get_running_loop()
-        while self.last_published < self.settings.steps - 1:
+        while self.last_published < self.settings.steps - 1 and not self._stopping.is_set():
             response = await self.client.xread(
                 {self.keys.metrics_stream: cursor}, count=16, block=READ_BLOCK_MS
             )
@@ -447,6 +493,8 @@ class Orchestrator:
 
     async def _await_released(self, step: int) -> None:
         while not await self.client.hexists(self.state.released, step):
+            if self._stopping.is_set():
+                return
             await asyncio.sleep(POLL_SECONDS)
 
     async def drain_release(self) -> None:
@@ -492,21 +540,44 @@ class Orchestrator:
         waiting_logged = False
         while not acquired.is_set():
             if await self.client.set(self.state.orchestrator_lease, token, nx=True, ex=LEASE_SECONDS):
+                await self.client.set(self.state.run_marker, time.time(), nx=True)
                 acquired.set()
-            elif not waiting_logged:
+                break
+            if not waiting_logged:
                 log.warning("run %s: another orchestrator holds the lease; waiting", self.settings.run_id)
                 waiting_logged = True
             await asyncio.sleep(LEASE_SECONDS / 5)
         while not self._stopping.is_set():
-            if await self.client.get(self.state.orchestrator_lease) != token.encode():
-                log.error("run %s: lost the orchestrator lease; stopping", self.settings.run_id)
-                self._stopping.set()
-                self._work.set()
+            pipe = self.client.pipeline(transaction=False)
+            pipe.exists(self.state.run_marker)
+            pipe.set(self.state.orchestrator_lease, token, nx=True, ex=LEASE_SECONDS)
+            pipe.get(self.state.orchestrator_lease)
+            marker, _, holder = await pipe.execute()
+            if not marker:
+                self._abort(RunStateLost(self.settings.run_id, self.loss_report()))
+                return
+            if holder != token.encode():
+                self._abort(RuntimeError(f"run {self.settings.run_id}: another orchestrator took the lease"))
                 return
             await self.client.expire(self.state.orchestrator_lease, LEASE_SECONDS)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), LEASE_SECONDS / 5)
         await self.client.delete(self.state.orchestrator_lease)
+
+    def _abort(self, error: Exception) -> None:
+        """Stop every loop at its next turn; `run` raises `error` once they have."""
+        self._aborted = error
+        self._stopping.set()
+        self._work.set()
+
+    def loss_report(self) -> dict[str, Any]:
+        """What a Redis that came back empty took with it, as far as this process knows."""
+        return {
+            "steps_lost": list(range(self.last_published + 1, self.next_step)),
+            "rollouts_lost_pending": self.pending.rollout_ids,
+            "rollouts_lost_in_open_groups": list(self._open_entries),
+            "records_read": self.accounting.arrived,
+        }
 
     async def resume(self) -> None:
         """Pick up the run where a previous orchestrator left it (orchestrator.checkpoint):
@@ -547,7 +618,12 @@ class Orchestrator:
         await leased.wait()
         await self.resume()
         probe = asyncio.create_task(self.probe.run())
-        loops = [lease, asyncio.create_task(self.ingest()), asyncio.create_task(self.dispatch())]
+        loops = [
+            lease,
+            asyncio.create_task(self.ingest()),
+            asyncio.create_task(self.dispatch()),
+            asyncio.create_task(self.watch_stalled_steps()),
+        ]
         try:
             await self.follow_records()
         finally:
@@ -559,6 +635,12 @@ class Orchestrator:
             self._monitor_thread.submit(self.monitors.close).result()
             self._monitor_thread.shutdown(wait=True)
             self.rollout_log.close()
+        if isinstance(self._aborted, RunStateLost):
+            path = Path(self.settings.output_dir) / "lost.json"
+            path.write_text(json.dumps(self._aborted.report, indent=1))
+            log.error("%s; the list is in %s", self._aborted, path)
+        if self._aborted is not None:
+            raise self._aborted
         unacknowledged = await self.release_acknowledged_payloads()
         await self.release_unshipped()
         return {

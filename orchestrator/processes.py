@@ -46,9 +46,12 @@ class ProcessGroup:
     env: Mapping[str, str]
     log_dir: Path
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    commands: dict[str, list[str]] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)
 
     def start(self, name: str, command: Sequence[str], *, capture: bool = True) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.commands[name] = list(command)
         out = open(self.log_dir / f"{name}.log", "ab") if capture else None  # noqa: SIM115
         process = subprocess.Popen(
             list(command),
@@ -77,6 +80,12 @@ class ProcessGroup:
         for name in reversed(list(self.processes)):
             self.stop(name, grace)
 
+    def restart(self, name: str) -> subprocess.Popen:
+        """Start an exited child again with the same command (its log is appended to)."""
+        self.restarts[name] = self.restarts.get(name, 0) + 1
+        self.processes.pop(name, None)
+        return self.start(name, self.commands[name])
+
     def failed(self) -> dict[str, int]:
         """Processes that exited while they should still be running."""
         return {n: p.returncode for n, p in self.processes.items() if p.poll() not in (None, 0)}
@@ -90,7 +99,9 @@ def redis_answers(url: str) -> bool:
 
 
 def ensure_redis(url: str, group: ProcessGroup, data_dir: Path) -> None:
-    """Use the Redis at `url`, or start one (append-only file in `data_dir`) if none answers."""
+    """Use the Redis at `url`, or start one if none answers. Its append-only file (in
+    `data_dir`) is synced on every write, so a killed and restarted Redis loses nothing it
+    acknowledged: the ship path's marks and the records stay true."""
     if redis_answers(url):
         return
     port = redis.connection.parse_url(url).get("port", 6379)
@@ -107,6 +118,8 @@ def ensure_redis(url: str, group: ProcessGroup, data_dir: Path) -> None:
             "",
             "--appendonly",
             "yes",
+            "--appendfsync",
+            "always",
             "--dir",
             str(data_dir.resolve()),
             "--maxmemory-policy",

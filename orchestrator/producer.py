@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 from orchestrator.records import RolloutRecord
 from orchestrator.settings import RunSettings, add_settings_arguments, settings_from_args
 from tasks.stages.finalize import check_rollout_arrays
+from transport.connection import connect_redis
 from transport.keys import RunKeys
 from transport.store import DEFAULT_TTL_SECONDS, pack_arrays
 
@@ -200,7 +201,7 @@ def run_producer(
 ) -> int:
     """Produce groups until `groups` are written or `stop` is set (or forever), staying
     within the orchestrator's outstanding-rollout limit and following the policy version."""
-    client = redis.Redis.from_url(settings.redis_url)
+    client = connect_redis(settings.redis_url)
     producer = RolloutProducer(
         client, settings.run_id, max_tokens=settings.seq_len, vocab_size=settings.vocab_size
     )

@@ -1,8 +1,9 @@
 """`rlship run`: the whole system on one machine.
 
 Starts (or connects to) Redis, the Celery workers, the trainer ranks, the producer and
-the orchestrator as child processes; prints one line per shipped step; stops everything
-after `--steps N` (or Ctrl-C) and prints a summary (also written as JSON with
+the orchestrator as child processes (their output in `{output_dir}/logs/`); prints one
+line per shipped step and the run's live status (`orchestrator.progress`); stops
+everything after `--steps N` (or Ctrl-C) and prints a summary (also written as JSON with
 `--summary-json`). `rlship orchestrate` and `rlship trainer` are the children's commands.
 """
 
@@ -20,18 +21,21 @@ from pathlib import Path
 from typing import Any
 
 import redis
-import redis.asyncio as aioredis
 
-from orchestrator.loop import Orchestrator
+from orchestrator.logs import configure_logging
+from orchestrator.loop import Orchestrator, RunStateLost
 from orchestrator.processes import ProcessGroup, ensure_redis, rlship_command, worker_commands
+from orchestrator.progress import REFRESH_SECONDS, ProgressDisplay, StatusReader
 from orchestrator.settings import (
     RunSettings,
     add_settings_arguments,
+    mask_url,
     resolve_settings,
     settings_from_args,
     settings_to_env,
 )
 from tasks.ship import RunState
+from transport.connection import OUTAGE_SECONDS, connect_redis, connect_redis_async
 from transport.keys import RunKeys
 from transport.replay import RetainedPayloads
 from transport.store import PayloadStore
@@ -40,6 +44,8 @@ from transport.trainer import TrainerRank, open_receiver
 log = logging.getLogger("rlship.run")
 
 TRAINER_DRAIN_SECONDS = 60.0
+RESTARTABLE = frozenset({"redis", "cpu-worker", "ship-worker"})
+MAX_RESTARTS = 10
 
 
 def received_by_rank(client: redis.Redis, run_id: str, ranks: int) -> dict[str, dict[str, Any]]:
@@ -69,6 +75,13 @@ def _wait_for_trainers(group: ProcessGroup, ranks: int, timeout: float) -> None:
 
 
 def run_local(settings: RunSettings, summary_path: Path | None) -> dict[str, Any]:
+    # The children run in the repository (`ProcessGroup`): a relative path would be theirs.
+    settings = settings.model_copy(
+        update={
+            "output_dir": Path(settings.output_dir).resolve(),
+            "record_rollouts": settings.record_rollouts and Path(settings.record_rollouts).resolve(),
+        }
+    )
     output_dir = Path(settings.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     group = ProcessGroup(env=settings_to_env(settings), log_dir=output_dir / "logs")
@@ -84,19 +97,31 @@ def run_local(settings: RunSettings, summary_path: Path | None) -> dict[str, Any
             for rank in range(settings.ranks):
                 group.start(f"trainer-{rank}", rlship_command("trainer", "--rank", str(rank)))
         group.start("producer", rlship_command("produce"))
+        display = ProgressDisplay(
+            StatusReader(
+                redis.Redis.from_url(settings.redis_url, socket_timeout=5),
+                settings.run_id,
+                [settings.cpu_queue, settings.ship_queue],
+                settings.ranks,
+            ),
+            sys.stdout,
+            settings.steps,
+            settings.ranks,
+        )
         orchestrator = group.start(
-            "orchestrator",
-            rlship_command("orchestrate", "--summary-out", str(orchestrator_summary)),
-            capture=False,
+            "orchestrator", rlship_command("orchestrate", "--summary-out", str(orchestrator_summary))
         )
         try:
             while orchestrator.poll() is None:
-                failed = {n: c for n, c in group.failed().items() if n != "orchestrator"}
-                if failed:
-                    raise SystemExit(f"rlship: child processes failed: {failed} (logs in {group.log_dir})")
-                time.sleep(0.2)
+                _restart_or_fail(group)
+                display.update()
+                time.sleep(REFRESH_SECONDS)
+            display.update(final=True)
             if orchestrator.returncode != 0:
-                raise SystemExit(f"rlship: the orchestrator exited with {orchestrator.returncode}")
+                raise SystemExit(
+                    f"rlship: the orchestrator exited with {orchestrator.returncode} "
+                    f"(log in {group.log_dir / 'orchestrator.log'})"
+                )
             _wait_for_trainers(group, settings.ranks, TRAINER_DRAIN_SECONDS)
         except KeyboardInterrupt:
             interrupted = True
@@ -111,6 +136,25 @@ def run_local(settings: RunSettings, summary_path: Path | None) -> dict[str, Any
         summary_path.parent.mkdir(parents=True, exist_ok=True)
         summary_path.write_text(json.dumps(summary, indent=2, sort_keys=True))
     return summary
+
+
+def _restart_or_fail(group: ProcessGroup) -> None:
+    """Workers hold no state and the run's own Redis keeps an append-only file: when one
+    exits (a worker's consumer can die when Redis restarts under it), start it again.
+    Any other child exiting, or one restarting too often, ends the run."""
+    exited = {
+        name: process.returncode
+        for name, process in group.processes.items()
+        if name in RESTARTABLE and process.poll() is not None
+    }
+    for name, code in {**group.failed(), **exited}.items():
+        if name == "orchestrator":
+            continue
+        restarts = group.restarts.get(name, 0)
+        if name not in RESTARTABLE or restarts >= MAX_RESTARTS:
+            raise SystemExit(f"rlship: {name} exited with {code} (logs in {group.log_dir})")
+        log.warning("%s exited with %s; starting it again (restart %d)", name, code, restarts + 1)
+        group.restart(name)
 
 
 def _summarize(settings: RunSettings, orchestrator_summary: Path) -> dict[str, Any]:
@@ -147,12 +191,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--summary-json", type=Path, default=None, help="write the summary here")
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM stops the run as Ctrl-C does: children stopped by PID, summary printed."""
+    raise KeyboardInterrupt
+
+
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sources = resolve_settings(args).sources
     if sources["run_id"] == "default":
         args.run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     settings = settings_from_args(args)
+    configure_logging(settings.log_json, logging.INFO, run_id=settings.run_id)
+    signal.signal(signal.SIGTERM, _interrupt)
     if sources["output_dir"] == "default":
         settings = settings.model_copy(update={"output_dir": Path("runs") / settings.run_id})
     summary = run_local(settings, args.summary_json)
@@ -169,7 +219,7 @@ def add_orchestrate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def _orchestrate(settings: RunSettings) -> dict[str, Any]:
-    client = aioredis.Redis.from_url(settings.redis_url, socket_timeout=30)
+    client = connect_redis_async(settings.redis_url, socket_timeout=30)
     try:
         return await Orchestrator(settings, client).run()
     finally:
@@ -177,9 +227,20 @@ async def _orchestrate(settings: RunSettings) -> dict[str, Any]:
 
 
 def orchestrate_main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = settings_from_args(args)
-    summary = asyncio.run(_orchestrate(settings))
+    configure_logging(settings.log_json, logging.WARNING, run_id=settings.run_id)
+    try:
+        summary = asyncio.run(_orchestrate(settings))
+    except RunStateLost as exc:
+        print(f"rlship orchestrate: {exc}", file=sys.stderr)
+        return 3
+    except redis.ConnectionError as exc:
+        print(
+            f"rlship orchestrate: Redis at {mask_url(settings.redis_url)} stayed unreachable "
+            f"for {OUTAGE_SECONDS:.0f} s: {exc}",
+            file=sys.stderr,
+        )
+        return 3
     if args.summary_out is not None:
         args.summary_out.write_text(json.dumps(summary))
     return 0
@@ -197,9 +258,9 @@ def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def trainer_main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = settings_from_args(args)
-    client = redis.Redis.from_url(settings.redis_url)
+    configure_logging(settings.log_json, logging.INFO, run_id=settings.run_id, rank=args.rank)
+    client = connect_redis(settings.redis_url)
     received = client.hkeys(RunKeys(settings.run_id).received(args.rank))
     next_step = max((int(s) + 1 for s in received), default=0)
     receiver = open_receiver(

@@ -59,8 +59,14 @@ class RunSettings(BaseSettings):
         default=None, description="write one JSON line per finalized rollout"
     )
     max_outstanding_rollouts: int = Field(default=0, ge=0, description="producer backlog; 0 = 4 batches")
+    log_json: bool = Field(
+        default=False, description="log JSON lines (time, level, logger, message, run_id, step, rank)"
+    )
     replay_steps: int = Field(
         default=8, ge=1, description="steps whose payloads stay in Redis until every rank acknowledges them"
+    )
+    stall_seconds: float = Field(
+        default=30.0, gt=0, description="a step without progress this long is enqueued again"
     )
     ack_timeout: float = Field(
         default=30.0, ge=0, description="seconds the end of a run waits for ranks to acknowledge"

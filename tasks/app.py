@@ -2,7 +2,7 @@
 
 Start workers with `celery -A tasks worker -Q cpu` (compute stages) and
 `celery -A tasks worker -Q ship -c 1 --prefetch-multiplier=1` (the one process that owns
-the bound ZMQ sockets).
+the bound ZMQ sockets). With `RLSHIP_LOG_JSON=1` a worker logs JSON lines (`tasks.logs`).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 
 from celery import Celery
+
+from tasks import logs  # noqa: F401  (connects the worker logging hooks)
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 CPU_QUEUE = "cpu"
@@ -42,7 +44,18 @@ app.conf.update(
     worker_send_task_events=True,
     task_send_sent_event=True,
     broker_connection_retry_on_startup=True,
+    # A stage enqueues its successors itself: if that publish gave up during a Redis
+    # restart, the step would stop there. Keep trying for about as long as the Redis
+    # clients do (transport.connection.OUTAGE_SECONDS).
+    task_publish_retry=True,
+    task_publish_retry_policy={
+        "max_retries": 40,
+        "interval_start": 0.1,
+        "interval_step": 0.5,
+        "interval_max": 1.0,
+    },
     broker_transport_options={"visibility_timeout": visibility_timeout()},
     result_backend_transport_options={"visibility_timeout": visibility_timeout()},
     worker_hijack_root_logger=False,
 )
+

@@ -41,6 +41,7 @@ from tasks.stages.release import trim_process_memory
 from tasks.stages.samples import choose_samples, sample_lines, write_samples
 from transport.base import StepSender
 from transport.checksum import payload_checksum
+from transport.connection import connect_redis
 from transport.keys import RunKeys
 from transport.store import PayloadStore
 
@@ -59,7 +60,7 @@ RECORDS_KEPT = 1000
 @functools.cache
 def redis_client() -> redis.Redis:
     """One connection pool per worker process (created after fork, on first use)."""
-    return redis.Redis.from_url(redis_url(), socket_timeout=120, health_check_interval=30)
+    return connect_redis(redis_url(), socket_timeout=120, health_check_interval=30)
 
 
 class RunState:
@@ -82,6 +83,8 @@ class RunState:
         self.checkpoint = self.keys.run_key("checkpoint")
         self.followed = self.keys.run_key("followed")
         self.orchestrator_lease = self.keys.run_key("orchestrator_lease")
+        # Written once when the run starts; its absence means Redis lost the run.
+        self.run_marker = self.keys.run_key("started_at")
 
 
 class StepContext:

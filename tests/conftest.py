@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import redis
+from celery import Celery
 
 from orchestrator.processes import celery_worker_command, redis_answers
 from tasks.app import DEFAULT_REDIS_URL
@@ -71,15 +72,17 @@ class Workers:
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Until each worker answers a ping (it has connected and consumes its queue)."""
-        from tasks.app import app
-
+        # An app of its own on the workers' Redis: the shared app's broker is fixed at import.
+        ping_app = Celery("rlship-test-ping", broker=self.redis_url)
+        ping_app.conf.accept_content = ["msgpack", "json"]
+        control = ping_app.control
         deadline = time.monotonic() + timeout
         expected = len(self.processes)
         while time.monotonic() < deadline:
             for kind, process in self.processes.items():
                 if process.poll() is not None:
                     raise RuntimeError(f"{kind} worker exited with {process.returncode}; see {self.log_dir}")
-            replies = app.control.ping(timeout=0.5) or []
+            replies = control.ping(timeout=0.5) or []
             names = {name for reply in replies for name in reply}
             if sum(any(q in n for n in names) for q in (self.cpu_queue, self.ship_queue)) >= expected:
                 return

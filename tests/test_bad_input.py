@@ -64,7 +64,7 @@ def test_a_fuzzed_record_is_rejected_or_accepted_never_crashes(raw, caplog):
     orchestrator = _orchestrator()
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="rlship.orchestrator"):
-        orchestrator._take_record(raw)
+        orchestrator._take_record("1-0", raw)
     rejected = sum(orchestrator.accounting.rejected.values())
     try:
         RolloutRecord.model_validate_json(raw)
@@ -91,7 +91,7 @@ def test_bad_records_beside_a_group_leave_it_whole(caplog):
         rollout("g1-r9", "g1", 1.0, env="math")[0].model_dump_json().encode(),  # the group is complete
     ]
     with caplog.at_level(logging.WARNING, logger="rlship.orchestrator"):
-        released = [orchestrator._take_record(raw) for raw in feed]
+        released = [orchestrator._take_record(f"{i + 1}-0", raw) for i, raw in enumerate(feed)]
     assert orchestrator.pending.rollout_ids == ["g1-r0", "g1-r1"], "the good group trains"
     assert dict(orchestrator.accounting.rejected) == {
         "invalid_field": 1, "unknown_env": 1, "duplicate_rollout": 1, "group_overflow": 1,

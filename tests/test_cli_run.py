@@ -26,6 +26,7 @@ def test_rlship_run_ships_every_step_to_every_rank(redis_url, tmp_path):
         "--zmq-port", str(free_port_pair()), "--output-dir", str(tmp_path),
         "--cpu-queue", f"cpu-{run_id}", "--ship-queue", f"ship-{run_id}",
         "--summary-json", str(summary_path), "--record-rollouts", str(tmp_path / "rollouts.jsonl"),
+        "--log-json",
     ]  # fmt: skip
     done = subprocess.run(
         command,
@@ -38,6 +39,18 @@ def test_rlship_run_ships_every_step_to_every_rank(redis_url, tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert [line for line in done.stdout.splitlines() if line.startswith("step ")][2].startswith("step 2 |")
     assert f"rlship run {run_id}: 3 steps shipped" in done.stdout
+    # Not a terminal: plain lines, no cursor movement; the last status line says it all.
+    assert "\x1b" not in done.stdout
+    status = [line for line in done.stdout.splitlines() if line.startswith("status: ")]
+    assert status[-1].startswith("status: steps [####################] 3/3 shipped")
+
+    # --log-json reaches the children: the trainer ranks log JSON lines with their context.
+    for rank in (0, 1):
+        log_lines = (tmp_path / "logs" / f"trainer-{rank}.log").read_text().splitlines()
+        entries = [json.loads(line) for line in log_lines]
+        received = [e for e in entries if e["message"].startswith(f"rank {rank} received step")]
+        assert len(received) == 3
+        assert all(e["run_id"] == run_id and e["rank"] == rank for e in received)
 
     summary = json.loads(summary_path.read_text())
     assert summary["steps_shipped"] == summary["records_published"] == 3

@@ -78,12 +78,13 @@ def test_children_get_the_resolved_settings(monkeypatch: pytest.MonkeyPatch, tmp
     """What a child reads back from `settings_to_env` is what the parent resolved: unset stays
     unset (not the string "None"), and the parent's config file cannot override its flags."""
     monkeypatch.setenv("RLSHIP_CONFIG", str(write_toml(tmp_path / "run.toml", "ranks = 9\n")))
-    parent = settings_from_args(parse("--ranks", "3", "--normalize-advantages"))
+    parent = settings_from_args(parse("--ranks", "3", "--normalize-advantages", "--log-json"))
     assert parent.wandb_project is None and parent.record_rollouts is None
     for name, value in settings_to_env(parent).items():
         monkeypatch.setenv(name, value)
     child = settings_from_args(parse())
-    assert child == parent
+    assert child == parent and child.log_json
+    assert not settings_from_args(parse("--no-log-json")).log_json
 
 
 @pytest.mark.parametrize(
