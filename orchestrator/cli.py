@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
                    "event-loop lag while shipping: stages inline, in threads, in Celery workers"),
     "config show": ("orchestrator.config_cli", "add_arguments", "main",
                     "the effective settings (environment < --config TOML < flags), secrets masked"),
+    "chaos": ("orchestrator.chaos", "add_arguments", "main",
+              "a seeded run while its workers and orchestrator are killed, against a fault-free one"),
     "report": ("orchestrator.report", "add_arguments", "main",
                "report.html and PNG charts of a run from its metrics.jsonl"),
 }  # fmt: skip

@@ -15,6 +15,7 @@ from pathlib import Path
 import redis
 
 from orchestrator.settings import RunSettings
+from transport.keys import RunKeys
 
 
 def rlship_command(*args: str) -> list[str]:
@@ -133,3 +134,33 @@ def ensure_redis(url: str, group: ProcessGroup, data_dir: Path) -> None:
                 f"rlship: redis_url={url!r}: no Redis answers, and the one started did not come up"
             )
         time.sleep(0.1)
+
+
+def wait_for_workers(
+    settings: RunSettings, group: ProcessGroup, timeout: float = 60.0
+) -> None:
+    """Until both workers of this placement answer a ping (they consume their queues)."""
+    from tasks.app import app
+
+    expected = {f"cpu-{settings.run_id}@", f"ship-{settings.run_id}@"}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if group.failed():
+            raise RuntimeError(f"workers exited: {group.failed()}; logs in {group.log_dir}")
+        names = {name for reply in app.control.ping(timeout=0.5) or [] for name in reply}
+        if all(any(n.startswith(prefix) for n in names) for prefix in expected):
+            return
+    raise RuntimeError(f"workers did not answer a ping within {timeout:.0f} s; logs in {group.log_dir}")
+
+
+def delete_run_keys(settings: RunSettings) -> None:
+    """Every key of the placement's run, and kombu's bindings of its one-off queues."""
+    client = redis.Redis.from_url(settings.redis_url)
+    keys = list(client.scan_iter(match=RunKeys(settings.run_id).prefix + "*", count=1000))
+    keys += [
+        f"_kombu.binding{kind}.{queue}"
+        for kind in ("", "_permanent")
+        for queue in (settings.cpu_queue, settings.ship_queue)
+    ]
+    for start in range(0, len(keys), 1000):
+        client.unlink(*keys[start : start + 1000])

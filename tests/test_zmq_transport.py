@@ -374,8 +374,8 @@ def test_bind_failure_leaves_nothing_open() -> None:
 
 @pytest.mark.timeout(60)
 def test_a_departed_rank_does_not_hold_back_the_others() -> None:
-    """After the barrier, sending to rank 0 needs rank 0 only; sending to a rank whose
-    trainer left waits (a publish to no subscriber would be lost) and times out."""
+    """Sending to rank 0 needs rank 0 only; sending to a rank whose trainer left waits (a
+    publish to no subscriber would be lost) and times out."""
     sender, (rank0, rank1) = in_process_pair(ranks=2, send_timeout=1.0)
     try:
         rank1.close()
@@ -391,3 +391,17 @@ def test_a_departed_rank_does_not_hold_back_the_others() -> None:
     finally:
         rank0.close()
         sender.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_replacement_sender_reaches_a_rank_while_another_has_left() -> None:
+    """A ship worker started again after rank 1 finished (and left) still sends to rank 0."""
+    port = free_port_pair()
+    with (
+        ZMQReceiver(HOST, port, 0, announce_interval=0.05) as rank0,
+        ZMQSender(HOST, port, 2, send_timeout=WAIT) as sender,
+    ):
+        assert not sender.wait_ready(0.3), "rank 1 never came"
+        sender.send(3, 0, b"for rank 0")
+        received = rank0.receive(WAIT)
+        assert received is not None and (received.step, bytes(received.payload)) == (3, b"for rank 0")

@@ -68,6 +68,10 @@ class RunKeys:
         """How many times each step reached a rank's trainer (exactly once, or a bug)."""
         return f"{self.prefix}deliveries:{rank}"
 
+    def delivery_order(self, rank: int) -> str:
+        """The steps a rank's trainer received, in the order it received them (a list)."""
+        return f"{self.prefix}delivery_order:{rank}"
+
     def last_sent(self, rank: int) -> str:
         return f"{self.prefix}last_sent:{rank}"
 

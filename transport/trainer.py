@@ -22,12 +22,15 @@ from transport.keys import RunKeys
 
 log = logging.getLogger("rlship.trainer")
 
-# Record that `rank` trained `step` (and count deliveries, so a duplicate that reached the
-# trainer would show); the rank that completes the step raises the policy version to
-# step + 1 (never lowers it, so a replayed step cannot move it back).
+# Record that `rank` trained `step` (and count deliveries and log their order, so a
+# duplicate or a step out of order that reached the trainer would show); the rank that
+# completes the step raises the policy version to step + 1 (never lowers it, so a
+# replayed step cannot move it back).
 _MARK_TRAINED_LUA = """
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
 redis.call('HINCRBY', KEYS[5], ARGV[1], 1)
+redis.call('RPUSH', KEYS[6], ARGV[1])
+redis.call('EXPIRE', KEYS[6], 86400)
 redis.call('SADD', KEYS[2], ARGV[2])
 redis.call('EXPIRE', KEYS[2], 86400)
 if redis.call('SCARD', KEYS[2]) >= tonumber(ARGV[4]) then
@@ -72,6 +75,7 @@ class TrainerRank:
                 self.keys.policy_version,
                 self.keys.policy_channel,
                 self.keys.deliveries(message.rank),
+                self.keys.delivery_order(message.rank),
             ],
             args=[message.step, message.rank, checksum, self.ranks],
         )

@@ -1,11 +1,13 @@
 """ZMQ step transport (SPEC.md, "Wire format", ZMQ): one bound publisher, one SUB per rank.
 
 Sender: an XPUB socket at host:port and a PULL socket at host:port+1. Each message is two
-frames, `data_rank|{rank}|{step}` and the payload. Nothing is published before every rank
-is ready, and "ready" means two things have been seen: the rank's READY announcement (its
-rank as ASCII on the PULL socket) and its subscription arriving at the publisher. The
+frames, `data_rank|{rank}|{step}` and the payload. Nothing is published to a rank before
+it is ready, and "ready" means two things have been seen: the rank's READY announcement
+(its rank as ASCII on the PULL socket) and its subscription arriving at the publisher. The
 second is why this is XPUB rather than PUB: a READY can overtake the subscription, and a
-PUB would silently drop whatever it publishes in between (the "slow joiner").
+PUB would silently drop whatever it publishes in between (the "slow joiner"). Readiness is
+per rank, never all ranks at once: a replacement sender (a ship worker started again) must
+reach the ranks still waiting even when another rank has finished and left.
 
 Receiver: a SUB socket subscribed to `data_rank|{rank}|` and a PUSH socket to port+1. It
 re-announces READY while it waits, so a sender that restarted and bound again (a
@@ -120,7 +122,6 @@ class ZMQSender(Closeable):
         self._topics: set[bytes] = set()
         self._subscribed: set[int] = set()
         self._ready = False
-        self._barrier_passed = False
         self._closed = False
         self._ctx = zmq.Context()
         try:
@@ -153,17 +154,14 @@ class ZMQSender(Closeable):
         return self._ready
 
     def wait_ready(self, timeout: float | None = None, rank: int | None = None) -> bool:
-        """Block until sending may start; False if `timeout` seconds pass first.
-
-        The first time, every rank must be ready (the READY barrier). After that, only
-        `rank` (when given) must be subscribed right now: a message published to a rank
-        with no subscriber would be lost, but another rank's absence must not hold it back.
-        """
+        """Block until `rank` (every rank, if None) is ready; False if `timeout` seconds
+        pass first. A message published to a rank with no subscriber would be lost, but
+        another rank's absence must not hold it back."""
         self._check_open()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._drain()
-            if self._barrier_passed and (self._ready if rank is None else rank in self.ready_ranks):
+            if self._ready if rank is None else rank in self.ready_ranks:
                 return True
             wait = 1.0
             if deadline is not None:
@@ -177,8 +175,7 @@ class ZMQSender(Closeable):
         """Publish one rank's payload for `step` without copying it.
 
         The buffer is handed to libzmq as is: do not mutate a bytearray/memoryview after
-        passing it in. Blocks until all ranks have been ready once (the barrier), until
-        this rank is subscribed, and while this rank's queue is full.
+        passing it in. Blocks until this rank is ready and while its queue is full.
         """
         self._check_open()
         if not 0 <= rank < self.ranks:
@@ -257,7 +254,6 @@ class ZMQSender(Closeable):
         ready = self.ready_ranks
         was_ready = self._ready
         self._ready = len(ready) == self.ranks
-        self._barrier_passed |= self._ready
         if self._ready and not was_ready:
             logger.info("all %d ranks ready on %s", self.ranks, _endpoint(self.host, self.port))
         elif was_ready and not self._ready:

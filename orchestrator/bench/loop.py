@@ -36,7 +36,14 @@ import redis
 
 from orchestrator.bench.placements import PLACEMENTS, StepBatch, cut_manifest, encode_step, step_batches
 from orchestrator.bench.plot import plot_lag
-from orchestrator.processes import ProcessGroup, redis_answers, rlship_command, worker_commands
+from orchestrator.processes import (
+    ProcessGroup,
+    delete_run_keys,
+    redis_answers,
+    rlship_command,
+    wait_for_workers,
+    worker_commands,
+)
 from orchestrator.producer import RolloutProducer
 from orchestrator.run import received_by_rank
 from orchestrator.settings import RunSettings, settings_to_env
@@ -45,7 +52,6 @@ from transport.checksum import payload_checksum
 from transport.keys import RunKeys
 from transport.zmq import free_port_pair
 
-WORKER_READY_SECONDS = 60.0
 TRAINER_IDLE_SECONDS = 300
 TRAINER_DRAIN_SECONDS = 120.0
 
@@ -285,23 +291,6 @@ def run_placement(
     return {**json.loads(result.read_text()), "received": received, "records": records}
 
 
-def wait_for_workers(
-    settings: RunSettings, group: ProcessGroup, timeout: float = WORKER_READY_SECONDS
-) -> None:
-    """Until both workers of this placement answer a ping (they consume their queues)."""
-    from tasks.app import app
-
-    expected = {f"cpu-{settings.run_id}@", f"ship-{settings.run_id}@"}
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if group.failed():
-            raise RuntimeError(f"workers exited: {group.failed()}; logs in {group.log_dir}")
-        names = {name for reply in app.control.ping(timeout=0.5) or [] for name in reply}
-        if all(any(n.startswith(prefix) for n in names) for prefix in expected):
-            return
-    raise RuntimeError(f"workers did not answer a ping within {timeout:.0f} s; logs in {group.log_dir}")
-
-
 def feed(settings: RunSettings, batches: list[StepBatch], group: ProcessGroup, deadline: float) -> None:
     """The producer of the celery placement: step k's rollouts go to Redis once step k - 1 is
     published, so they are ingested before the cut, as the in-process placements hold theirs."""
@@ -314,19 +303,6 @@ def feed(settings: RunSettings, batches: list[StepBatch], group: ProcessGroup, d
                 return
             time.sleep(0.01)
         producer.produce(batch.rollouts)
-
-
-def delete_run_keys(settings: RunSettings) -> None:
-    """Every key of the placement's run, and kombu's bindings of its one-off queues."""
-    client = redis.Redis.from_url(settings.redis_url)
-    keys = list(client.scan_iter(match=RunKeys(settings.run_id).prefix + "*", count=1000))
-    keys += [
-        f"_kombu.binding{kind}.{queue}"
-        for kind in ("", "_permanent")
-        for queue in (settings.cpu_queue, settings.ship_queue)
-    ]
-    for start in range(0, len(keys), 1000):
-        client.unlink(*keys[start : start + 1000])
 
 
 # -- figures ---------------------------------------------------------------------------------

@@ -1,0 +1,312 @@
+"""`rlship chaos`: the whole system shipping a seeded workload while its processes are
+killed, compared with a fault-free run of the same workload.
+
+Both runs ship the same rollouts, written up front in the same order (all on policy), so
+every step's payloads are byte-identical in a correct run whatever dies. During the chaos
+run, every `--kill-every` seconds one process dies by SIGKILL, in rotation:
+
+- a stage fault: the worker that runs a chosen stage of an upcoming step kills itself at
+  the worst moment of it (output written, completion not yet marked; `tasks.faults`),
+  the stage chosen at random among all eight;
+- a random pool process of the cpu worker, whatever it is doing;
+- once, the whole ship worker (the process that owns the ZMQ sockets), and once the
+  orchestrator; both are started again, as a supervisor would.
+
+The report counts what the trainer ranks received: steps per rank, duplicates, steps out
+of order, payloads that differ from the fault-free run, records published, keys left in
+Redis, and the kills (`--json PATH`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import secrets
+import signal
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import redis
+
+from orchestrator.groups import TRAINABLE, decide_group
+from orchestrator.processes import (
+    ProcessGroup,
+    delete_run_keys,
+    rlship_command,
+    wait_for_workers,
+    worker_commands,
+)
+from orchestrator.producer import RolloutProducer, SyntheticWorkload
+from orchestrator.settings import RunSettings, settings_to_env
+from tasks.faults import arm, faults_key
+from tasks.ship import RunState
+from transport.keys import RunKeys
+from transport.zmq import free_port_pair
+
+STAGES = ("finalize", "prune", "metrics", "pack", "encode", "send", "publish", "release")
+PER_RANK_STAGES = ("encode", "send")
+WORKERS = ("cpu-worker", "ship-worker")
+
+
+@dataclass
+class Kill:
+    seconds: float  # since the chaos run started
+    target: str  # stage-fault, cpu-worker-child, ship-worker, orchestrator
+    stage: str | None = None
+    step: int | None = None
+    fired: bool = True  # a stage fault fires when its stage runs; checked at the end
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--kill-every", type=float, default=1.0, help="seconds between kills")
+    parser.add_argument("--json", type=Path, default=Path("runs/chaos/chaos.json"))
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds each run may take")
+
+
+def main(args: argparse.Namespace) -> int:
+    base = RunSettings()  # REDIS_URL from the environment, as every rlship process reads it
+    token = secrets.token_hex(3)
+    out_dir = args.json.parent
+    common = {
+        "redis_url": base.redis_url,
+        "steps": args.steps,
+        "ranks": args.ranks,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "seed": args.seed,
+        "max_off_policy_steps": args.steps + 1,  # written up front, so never stale
+        "stall_seconds": 5.0,
+        "samples_per_step": 0,
+    }
+
+    def settings_for(name: str) -> RunSettings:
+        return RunSettings(
+            **common,
+            run_id=f"chaos-{name}-{token}",
+            output_dir=(out_dir / name).resolve(),
+            zmq_port=free_port_pair(),
+            cpu_queue=f"chaos-cpu-{name}-{token}",
+            ship_queue=f"chaos-ship-{name}-{token}",
+        )
+
+    reference, chaos = settings_for("reference"), settings_for("chaos")
+    print(f"rlship chaos: fault-free run of {args.steps} steps ({reference.run_id})", flush=True)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that every child is stopped
+    expected = run_system(reference, None, random.Random(args.seed), args.timeout)
+    print(f"rlship chaos: the same with a kill every {args.kill_every:g} s ({chaos.run_id})", flush=True)
+    observed = run_system(chaos, args.kill_every, random.Random(args.seed), args.timeout)
+    report = compare(args, expected, observed)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2))
+    print_report(report, args.json)
+    for settings in (reference, chaos):
+        delete_run_keys(settings)
+    return 0 if report["goal_met"] else 1
+
+
+def write_workload(settings: RunSettings) -> int:
+    """Write whole groups until they hold enough trainable rollouts for every step (plus
+    one batch); the fates are decided here exactly as the orchestrator will decide them."""
+    client = redis.Redis.from_url(settings.redis_url)
+    producer = RolloutProducer(client, settings.run_id, max_tokens=settings.seq_len)
+    workload = SyntheticWorkload(seed=settings.seed, group_size=settings.group_size, seq_len=settings.seq_len)
+    needed = (settings.steps + 1) * settings.batch_size
+    trainable = written = 0
+    while trainable < needed:
+        group = workload.group()
+        producer.produce(group)
+        outcomes = decide_group([record for record, _ in group], 0, settings.max_off_policy_steps)
+        trainable += sum(outcome.fate == TRAINABLE for outcome in outcomes)
+        written += len(group)
+    return written
+
+
+def _exit_on_sigterm(*_: object) -> None:
+    raise SystemExit("rlship chaos: terminated")
+
+
+def run_system(
+    settings: RunSettings, kill_every: float | None, rng: random.Random, timeout: float
+) -> dict[str, Any]:
+    """One run of the whole system on this machine, with kills when `kill_every` is set."""
+    rollouts = write_workload(settings)
+    group = ProcessGroup(
+        env={**settings_to_env(settings), "RLSHIP_FAULTS": "1"}, log_dir=settings.output_dir / "logs"
+    )
+    client = redis.Redis.from_url(settings.redis_url)
+    kills: list[Kill] = []
+    started = time.monotonic()
+    try:
+        for name, command in worker_commands(settings).items():
+            group.start(name, command)
+        wait_for_workers(settings, group)
+        for rank in range(settings.ranks):
+            group.start(f"trainer-{rank}", rlship_command("trainer", "--rank", str(rank)))
+        started = time.monotonic()
+        group.start("orchestrator", rlship_command("orchestrate"))
+        next_kill = started + (kill_every or 0.0)
+        while True:
+            code = group.processes["orchestrator"].poll()
+            if code == 0:
+                break
+            if code is not None and code != -signal.SIGKILL:
+                raise RuntimeError(
+                    f"{settings.run_id}: the orchestrator exited with {code}; logs in {group.log_dir}"
+                )
+            for name in (*WORKERS, "orchestrator"):  # as a supervisor would
+                if group.processes[name].poll() is not None:
+                    group.restart(name)
+            now = time.monotonic()
+            if now - started > timeout:
+                raise RuntimeError(
+                    f"{settings.run_id}: no end after {timeout:.0f} s; logs in {group.log_dir}"
+                )
+            if kill_every is not None and now >= next_kill:
+                kill = kill_one(settings, group, client, rng, len(kills), now - started)
+                if kill is not None:
+                    kills.append(kill)
+                next_kill = now + kill_every
+            time.sleep(0.02)
+        wall = time.monotonic() - started
+        for rank in range(settings.ranks):
+            group.processes[f"trainer-{rank}"].wait(60)
+    finally:
+        group.stop_all()
+    fired = {f.decode() for f in client.hkeys(faults_key(settings.run_id))}
+    for kill in kills:
+        if kill.target == "stage-fault":
+            kill.fired = _fault_field(kill) not in fired
+    return {"rollouts_written": rollouts, "wall_seconds": wall, "kills": kills, **observe(settings, client)}
+
+
+def kill_one(
+    settings: RunSettings,
+    group: ProcessGroup,
+    client: redis.Redis,
+    rng: random.Random,
+    index: int,
+    seconds: float,
+) -> Kill | None:
+    """The `index`-th kill of the rotation (module docstring)."""
+    if index == 2:
+        group.processes["orchestrator"].send_signal(signal.SIGKILL)
+        return Kill(seconds, "orchestrator")
+    if index == 5:
+        children = _children(group, "ship-worker")  # before: once the parent dies they move
+        group.processes["ship-worker"].send_signal(signal.SIGKILL)
+        for child in children:
+            child.kill()
+        return Kill(seconds, "ship-worker")
+    if index % 2 == 0:
+        children = _children(group, "cpu-worker")
+        if not children:
+            return None
+        rng.choice(children).kill()
+        return Kill(seconds, "cpu-worker-child")
+    step = int(client.get(RunState(settings.run_id).next_step) or 0)
+    if step >= settings.steps:
+        return None
+    stage = rng.choice(STAGES)
+    rank = rng.randrange(settings.ranks) if stage in PER_RANK_STAGES else None
+    kill = Kill(seconds, "stage-fault", stage if rank is None else f"{stage}:{rank}", step)
+    if client.hexists(faults_key(settings.run_id), _fault_field(kill)):
+        return None  # armed already: one fault per stage of a step
+    arm(client, settings.run_id, stage, step, rank)
+    return kill
+
+
+def _children(group: ProcessGroup, name: str) -> list[psutil.Process]:
+    try:
+        return psutil.Process(group.processes[name].pid).children()
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _fault_field(kill: Kill) -> str:
+    stage, _, rank = (kill.stage or "").partition(":")
+    return f"{stage}:{kill.step}" if not rank else f"{stage}:{kill.step}:{rank}"
+
+
+def observe(settings: RunSettings, client: redis.Redis) -> dict[str, Any]:
+    """What the trainer ranks received, the records published and what Redis still holds."""
+    keys = RunKeys(settings.run_id)
+    ranks: dict[str, Any] = {}
+    for rank in range(settings.ranks):
+        ranks[str(rank)] = {
+            "checksums": {k.decode(): v.decode() for k, v in client.hgetall(keys.received(rank)).items()},
+            "deliveries": {k.decode(): int(v) for k, v in client.hgetall(keys.deliveries(rank)).items()},
+            "order": [int(s) for s in client.lrange(keys.delivery_order(rank), 0, -1)],
+        }
+    records = [int(fields[b"step"]) for _, fields in client.xrange(keys.metrics_stream)]
+    left = [
+        key.decode()
+        for pattern in ("rollout:*", "step:*", "retained_payloads", "trained:*")
+        for key in client.scan_iter(match=keys.prefix + pattern, count=1000)
+    ]
+    return {"ranks": ranks, "records": records, "keys_left": left}
+
+
+def compare(args: argparse.Namespace, expected: dict[str, Any], observed: dict[str, Any]) -> dict[str, Any]:
+    steps = [str(s) for s in range(args.steps)]
+    delivered, duplicates, out_of_order, mismatches = {}, 0, 0, 0
+    for rank, got in observed["ranks"].items():
+        want = expected["ranks"][rank]["checksums"]
+        delivered[rank] = sum(s in got["checksums"] for s in steps)
+        duplicates += sum(n - 1 for n in got["deliveries"].values())
+        out_of_order += sum(b <= a for a, b in zip(got["order"], got["order"][1:], strict=False))
+        mismatches += sum(got["checksums"][s] != want.get(s) for s in got["checksums"])
+    kills: list[Kill] = observed["kills"]
+    effective = [k for k in kills if k.fired]
+    report = {
+        "steps_expected": args.steps,
+        "steps_delivered_per_rank": delivered,
+        "duplicates_delivered": duplicates,
+        "out_of_order": out_of_order,
+        "payload_mismatches": mismatches,
+        "records_published": len(set(observed["records"])),
+        "records_duplicated": len(observed["records"]) - len(set(observed["records"])),
+        "keys_left": len(observed["keys_left"]),
+        "kills": len(effective),
+        "kills_by_target": dict(Counter(k.target for k in effective)),
+        "kills_by_stage": dict(Counter((k.stage or "").split(":")[0] for k in effective if k.stage)),
+        "kill_log": [asdict(k) for k in kills],
+        "reference_keys_left": len(expected["keys_left"]),
+        "wall_seconds": {"fault_free": expected["wall_seconds"], "chaos": observed["wall_seconds"]},
+        "rollouts_written": observed["rollouts_written"],
+        "command": f"rlship chaos --steps {args.steps} --kill-every {args.kill_every:g} --json {args.json}",
+    }
+    report["goal_met"] = (
+        all(n == args.steps for n in delivered.values())
+        and duplicates == out_of_order == mismatches == 0
+        and report["records_published"] == args.steps
+        and report["records_duplicated"] == 0
+        and report["keys_left"] == 0
+        and report["kills"] >= 10
+        and {"orchestrator", "ship-worker"} <= set(report["kills_by_target"])
+    )
+    return report
+
+
+def print_report(report: dict[str, Any], path: Path) -> None:
+    print(
+        f"\nrlship chaos: {report['kills']} kills {report['kills_by_target']} "
+        f"(stages {report['kills_by_stage']})\n"
+        f"  steps delivered per rank {report['steps_delivered_per_rank']} of {report['steps_expected']}; "
+        f"duplicates {report['duplicates_delivered']}, out of order {report['out_of_order']}, "
+        f"payload mismatches {report['payload_mismatches']}\n"
+        f"  records {report['records_published']} (duplicated {report['records_duplicated']}), "
+        f"keys left {report['keys_left']}; "
+        f"wall {report['wall_seconds']['fault_free']:.1f} s fault-free, "
+        f"{report['wall_seconds']['chaos']:.1f} s chaos\n"
+        f"  goal {'MET' if report['goal_met'] else 'MISSED'}; details in {path}"
+    )

@@ -1,0 +1,35 @@
+"""`rlship chaos` end to end: a short seeded run while workers, the ship worker and the
+orchestrator are killed, compared with a fault-free run of the same workload."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.conftest import REPO, python_command
+
+pytestmark = pytest.mark.timeout(400)
+
+
+def test_chaos_delivers_every_step_once_in_order_and_identical(tmp_path):
+    path = tmp_path / "chaos.json"
+    done = subprocess.run(
+        python_command(
+            "chaos", "--steps", "8", "--kill-every", "0.2", "--timeout", "150", "--json", str(path)
+        ),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=380,
+    )
+    report = json.loads(path.read_text())
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert report["goal_met"]
+    assert report["steps_delivered_per_rank"] == {"0": 8, "1": 8}
+    assert report["duplicates_delivered"] == report["out_of_order"] == report["payload_mismatches"] == 0
+    assert report["records_published"] == 8 and report["keys_left"] == 0
+    assert report["kills"] >= 10
+    assert {"orchestrator", "ship-worker", "stage-fault"} <= set(report["kills_by_target"])
+    assert "goal MET" in done.stdout
