@@ -22,11 +22,16 @@ def rlship_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "orchestrator.cli", *args]
 
 
-def celery_worker_command(queue: str, concurrency: int, name: str) -> list[str]:
+def celery_worker_command(
+    queue: str, concurrency: int, name: str, max_memory_mib: int | None = None
+) -> list[str]:
+    """A worker command; with `max_memory_mib`, a pool process whose memory has grown past
+    it is replaced after its task (the ship worker keeps its one process: it owns sockets)."""
+    recycle = [] if max_memory_mib is None else ["--max-memory-per-child", str(max_memory_mib * 1024)]
     return [
         sys.executable, "-m", "celery", "-A", "tasks", "worker",
         "-Q", queue, "-c", str(concurrency), "--prefetch-multiplier", "1", "-n", name,
-        "-E", "--without-gossip", "--without-mingle", "--loglevel", "WARNING",
+        "-E", "--without-gossip", "--without-mingle", "--loglevel", "WARNING", *recycle,
     ]  # fmt: skip
 
 
@@ -34,7 +39,10 @@ def worker_commands(settings: RunSettings) -> dict[str, list[str]]:
     """The two kinds of worker: compute stages, and the one process that owns the sockets."""
     return {
         "cpu-worker": celery_worker_command(
-            settings.cpu_queue, settings.cpu_workers, f"cpu-{settings.run_id}@%h"
+            settings.cpu_queue,
+            settings.cpu_workers,
+            f"cpu-{settings.run_id}@%h",
+            settings.cpu_worker_max_memory_mib,
         ),
         "ship-worker": celery_worker_command(settings.ship_queue, 1, f"ship-{settings.run_id}@%h"),
     }

@@ -49,6 +49,9 @@ class RunSettings(BaseSettings):
     normalize_advantages: bool = False
     trainers: Literal["builtin", "external"] = "builtin"
     cpu_workers: int = Field(default=2, ge=1)
+    cpu_worker_max_memory_mib: int = Field(
+        default=2048, ge=64, description="a cpu pool process grown past this is replaced after its task"
+    )
     cpu_queue: str = "cpu"
     ship_queue: str = "ship"
     samples_per_step: int = Field(default=4, ge=0, description="rollouts per step written to samples/")

@@ -47,8 +47,15 @@ def run_id() -> str:
 class Workers:
     """A cpu worker and a ship worker, as subprocesses, on this session's queues."""
 
-    def __init__(self, redis_url: str, log_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        max_memory_mib: int | None = None,
+    ) -> None:
         suffix = uuid.uuid4().hex[:8]
+        self.max_memory_mib = max_memory_mib
         self.cpu_queue = f"cpu-{suffix}"
         self.ship_queue = f"ship-{suffix}"
         self.redis_url = redis_url
@@ -61,7 +68,7 @@ class Workers:
         name = f"{kind}-{queue}-{len(self.processes)}@%h"
         log = open(self.log_dir / f"{kind}-{len(self.processes)}.log", "ab")  # noqa: SIM115
         process = subprocess.Popen(
-            celery_worker_command(queue, concurrency, name),
+            celery_worker_command(queue, concurrency, name, self.max_memory_mib if kind == "cpu" else None),
             env={**os.environ, "REDIS_URL": self.redis_url, "PYTHONPATH": str(REPO), **self.env},
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -101,9 +108,11 @@ class Workers:
 
 
 @contextlib.contextmanager
-def running_workers(redis_url: str, log_dir: Path, env: dict[str, str] | None = None) -> Iterator[Workers]:
+def running_workers(
+    redis_url: str, log_dir: Path, env: dict[str, str] | None = None, max_memory_mib: int | None = None
+) -> Iterator[Workers]:
     """A cpu and a ship worker, answering pings, stopped by PID on the way out."""
-    pool = Workers(redis_url, log_dir, env)
+    pool = Workers(redis_url, log_dir, env, max_memory_mib)
     pool.start("cpu")
     pool.start("ship")
     try:
