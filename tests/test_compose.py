@@ -196,3 +196,12 @@ def test_honcho_runs_the_procfile(redis_url: str, tmp_path: Path) -> None:
     assert process.returncode == 0 and stops and stops[0] == ("orchestrator", "0"), output[-4000:]
     records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(records) == 2, output[-4000:]
+
+
+def test_flower_beyond_loopback_asks_for_a_login():
+    """Where Flower listens on more than loopback, it has basic auth from the environment,
+    and compose refuses to start without the credentials."""
+    command = compose()["services"]["flower"]["command"]
+    options = dict(token[2:].split("=", 1) for token in command if token.startswith("--"))
+    assert options["address"] not in ("127.0.0.1", "localhost", "::1")
+    assert options["basic_auth"].startswith("${FLOWER_BASIC_AUTH:?"), "no login asked for"
