@@ -10,7 +10,7 @@ run, every `--kill-every` seconds one process dies by SIGKILL, in rotation:
   the stage chosen at random among all eight;
 - a random pool process of the cpu worker, whatever it is doing;
 - once, the whole ship worker (the process that owns the ZMQ sockets), and once the
-  orchestrator; both are started again, as a supervisor would.
+  orchestrator, both mid-run; both are started again, as a supervisor would.
 
 The report counts what the trainer ranks received: steps per rank, duplicates, steps out
 of order, payloads that differ from the fault-free run, records published, keys left in
@@ -172,7 +172,7 @@ def run_system(
                     f"{settings.run_id}: no end after {timeout:.0f} s; logs in {group.log_dir}"
                 )
             if kill_every is not None and now >= next_kill:
-                kill = kill_one(settings, group, client, rng, len(kills), now - started)
+                kill = kill_one(settings, group, client, rng, kills, now - started)
                 if kill is not None:
                     kills.append(kill)
                 next_kill = now + kill_every
@@ -194,20 +194,23 @@ def kill_one(
     group: ProcessGroup,
     client: redis.Redis,
     rng: random.Random,
-    index: int,
+    kills: list[Kill],
     seconds: float,
 ) -> Kill | None:
-    """The `index`-th kill of the rotation (module docstring)."""
-    if index == 2:
+    """The next kill of the rotation (module docstring). The orchestrator dies once it has
+    published two steps and the ship worker once four are, so both die mid-run."""
+    published = client.hlen(RunState(settings.run_id).published)
+    done = {kill.target for kill in kills}
+    if "orchestrator" not in done and published >= 2:
         group.processes["orchestrator"].send_signal(signal.SIGKILL)
-        return Kill(seconds, "orchestrator")
-    if index == 5:
+        return Kill(seconds, "orchestrator", step=published)
+    if "ship-worker" not in done and published >= 4:
         children = _children(group, "ship-worker")  # before: once the parent dies they move
         group.processes["ship-worker"].send_signal(signal.SIGKILL)
         for child in children:
             child.kill()
-        return Kill(seconds, "ship-worker")
-    if index % 2 == 0:
+        return Kill(seconds, "ship-worker", step=published)
+    if len(kills) % 2 == 0:
         children = _children(group, "cpu-worker")
         if not children:
             return None
