@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from orchestrator.settings import RunSettings
 from tasks.ship import finalize
 from tests.conftest import REPO, Workers
 from tests.shiprun import ship, ship_settings
@@ -34,7 +35,9 @@ STEPS = 2
 RANKS = 2
 # Per step: one task per stage, one encode and one send per rank.
 PER_RANK = ("rlship.encode", "rlship.send")
-ONCE = tuple(f"rlship.{stage}" for stage in ("finalize", "prune", "metrics", "pack", "publish", "release"))
+ONCE = tuple(f"rlship.{stage}" for stage in ("finalize", "prune", "metrics", "pack", "publish"))
+# release also carries what it needs once the step's manifest is gone: ranks, replay_steps.
+REPLAY_STEPS = RunSettings.model_fields["replay_steps"].default
 
 
 def get(url: str, timeout: float = 5.0) -> str:
@@ -114,6 +117,7 @@ def expected_tasks(run_id: str) -> set[tuple[str, tuple]]:
     expected = set()
     for step in range(STEPS):
         expected.update((name, (run_id, step)) for name in ONCE)
+        expected.add(("rlship.release", (run_id, step, RANKS, REPLAY_STEPS)))
         expected.update((name, (run_id, step, rank)) for name in PER_RANK for rank in range(RANKS))
     return expected
 
@@ -190,10 +194,16 @@ def test_flower_shows_stage_tasks(
     expected = expected_tasks(run_id)
 
     # The API: every stage task of every shipped step, succeeded, named, keys and numbers only.
-    tasks = wait_for(
-        "Flower listing every stage task of the run as succeeded",
-        lambda: (found := run_tasks(flower, run_id)) and shown_tasks(found) >= expected and found,
-    )
+    seen: list[dict[str, Any]] = []
+
+    def all_succeeded() -> list[dict[str, Any]] | None:
+        seen[:] = run_tasks(flower, run_id)
+        return seen if shown_tasks(seen) >= expected else None
+
+    try:
+        tasks = wait_for("Flower listing every stage task of the run as succeeded", all_succeeded)
+    except pytest.fail.Exception:
+        pytest.fail(f"Flower never showed as succeeded: {sorted(expected - shown_tasks(seen))}")
     assert shown_tasks(tasks) == expected
     for task in tasks:
         assert len(task["args"]) < 100, task["args"]
