@@ -21,21 +21,20 @@ import logging
 import os
 import socket
 import time
-from array import array
-from collections import Counter, deque
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgpack
-import numpy as np
 import redis.asyncio as aioredis
 
+from orchestrator.accounting import Accounting, outcome_row
 from orchestrator.checkpoint import Checkpoint
-from orchestrator.groups import TRAINABLE, GroupBuffer, Outcome, decide_group
+from orchestrator.groups import TRAINABLE, GroupBuffer, decide_group
+from orchestrator.lag_probe import LagProbe
 from orchestrator.monitors import Monitors
-from orchestrator.records import IDENTIFIER, RecordRejected, RolloutRecord, parse_record
+from orchestrator.records import IDENTIFIER, RecordRejected, parse_record
 from orchestrator.rollout_log import RolloutLog
 from orchestrator.settings import RunSettings
 from tasks.cohort import CohortBuilder
@@ -65,134 +64,6 @@ class RunStateLost(RuntimeError):
             f"{len(report['rollouts_lost_in_open_groups'])} in open groups are gone"
         )
         self.report = report
-
-
-class LagProbe:
-    """Measures how late the loop wakes a 10 ms sleeper: the loop's responsiveness.
-
-    With `keep_timeline`, every observation is also kept with its loop time (`times`,
-    `lags_ms`), so a benchmark can say when the loop stalled, not only how much.
-    """
-
-    def __init__(self, interval: float = 0.01, keep_timeline: bool = False) -> None:
-        self.interval = interval
-        self._window = array("d")
-        self.max_ms = 0.0
-        self.recent_max_ms = 0.0
-        self.samples = 0
-        self.times: array | None = array("d") if keep_timeline else None
-        self.lags_ms = array("d")
-
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            started = loop.time()
-            await asyncio.sleep(self.interval)
-            now = loop.time()
-            lag_ms = max(0.0, (now - started - self.interval) * 1000.0)
-            self._window.append(lag_ms)
-            self.max_ms = max(self.max_ms, lag_ms)
-            self.recent_max_ms = max(self.recent_max_ms, lag_ms)
-            self.samples += 1
-            if self.times is not None:
-                self.times.append(now)
-                self.lags_ms.append(lag_ms)
-
-    def take_recent_max(self) -> float:
-        """The worst lag since the previous call (for the live status)."""
-        worst, self.recent_max_ms = self.recent_max_ms, 0.0
-        return worst
-
-    def take_window(self) -> np.ndarray:
-        """The observations since the previous call (for the next record)."""
-        window = np.frombuffer(self._window, dtype=np.float64).copy()
-        self._window = array("d")
-        return window
-
-
-def outcome_row(outcome: Outcome) -> tuple[dict[str, float], dict[str, str], dict[str, float]]:
-    """A rollout's scalar observations: numeric columns, labels, custom metrics."""
-    r: RolloutRecord = outcome.record
-    numeric = {
-        "reward": r.reward,
-        "advantage": outcome.advantage,
-        "num_input_tokens": r.num_input_tokens,
-        "num_output_tokens": r.num_output_tokens,
-        "num_turns": r.num_turns,
-        "temperature": r.temperature,
-        "policy_version": r.policy_version,
-        "is_truncated": float(r.is_truncated),
-        "is_trainable": float(outcome.fate == TRAINABLE),
-        "has_error": float(r.error is not None),
-        "cancelled": float(r.cancelled),
-    }
-    labels = {
-        "rollout_id": r.rollout_id,
-        "env": r.env,
-        "group_id": r.group_id,
-        "task_id": r.task_id,
-        "error": r.error or "",
-        "stop_condition": r.stop_condition or "",
-    }
-    return numeric, labels, r.metrics
-
-
-@dataclass
-class Accounting:
-    """Counts since the run started. At every cut:
-    arrived = rejected + discarded + cut + pending + in open groups; the finalizer splits
-    `cut` into shipped and dropped by workers."""
-
-    arrived: int = 0
-    cut: int = 0
-    rejected: Counter[str] = field(default_factory=Counter)
-    discarded: Counter[str] = field(default_factory=Counter)
-    stale_in_window: int = 0
-
-    def discard(self, reason: str, count: int = 1) -> None:
-        self.discarded[reason] += count
-        if reason == "stale":
-            self.stale_in_window += count
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "arrived": self.arrived,
-            "cut": self.cut,
-            "rejected": dict(self.rejected),
-            "discarded": dict(self.discarded),
-            "stale_in_window": self.stale_in_window,
-        }
-
-    @classmethod
-    def from_wire(cls, data: dict[str, Any]) -> Accounting:
-        return cls(
-            arrived=data["arrived"],
-            cut=data["cut"],
-            rejected=Counter(data["rejected"]),
-            discarded=Counter(data["discarded"]),
-            stale_in_window=data["stale_in_window"],
-        )
-
-    @property
-    def accounted(self) -> int:
-        """Rollouts that left the orchestrator: rejected, discarded or cut."""
-        return sum(self.rejected.values()) + sum(self.discarded.values()) + self.cut
-
-    def snapshot(self, pending: int, in_open_groups: int) -> dict[str, float]:
-        """The accounting section of the manifest; starts a new window for stale drops."""
-        stale, self.stale_in_window = self.stale_in_window, 0
-        out = {
-            "off_policy/stale_dropped": float(stale),
-            "accounting/arrived": float(self.arrived),
-            "accounting/cut": float(self.cut),
-            "accounting/pending": float(pending),
-            "accounting/in_open_groups": float(in_open_groups),
-            "accounting/rejected": float(sum(self.rejected.values())),
-            "accounting/discarded": float(sum(self.discarded.values())),
-        }
-        out.update({f"ingest/rejected/{k}": float(v) for k, v in self.rejected.items()})
-        out.update({f"accounting/discarded/{k}": float(v) for k, v in self.discarded.items()})
-        return out
 
 
 class Orchestrator:

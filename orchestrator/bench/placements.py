@@ -31,8 +31,10 @@ import numpy as np
 import psutil
 import redis.asyncio as aioredis
 
+from orchestrator.accounting import Accounting, outcome_row
 from orchestrator.groups import TRAINABLE, Outcome, decide_group
-from orchestrator.loop import POLL_SECONDS, Accounting, LagProbe, Orchestrator, outcome_row
+from orchestrator.lag_probe import LagProbe
+from orchestrator.loop import POLL_SECONDS, Orchestrator
 from orchestrator.producer import SyntheticWorkload
 from orchestrator.records import RolloutRecord
 from orchestrator.settings import RunSettings

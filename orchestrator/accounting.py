@@ -1,0 +1,96 @@
+"""What the orchestrator knows of every rollout it has seen: the row of scalars a rollout
+becomes once its group is decided, and the counts that must add up at every cut."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.groups import TRAINABLE, Outcome
+from orchestrator.records import RolloutRecord
+
+
+def outcome_row(outcome: Outcome) -> tuple[dict[str, float], dict[str, str], dict[str, float]]:
+    """A rollout's scalar observations: numeric columns, labels, custom metrics."""
+    r: RolloutRecord = outcome.record
+    numeric = {
+        "reward": r.reward,
+        "advantage": outcome.advantage,
+        "num_input_tokens": r.num_input_tokens,
+        "num_output_tokens": r.num_output_tokens,
+        "num_turns": r.num_turns,
+        "temperature": r.temperature,
+        "policy_version": r.policy_version,
+        "is_truncated": float(r.is_truncated),
+        "is_trainable": float(outcome.fate == TRAINABLE),
+        "has_error": float(r.error is not None),
+        "cancelled": float(r.cancelled),
+    }
+    labels = {
+        "rollout_id": r.rollout_id,
+        "env": r.env,
+        "group_id": r.group_id,
+        "task_id": r.task_id,
+        "error": r.error or "",
+        "stop_condition": r.stop_condition or "",
+    }
+    return numeric, labels, r.metrics
+
+
+@dataclass
+class Accounting:
+    """Counts since the run started. At every cut:
+    arrived = rejected + discarded + cut + pending + in open groups; the finalizer splits
+    `cut` into shipped and dropped by workers."""
+
+    arrived: int = 0
+    cut: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+    discarded: Counter[str] = field(default_factory=Counter)
+    stale_in_window: int = 0
+
+    def discard(self, reason: str, count: int = 1) -> None:
+        self.discarded[reason] += count
+        if reason == "stale":
+            self.stale_in_window += count
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "arrived": self.arrived,
+            "cut": self.cut,
+            "rejected": dict(self.rejected),
+            "discarded": dict(self.discarded),
+            "stale_in_window": self.stale_in_window,
+        }
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> Accounting:
+        return cls(
+            arrived=data["arrived"],
+            cut=data["cut"],
+            rejected=Counter(data["rejected"]),
+            discarded=Counter(data["discarded"]),
+            stale_in_window=data["stale_in_window"],
+        )
+
+    @property
+    def accounted(self) -> int:
+        """Rollouts that left the orchestrator: rejected, discarded or cut."""
+        return sum(self.rejected.values()) + sum(self.discarded.values()) + self.cut
+
+    def snapshot(self, pending: int, in_open_groups: int) -> dict[str, float]:
+        """The accounting section of the manifest; starts a new window for stale drops."""
+        stale, self.stale_in_window = self.stale_in_window, 0
+        out = {
+            "off_policy/stale_dropped": float(stale),
+            "accounting/arrived": float(self.arrived),
+            "accounting/cut": float(self.cut),
+            "accounting/pending": float(pending),
+            "accounting/in_open_groups": float(in_open_groups),
+            "accounting/rejected": float(sum(self.rejected.values())),
+            "accounting/discarded": float(sum(self.discarded.values())),
+        }
+        out.update({f"ingest/rejected/{k}": float(v) for k, v in self.rejected.items()})
+        out.update({f"accounting/discarded/{k}": float(v) for k, v in self.discarded.items()})
+        return out
