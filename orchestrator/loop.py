@@ -359,13 +359,28 @@ class Orchestrator:
     async def schedule_release(self, step: int) -> None:
         """At most one release pending: wait for the previous one, then enqueue this one."""
         await self.drain_release()
-        await self._enqueue(release, step, self.settings.ranks, self.settings.replay_steps)
+        await self._enqueue_release(step)
         self._release_pending = asyncio.create_task(self._await_released(step))
 
+    async def _enqueue_release(self, step: int) -> None:
+        await self._enqueue(release, step, self.settings.ranks, self.settings.replay_steps)
+
     async def _await_released(self, step: int) -> None:
+        """Until the step is released; its task is enqueued again after `stall_seconds`
+        (the message can be lost with a Redis that dies, and release is idempotent)."""
+        loop = asyncio.get_running_loop()
+        resend_at = loop.time() + self.settings.stall_seconds
         while not await self.client.hexists(self.state.released, step):
             if self._stopping.is_set():
                 return
+            if loop.time() >= resend_at:
+                log.warning(
+                    "step %d not released after %.0f s; enqueueing it again",
+                    step,
+                    self.settings.stall_seconds,
+                )
+                await self._enqueue_release(step)
+                resend_at = loop.time() + self.settings.stall_seconds
             await asyncio.sleep(POLL_SECONDS)
 
     async def drain_release(self) -> None:

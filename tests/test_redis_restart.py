@@ -8,7 +8,9 @@ stops with an error instead of hanging."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -20,11 +22,13 @@ from pathlib import Path
 import pytest
 import redis
 
+from orchestrator.loop import Orchestrator
 from orchestrator.processes import redis_answers
 from tasks.ship import RunState
-from tests.conftest import REPO, running_workers
-from tests.shiprun import deterministic_run, start_trainers, stop
+from tests.conftest import REPO, Workers, running_workers
+from tests.shiprun import deterministic_run, ship_settings, start_trainers, stop
 from tests.test_orchestrator_restart import start_orchestrator
+from transport.connection import connect_redis_async
 from transport.keys import RunKeys
 from transport.zmq import free_port_pair
 
@@ -122,3 +126,33 @@ def test_a_redis_restarted_empty_stops_the_orchestrator_with_what_was_lost(bare_
     assert lost["records_read"] > 0
     assert client.dbsize() < 50, "the restarted Redis holds next to nothing of the run"
     assert not client.exists(RunKeys(run_id).metrics_stream)
+
+
+def test_a_lost_release_message_is_enqueued_again(client, redis_url, run_id, tmp_path, caplog):
+    """The orchestrator waits for each release before the next; if the task message is lost
+    (as when Redis dies mid-delivery) it enqueues it again after `stall_seconds`."""
+    (tmp_path / "workers").mkdir()
+    pool = Workers(redis_url, tmp_path / "workers")
+    settings = ship_settings(run_id, redis_url, pool, tmp_path / "run", stall_seconds=1.0)
+
+    async def scenario() -> None:
+        connection = connect_redis_async(redis_url)
+        orchestrator = Orchestrator(settings, connection)
+        try:
+            await orchestrator.schedule_release(0)
+            assert client.llen(pool.cpu_queue) == 1
+            client.delete(pool.cpu_queue)  # the message is gone; no worker ever saw it
+            pool.start("cpu")
+            pool.start("ship")
+            await asyncio.get_running_loop().run_in_executor(None, pool.wait_ready)
+            await asyncio.wait_for(orchestrator.drain_release(), 60)
+        finally:
+            await connection.aclose()
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="rlship.orchestrator"):
+            asyncio.run(scenario())
+    finally:
+        pool.stop()
+    assert client.hexists(RunState(run_id).released, 0)
+    assert "step 0 not released after 1 s; enqueueing it again" in caplog.text
