@@ -23,6 +23,7 @@ import socket
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +50,9 @@ READ_BLOCK_MS = 100
 POLL_SECONDS = 0.01
 RECENT_RECORDS = 8
 LEASE_SECONDS = 5  # a killed orchestrator's successor waits at most this long to start
-STALL_REPORT_SECONDS = 2.0
-STALL_CHECK_SECONDS = 1.0  # a policy wait this long is reported, naming the ranks behind it
+STALL_REPORT_SECONDS = 2.0  # a policy wait this long is reported, naming the ranks behind it
+STALL_CHECK_SECONDS = 1.0  # how often the stall watchdog looks at the steps in flight
+MAX_STALL_REQUEUES = 3
 
 
 class RunStateLost(RuntimeError):
@@ -64,6 +66,16 @@ class RunStateLost(RuntimeError):
             f"{len(report['rollouts_lost_in_open_groups'])} in open groups are gone"
         )
         self.report = report
+
+
+@dataclass
+class StepProgress:
+    """What the stall watchdog last saw of a step in flight: its key and sent counts, since
+    when they have not changed, and how often it has enqueued the step again."""
+
+    marks: tuple[int, int]
+    since: float
+    requeued: int = 0
 
 
 class Orchestrator:
@@ -295,8 +307,11 @@ class Orchestrator:
         """Enqueue again the first task of a step that has made no progress for
         `stall_seconds`: a task message can be lost outright (a Redis that dies between
         handing a message to a worker and the worker receiving it), and the stages are
-        idempotent, so the re-run skips what is done and redoes only what is missing."""
-        progress: dict[int, tuple[int, int, float]] = {}
+        idempotent, so the re-run skips what is done and redoes only what is missing.
+        A step is enqueued again at most `MAX_STALL_REQUEUES` times: one that stays stuck
+        waits on something a re-run cannot fix (a trainer that stopped reading), and every
+        re-run would add one more send retrying for it."""
+        progress: dict[int, StepProgress] = {}
         while not self._stopping.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), STALL_CHECK_SECONDS)
@@ -309,15 +324,20 @@ class Orchestrator:
             now = time.monotonic()
             for index, step in enumerate(steps):
                 marks = (counts[2 * index], counts[2 * index + 1])
-                previous = progress.get(step)
-                if previous is None or previous[:2] != marks:
-                    progress[step] = (*marks, now)
-                elif now - previous[2] >= self.settings.stall_seconds:
+                seen = progress.get(step)
+                if seen is None or seen.marks != marks:
+                    progress[step] = StepProgress(marks, now)
+                elif now - seen.since >= self.settings.stall_seconds and seen.requeued < MAX_STALL_REQUEUES:
+                    seen.requeued += 1
                     log.warning(
-                        "step %d made no progress for %.0f s; enqueueing it again", step, now - previous[2]
+                        "step %d made no progress for %.0f s; enqueueing it again (%d of at most %d)",
+                        step,
+                        now - seen.since,
+                        seen.requeued,
+                        MAX_STALL_REQUEUES,
                     )
                     await self._enqueue(finalize, step)
-                    progress[step] = (*marks, now)
+                    seen.since = now
             for step in [s for s in progress if s not in steps]:
                 del progress[step]
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from orchestrator.loop import Orchestrator
+from orchestrator.loop import MAX_STALL_REQUEUES, STALL_CHECK_SECONDS, Orchestrator
 from orchestrator.processes import redis_answers
 from tasks.ship import RunState
 from tests.conftest import REPO, Workers, running_workers
@@ -156,3 +156,29 @@ def test_a_lost_release_message_is_enqueued_again(client, redis_url, run_id, tmp
         pool.stop()
     assert client.hexists(RunState(run_id).released, 0)
     assert "step 0 not released after 1 s; enqueueing it again" in caplog.text
+
+
+def test_a_stuck_step_is_enqueued_again_a_bounded_number_of_times(client, redis_url, run_id, tmp_path):
+    """A step in flight without progress is enqueued again every `stall_seconds`, at most
+    MAX_STALL_REQUEUES times (a stuck trainer would otherwise collect ever more retrying
+    sends). No worker consumes the queue here, so every enqueue stays countable in it."""
+    pool = Workers(redis_url, tmp_path)  # its queue names only; no worker is started
+    settings = ship_settings(run_id, redis_url, pool, tmp_path / "run", stall_seconds=0.1)
+
+    async def scenario() -> None:
+        connection = connect_redis_async(redis_url)
+        orchestrator = Orchestrator(settings, connection)
+        orchestrator.next_step = 1  # step 0 is in flight and nothing will ever move it
+        watchdog = asyncio.create_task(orchestrator.watch_stalled_steps())
+        try:
+            await asyncio.sleep(STALL_CHECK_SECONDS * (MAX_STALL_REQUEUES + 3))
+        finally:
+            orchestrator._stopping.set()
+            await watchdog
+            await connection.aclose()
+
+    try:
+        asyncio.run(scenario())
+        assert client.llen(pool.cpu_queue) == MAX_STALL_REQUEUES
+    finally:
+        client.delete(pool.cpu_queue)
