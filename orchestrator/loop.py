@@ -52,7 +52,7 @@ RECENT_RECORDS = 8
 LEASE_SECONDS = 5  # a killed orchestrator's successor waits at most this long to start
 STALL_REPORT_SECONDS = 2.0  # a policy wait this long is reported, naming the ranks behind it
 STALL_CHECK_SECONDS = 1.0  # how often the stall watchdog looks at the steps in flight
-MAX_STALL_REQUEUES = 3
+STALL_BACKOFF_MAX_SECONDS = 600.0
 
 
 class RunStateLost(RuntimeError):
@@ -308,9 +308,10 @@ class Orchestrator:
         `stall_seconds`: a task message can be lost outright (a Redis that dies between
         handing a message to a worker and the worker receiving it), and the stages are
         idempotent, so the re-run skips what is done and redoes only what is missing.
-        A step is enqueued again at most `MAX_STALL_REQUEUES` times: one that stays stuck
-        waits on something a re-run cannot fix (a trainer that stopped reading), and every
-        re-run would add one more send retrying for it."""
+        Each further re-run of the same stuck step waits twice as long (up to
+        `STALL_BACKOFF_MAX_SECONDS`): a step that stays stuck mostly waits on something a
+        re-run cannot fix (a trainer that stopped reading), and every re-run adds one more
+        send retrying for it; but a re-run must never stop, or a twice-lost message hangs the run."""
         progress: dict[int, StepProgress] = {}
         while not self._stopping.is_set():
             with contextlib.suppress(TimeoutError):
@@ -327,14 +328,15 @@ class Orchestrator:
                 seen = progress.get(step)
                 if seen is None or seen.marks != marks:
                     progress[step] = StepProgress(marks, now)
-                elif now - seen.since >= self.settings.stall_seconds and seen.requeued < MAX_STALL_REQUEUES:
+                elif now - seen.since >= min(
+                    self.settings.stall_seconds * 2**seen.requeued, STALL_BACKOFF_MAX_SECONDS
+                ):
                     seen.requeued += 1
                     log.warning(
-                        "step %d made no progress for %.0f s; enqueueing it again (%d of at most %d)",
+                        "step %d made no progress for %.0f s; enqueueing it again (time %d)",
                         step,
                         now - seen.since,
                         seen.requeued,
-                        MAX_STALL_REQUEUES,
                     )
                     await self._enqueue(finalize, step)
                     seen.since = now

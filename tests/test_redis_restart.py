@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from orchestrator.loop import MAX_STALL_REQUEUES, STALL_CHECK_SECONDS, Orchestrator
+from orchestrator.loop import STALL_CHECK_SECONDS, Orchestrator
 from orchestrator.processes import redis_answers
 from tasks.ship import RunState
 from tests.conftest import REPO, Workers, running_workers
@@ -158,12 +158,13 @@ def test_a_lost_release_message_is_enqueued_again(client, redis_url, run_id, tmp
     assert "step 0 not released after 1 s; enqueueing it again" in caplog.text
 
 
-def test_a_stuck_step_is_enqueued_again_a_bounded_number_of_times(client, redis_url, run_id, tmp_path):
-    """A step in flight without progress is enqueued again every `stall_seconds`, at most
-    MAX_STALL_REQUEUES times (a stuck trainer would otherwise collect ever more retrying
-    sends). No worker consumes the queue here, so every enqueue stays countable in it."""
+def test_a_stuck_step_is_enqueued_again_less_and_less_often(client, redis_url, run_id, tmp_path):
+    """A step in flight without progress is enqueued again after `stall_seconds`, then after
+    twice that, and so on (a stuck trainer would otherwise collect ever more retrying
+    sends). No worker consumes the queue here, so every enqueue stays countable in it: in
+    8.5 checks of 1 s, at 1 s a stall, it is enqueued at about 2, 4 and 8 s, not 7 times."""
     pool = Workers(redis_url, tmp_path)  # its queue names only; no worker is started
-    settings = ship_settings(run_id, redis_url, pool, tmp_path / "run", stall_seconds=0.1)
+    settings = ship_settings(run_id, redis_url, pool, tmp_path / "run", stall_seconds=STALL_CHECK_SECONDS)
 
     async def scenario() -> None:
         connection = connect_redis_async(redis_url)
@@ -171,7 +172,7 @@ def test_a_stuck_step_is_enqueued_again_a_bounded_number_of_times(client, redis_
         orchestrator.next_step = 1  # step 0 is in flight and nothing will ever move it
         watchdog = asyncio.create_task(orchestrator.watch_stalled_steps())
         try:
-            await asyncio.sleep(STALL_CHECK_SECONDS * (MAX_STALL_REQUEUES + 3))
+            await asyncio.sleep(STALL_CHECK_SECONDS * 8.5)
         finally:
             orchestrator._stopping.set()
             await watchdog
@@ -179,6 +180,6 @@ def test_a_stuck_step_is_enqueued_again_a_bounded_number_of_times(client, redis_
 
     try:
         asyncio.run(scenario())
-        assert client.llen(pool.cpu_queue) == MAX_STALL_REQUEUES
+        assert 2 <= client.llen(pool.cpu_queue) <= 4
     finally:
         client.delete(pool.cpu_queue)
