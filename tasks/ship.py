@@ -257,7 +257,12 @@ def send(self: Task, run_id: str, step: int, rank: int) -> None:
     last_sent = int(last_sent_raw) if last_sent_raw is not None else -1
     if last_sent < manifest.prev_step:
         raise self.retry(countdown=RETRY_SECONDS, queue=manifest.config.ship_queue)
-    if last_sent < step:
+    if last_sent < step and ctx.client.hexists(ctx.keys.received(rank), step):
+        # The rank acknowledged it (a send that died before marking it): a trainer that has
+        # its last step may have left, and must not be waited for.
+        log.info("step %d rank %d: acknowledged by the rank already; not sent again", step, rank)
+        ctx.client.set(ctx.keys.last_sent(rank), step)
+    elif last_sent < step:
         sender = _sender(manifest.config)
         wait_ready = getattr(sender, "wait_ready", None)
         if wait_ready is not None and not wait_ready(timeout=READY_WAIT_SECONDS, rank=rank):
