@@ -43,9 +43,10 @@ from orchestrator.processes import (
 )
 from orchestrator.producer import RolloutProducer, SyntheticWorkload
 from orchestrator.settings import RunSettings, settings_to_env
-from tasks.faults import arm, faults_key
+from tasks.faults import arm, fault_field, faults_key
 from tasks.ship import RunState
 from transport.keys import RunKeys
+from transport.store import PayloadStore
 from transport.zmq import free_port_pair
 
 STAGES = ("finalize", "prune", "metrics", "pack", "encode", "send", "publish", "release")
@@ -59,6 +60,7 @@ class Kill:
     target: str  # stage-fault, cpu-worker-child, ship-worker, orchestrator
     stage: str | None = None
     step: int | None = None
+    rank: int | None = None
     fired: bool = True  # a stage fault fires when its stage runs; checked at the end
 
 
@@ -185,7 +187,7 @@ def run_system(
     fired = {f.decode() for f in client.hkeys(faults_key(settings.run_id))}
     for kill in kills:
         if kill.target == "stage-fault":
-            kill.fired = _fault_field(kill) not in fired
+            kill.fired = fault_field(kill.stage, kill.step, kill.rank) not in fired
     return {"rollouts_written": rollouts, "wall_seconds": wall, "kills": kills, **observe(settings, client)}
 
 
@@ -221,11 +223,10 @@ def kill_one(
         return None
     stage = rng.choice(STAGES)
     rank = rng.randrange(settings.ranks) if stage in PER_RANK_STAGES else None
-    kill = Kill(seconds, "stage-fault", stage if rank is None else f"{stage}:{rank}", step)
-    if client.hexists(faults_key(settings.run_id), _fault_field(kill)):
+    if client.hexists(faults_key(settings.run_id), fault_field(stage, step, rank)):
         return None  # armed already: one fault per stage of a step
     arm(client, settings.run_id, stage, step, rank)
-    return kill
+    return Kill(seconds, "stage-fault", stage, step, rank)
 
 
 def _children(group: ProcessGroup, name: str) -> list[psutil.Process]:
@@ -233,11 +234,6 @@ def _children(group: ProcessGroup, name: str) -> list[psutil.Process]:
         return psutil.Process(group.processes[name].pid).children()
     except psutil.NoSuchProcess:
         return []
-
-
-def _fault_field(kill: Kill) -> str:
-    stage, _, rank = (kill.stage or "").partition(":")
-    return f"{stage}:{kill.step}" if not rank else f"{stage}:{kill.step}:{rank}"
 
 
 def observe(settings: RunSettings, client: redis.Redis) -> dict[str, Any]:
@@ -251,11 +247,7 @@ def observe(settings: RunSettings, client: redis.Redis) -> dict[str, Any]:
             "order": [int(s) for s in client.lrange(keys.delivery_order(rank), 0, -1)],
         }
     records = [int(fields[b"step"]) for _, fields in client.xrange(keys.metrics_stream)]
-    left = [
-        key.decode()
-        for pattern in ("rollout:*", "step:*", "retained_payloads", "trained:*")
-        for key in client.scan_iter(match=keys.prefix + pattern, count=1000)
-    ]
+    left = PayloadStore(client, settings.run_id).held_keys()
     return {"ranks": ranks, "records": records, "keys_left": left}
 
 
@@ -281,7 +273,7 @@ def compare(args: argparse.Namespace, expected: dict[str, Any], observed: dict[s
         "keys_left": len(observed["keys_left"]),
         "kills": len(effective),
         "kills_by_target": dict(Counter(k.target for k in effective)),
-        "kills_by_stage": dict(Counter((k.stage or "").split(":")[0] for k in effective if k.stage)),
+        "kills_by_stage": dict(Counter(k.stage for k in effective if k.stage)),
         "kill_log": [asdict(k) for k in kills],
         "reference_keys_left": len(expected["keys_left"]),
         "wall_seconds": {"fault_free": expected["wall_seconds"], "chaos": observed["wall_seconds"]},

@@ -144,18 +144,26 @@ def ensure_redis(url: str, group: ProcessGroup, data_dir: Path) -> None:
         time.sleep(0.1)
 
 
+def answering_workers(redis_url: str, timeout: float = 0.5) -> set[str]:
+    """The names of the workers on `redis_url` that answer a ping: they consume their queues.
+    An app of its own, because the shared app's broker is fixed when it is imported."""
+    from celery import Celery
+
+    ping_app = Celery("rlship-ping", broker=redis_url)
+    ping_app.conf.accept_content = ["msgpack", "json"]
+    return {name for reply in ping_app.control.ping(timeout=timeout) or [] for name in reply}
+
+
 def wait_for_workers(
     settings: RunSettings, group: ProcessGroup, timeout: float = 60.0
 ) -> None:
     """Until both workers of this placement answer a ping (they consume their queues)."""
-    from tasks.app import app
-
     expected = {f"cpu-{settings.run_id}@", f"ship-{settings.run_id}@"}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if group.failed():
             raise RuntimeError(f"workers exited: {group.failed()}; logs in {group.log_dir}")
-        names = {name for reply in app.control.ping(timeout=0.5) or [] for name in reply}
+        names = answering_workers(settings.redis_url)
         if all(any(n.startswith(prefix) for n in names) for prefix in expected):
             return
     raise RuntimeError(f"workers did not answer a ping within {timeout:.0f} s; logs in {group.log_dir}")

@@ -18,9 +18,8 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery
 
-from orchestrator.processes import celery_worker_command, redis_answers
+from orchestrator.processes import answering_workers, celery_worker_command, redis_answers
 from tasks.app import DEFAULT_REDIS_URL
 
 REPO = Path(__file__).resolve().parent.parent
@@ -79,18 +78,13 @@ class Workers:
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Until each worker answers a ping (it has connected and consumes its queue)."""
-        # An app of its own on the workers' Redis: the shared app's broker is fixed at import.
-        ping_app = Celery("rlship-test-ping", broker=self.redis_url)
-        ping_app.conf.accept_content = ["msgpack", "json"]
-        control = ping_app.control
         deadline = time.monotonic() + timeout
         expected = len(self.processes)
         while time.monotonic() < deadline:
             for kind, process in self.processes.items():
                 if process.poll() is not None:
                     raise RuntimeError(f"{kind} worker exited with {process.returncode}; see {self.log_dir}")
-            replies = control.ping(timeout=0.5) or []
-            names = {name for reply in replies for name in reply}
+            names = answering_workers(self.redis_url)
             if sum(any(q in n for n in names) for q in (self.cpu_queue, self.ship_queue)) >= expected:
                 return
         raise RuntimeError(f"workers did not answer a ping within {timeout} s; see {self.log_dir}")

@@ -13,18 +13,14 @@ from tasks.ship import RunState
 from tasks.stages.publish import conservation_error
 from tests.shiprun import metrics_lines, ship, ship_settings
 from transport.keys import RunKeys
+from transport.store import PayloadStore
 
 pytestmark = pytest.mark.timeout(240)
 
 
 def leftover_keys(client, run_id: str) -> list[str]:
     """Payload, step and retention keys of the run still in Redis."""
-    prefix = RunKeys(run_id).prefix
-    return sorted(
-        key.decode()
-        for pattern in ("rollout:*", "step:*", "retained_payloads", "trained:*")
-        for key in client.scan_iter(match=prefix + pattern, count=1000)
-    )
+    return PayloadStore(client, run_id).held_keys()
 
 
 @pytest.mark.parametrize("transport", ["zmq", "fs"])

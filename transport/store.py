@@ -159,6 +159,15 @@ class PayloadStore:
         """Unlink every key registered with the step (and the registry); returns how many."""
         return int(_unlink_step_keys(self.client, self.keys, step))
 
+    def held_keys(self) -> list[str]:
+        """The run's keys that releasing must remove: rollout payloads, step keys, retained
+        payloads and acknowledgement sets. Empty after a run that released everything."""
+        return sorted(
+            key.decode()
+            for pattern in ("rollout:*", "step:*", "retained_payloads", "trained:*")
+            for key in self.client.scan_iter(match=self.keys.prefix + pattern, count=1000)
+        )
+
     def delete_all_rollouts(self) -> int:
         """Unlink every rollout payload of the run: at teardown, whatever is left never ships."""
         deleted = 0
