@@ -74,6 +74,9 @@ class RunState:
         self.policy_wait = self.keys.run_key("policy_wait_seconds")
         self.sent_checksums = self.keys.run_key("sent_checksums")
         self.stage_calls = self.keys.run_key("stage_calls")
+        # Per stage, the deliveries that came after their step was done (redeliveries,
+        # re-enqueues by the stall watchdog or a restarted orchestrator): skipped quietly.
+        self.redundant = self.keys.run_key("redundant_deliveries")
         self.next_step = self.keys.run_key("next_step")
         # The orchestrator's live counters (pending, open groups, lag), for progress displays.
         self.status = self.keys.run_key("status")
@@ -134,9 +137,14 @@ class StepContext:
         pipe.execute()
 
 
+def _skip_redundant(ctx: StepContext, task: str, done: str) -> None:
+    log.info("step %d: %s arrived after the step was %s; nothing to do", ctx.step, task, done)
+    ctx.client.hincrby(ctx.state.redundant, task, 1)
+
+
 def _skip_if_published(ctx: StepContext, task: str) -> bool:
     if ctx.is_published():
-        log.info("step %d: %s arrived after the step was published; nothing to do", ctx.step, task)
+        _skip_redundant(ctx, task, "published")
         return True
     return False
 
@@ -312,7 +320,7 @@ def _stage_seconds(times: dict[bytes, bytes]) -> dict[str, float]:
 def publish(self: Task, run_id: str, step: int) -> None:
     """Write the step's one record to the metrics stream, exactly once, in step order."""
     ctx = StepContext(run_id, step)
-    if ctx.is_published():
+    if _skip_if_published(ctx, "publish"):
         return
     manifest = ctx.manifest
     if manifest.prev_step >= 0 and not ctx.is_published(manifest.prev_step):
@@ -324,7 +332,9 @@ def publish(self: Task, run_id: str, step: int) -> None:
         while True:
             try:
                 pipe.watch(state.published, state.policy_wait, state.totals)
-                if pipe.hexists(state.published, step):
+                if pipe.hexists(state.published, step):  # a concurrent copy won the race
+                    pipe.unwatch()
+                    _skip_redundant(ctx, "publish", "published")
                     return
                 waited = float(pipe.get(state.policy_wait) or 0.0)
                 previous = {k.decode(): float(v) for k, v in pipe.hgetall(state.totals).items()}
@@ -355,6 +365,9 @@ def release(run_id: str, step: int, ranks: int, replay_steps: int) -> None:
     of every step all ranks have acknowledged (and, past the retention bound, of older steps
     regardless); trim the heap; mark the step released."""
     ctx = StepContext(run_id, step)
+    if ctx.client.hexists(ctx.state.released, step):
+        _skip_redundant(ctx, "release", "released")
+        return
     deleted = ctx.store.delete_step(step)
     payloads = ctx.store.release_payloads(ranks, step, evict_through=step - replay_steps)
     if payloads.evicted_unacknowledged:
