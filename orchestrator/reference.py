@@ -5,24 +5,29 @@ rollouts a window or a step holds depends on timing (when a cut happened), so th
 from the log; everything else is recomputed from the rollouts' own fields, including
 the group advantages and the fates they imply. A record of the distributed path must
 equal this one key for key, except the keys that measure time or the arrival stream,
-which no log of finalized rollouts can reproduce (`UNREPRODUCIBLE`).
+which no log of finalized rollouts can reproduce (`UNREPRODUCIBLE`). The accounting
+balance is recomputed too: the reference counts discarded, shipped, dropped and pending
+rollouts itself and takes only arrived, rejected and in-open-groups from the record.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 UNREPRODUCIBLE = (
     "time/",
     "event_loop_lag/",
     "accounting/arrived",
-    "accounting/pending",
     "accounting/in_open_groups",
     "accounting/rejected",
     "ingest/rejected/",
 )
+# What the reference takes from the published record to check the balance: the log holds
+# only finalized rollouts, so it cannot know what had arrived, been rejected or sat in an
+# open group at a cut. Every other term of the balance it counts itself.
+REPORTED_TERMS = ("accounting/arrived", "accounting/rejected", "accounting/in_open_groups")
 WORKER_REASONS = ("invalid_payload", "no_trainable_tokens")
 DISTRIBUTIONS = (
     "reward",
@@ -153,12 +158,48 @@ def discarded_by_orchestrator_at(line: dict) -> int | None:
     return line["discarded_step"]
 
 
-def reference_records(lines: Iterable[dict], steps: Iterable[int]) -> dict[int, dict[str, float]]:
-    """The reproducible part of each step's record."""
+def pending_at_cut(lines: list[dict], step: int) -> int:
+    """Trainable rollouts finalized by the cut of `step` and neither cut nor dropped by then."""
+
+    def settled(line: dict) -> bool:
+        if line["fate"] == "shipped":
+            return line["shipped_step"] <= step
+        return (
+            line["fate"] == "discarded"
+            and line["discarded_step"] is not None
+            and line["discarded_step"] <= step
+        )
+
+    return sum(
+        line["is_trainable"] and line["step"] is not None and line["step"] <= step and not settled(line)
+        for line in lines
+    )
+
+
+def balance(reported: Mapping[str, float], own: Mapping[str, float]) -> float:
+    """1.0 when every rollout that arrived (as reported) is rejected or in an open group (as
+    reported), or discarded, shipped, dropped by a worker or pending (as counted here)."""
+    accounted = (
+        reported["accounting/rejected"]
+        + reported["accounting/in_open_groups"]
+        + own["accounting/discarded"]
+        + own["accounting/shipped"]
+        + own["accounting/dropped_by_workers"]
+        + own["accounting/pending"]
+    )
+    return float(reported["accounting/arrived"] == accounted)
+
+
+def reference_records(
+    lines: Iterable[dict], published: Iterable[Mapping[str, float]]
+) -> dict[int, dict[str, float]]:
+    """The reproducible part of each published step's record, its balance checked with the
+    terms the reference counts itself."""
     lines = list(lines)
+    reported = {int(record["step"]): record for record in published}
     totals: Counter[str] = Counter()
     records = {}
-    for step in sorted(steps):
+    for step in sorted(reported):
         window = [line for line in lines if line["step"] == step]
         shipped = [line for line in lines if line["fate"] == "shipped" and line["shipped_step"] == step]
         dropped = [line for line in lines if is_worker_drop(line) and line["discarded_step"] == step]
@@ -202,7 +243,8 @@ def reference_records(lines: Iterable[dict], steps: Iterable[int]) -> dict[int, 
         record["accounting/shipped"] = float(totals["rollouts"])
         record["accounting/dropped_by_workers"] = float(totals["dropped_by_workers"])
         record["accounting/cut"] = float(totals["rollouts"] + totals["dropped_by_workers"])
-        record["accounting/balanced"] = 1.0
+        record["accounting/pending"] = float(pending_at_cut(lines, step))
+        record["accounting/balanced"] = balance(reported[step], record)
         records[step] = record
     return records
 
