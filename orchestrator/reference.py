@@ -106,10 +106,27 @@ def check_advantages(lines: list[dict], tolerance: float = 1e-12) -> list[str]:
     return problems
 
 
+def empty_subset(name: str) -> dict[str, float]:
+    """No rollouts: count 0, and NaN for every statistic that has no observation."""
+    out = {"count": 0.0}
+    for metric in DISTRIBUTIONS:
+        for stat in ("mean", "min", "max", "p10", "p50", "p90"):
+            out[f"{metric}/{stat}"] = math.nan
+    rates = ["is_truncated", "is_trainable"]
+    if name == "all":
+        rates += ["has_error", "cancelled"]
+        out.update(
+            {"num_groups": 0.0, "solved_none": math.nan, "solved_all": math.nan, "solved_some": math.nan}
+        )
+    for rate in rates:
+        out[f"{rate}/mean"] = math.nan
+    return out
+
+
 def subset(lines: list[dict], name: str) -> dict[str, float]:
-    out: dict[str, float] = {"count": float(len(lines))}
     if not lines:
-        return out
+        return empty_subset(name)
+    out: dict[str, float] = {"count": float(len(lines))}
     custom = sorted({m for line in lines for m in line["metrics"]})
     for metric in DISTRIBUTIONS:
         for stat, x in stats([value(line, metric) for line in lines]).items():
@@ -255,6 +272,8 @@ def compare(actual: dict[str, float], expected: dict[str, float], tolerance: flo
     problems = [f"{k}: only in the published record" for k in sorted(mine - expected.keys())]
     problems += [f"{k}: missing from the published record" for k in sorted(expected.keys() - mine)]
     for key in sorted(mine & expected.keys()):
+        if math.isnan(actual[key]) and math.isnan(expected[key]):
+            continue
         if not math.isclose(actual[key], expected[key], rel_tol=tolerance, abs_tol=tolerance):
             problems.append(f"{key}: published {actual[key]!r}, reference {expected[key]!r}")
     return problems

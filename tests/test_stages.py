@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from orchestrator import reference
 from orchestrator.groups import TRAINABLE, decide_group, group_advantages
 from tasks.cohort import Cohort, CohortBuilder
 from tasks.manifest import ShipConfig, StepManifest
@@ -135,13 +138,39 @@ def test_prune_drops_samples_without_trainable_tokens():
     assert kept.labels["rollout_id"] == ["a"] and dropped == ["b"]
 
 
-def test_distribution_is_numpys_linear_percentiles():
-    values = np.random.default_rng(1).normal(size=101)
-    stats = distribution(values)
-    assert stats["p10"] == float(np.percentile(values, 10))
-    assert stats["p50"] == float(np.median(values))
-    assert stats["min"] == values.min() and stats["max"] == values.max() and stats["mean"] == values.mean()
+# Eight finite values (and a NaN, left out): every percentile falls between two ranks, so
+# the interpolation method decides it. Linear interpolation between closest ranks, by hand
+# over the sorted values 1 2 4 8 16 32 64 128 (rank = q/100 * (8 - 1)):
+#   p10: rank 0.7 -> 1 + 0.7 * (2 - 1) = 1.7
+#   p50: rank 3.5 -> 8 + 0.5 * (16 - 8) = 12
+#   p90: rank 6.3 -> 64 + 0.3 * (128 - 64) = 83.2
+UNORDERED = [64.0, 1.0, 32.0, float("nan"), 2.0, 16.0, 4.0, 8.0, 128.0]
+BY_HAND = {"mean": 255 / 8, "min": 1.0, "max": 128.0, "p10": 1.7, "p50": 12.0, "p90": 83.2}
+
+
+def test_distribution_interpolates_linearly_between_ranks():
+    assert distribution(np.array(UNORDERED)) == pytest.approx(BY_HAND, rel=1e-12)
     assert distribution(np.array([np.nan])) == {}
+
+
+def test_the_reference_percentiles_agree_by_hand():
+    finite = [v for v in UNORDERED if v == v]
+    assert reference.stats(finite) == pytest.approx(BY_HAND, rel=1e-12)
+
+
+def test_an_empty_window_publishes_the_same_keys_as_a_full_one():
+    full = _cohort([{"id": "a", "reward": 1.0}, {"id": "b"}])
+    empty = full.take([])
+    with_rollouts, without = train_metrics(full, full), train_metrics(empty, full)
+    assert without.keys() == with_rollouts.keys()
+    assert without["train/agg/all/count"] == 0
+    stats = [k for k in without if k.startswith("train/agg/all/") and k != "train/agg/all/count"]
+    assert stats and all(math.isnan(without[k]) for k in stats if k != "train/agg/all/num_groups")
+    assert without["train/agg/all/num_groups"] == 0
+    # The reference publishes the same for an empty subset.
+    assert {f"train/agg/all/{k}" for k in reference.subset([], "all")} == {
+        k for k in without if k.startswith("train/agg/all/")
+    }
 
 
 def test_train_metrics_cover_all_and_effective_per_env():

@@ -8,6 +8,7 @@ interpolation between closest ranks); rates keep their denominators as `.../coun
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable
 
@@ -25,6 +26,7 @@ DISTRIBUTIONS: tuple[str, ...] = (
     "num_output_tokens",
     "num_turns",
 )
+STATS: tuple[str, ...] = ("mean", "min", "max", "p10", "p50", "p90")
 RATES_BOTH: tuple[str, ...] = ("is_truncated", "is_trainable")
 RATES_ALL_ONLY: tuple[str, ...] = ("has_error", "cancelled")
 SOLVED_REWARD = 1.0
@@ -36,14 +38,9 @@ def distribution(values: np.ndarray) -> dict[str, float]:
     if not len(values):
         return {}
     p10, p50, p90 = np.percentile(values, [10, 50, 90])
-    return {
-        "mean": float(values.mean()),
-        "min": float(values.min()),
-        "max": float(values.max()),
-        "p10": float(p10),
-        "p50": float(p50),
-        "p90": float(p90),
-    }
+    return dict(
+        zip(STATS, map(float, (values.mean(), values.min(), values.max(), p10, p50, p90)), strict=True)
+    )
 
 
 def _column(cohort: Cohort, name: str) -> np.ndarray:
@@ -61,7 +58,7 @@ def _group_solved_shares(cohort: Cohort) -> dict[str, float]:
         solved_by_group.setdefault((env, group), []).append(bool(reward >= SOLVED_REWARD))
     groups = len(solved_by_group)
     if not groups:
-        return {"num_groups": 0.0}
+        return {"num_groups": 0.0, "solved_none": math.nan, "solved_all": math.nan, "solved_some": math.nan}
     none = sum(not any(s) for s in solved_by_group.values())
     every = sum(all(s) for s in solved_by_group.values())
     return {
@@ -73,15 +70,22 @@ def _group_solved_shares(cohort: Cohort) -> dict[str, float]:
 
 
 def subset_metrics(cohort: Cohort, subset: str) -> dict[str, float]:
-    """The statistics of one scope and subset, keyed `{name}/{stat}`."""
+    """The statistics of one scope and subset, keyed `{name}/{stat}`. A subset without
+    rollouts (an empty window, an env absent from the batch) has count 0 and NaN for every
+    statistic of the fixed set, so that every record carries the same keys; a custom
+    metric appears where it was observed."""
     out: dict[str, float] = {"count": float(len(cohort))}
+    rates = RATES_BOTH + (RATES_ALL_ONLY if subset == "all" else ())
     if not len(cohort):
+        out.update({f"{name}/{stat}": math.nan for name in DISTRIBUTIONS for stat in STATS})
+        out.update({f"{name}/mean": math.nan for name in rates})
+        if subset == "all":
+            out.update(_group_solved_shares(cohort))
         return out
     names = [*DISTRIBUTIONS, *(CUSTOM_PREFIX + m for m in cohort.custom_metric_names)]
     for name in names:
         for stat, value in distribution(_column(cohort, name)).items():
             out[f"{name}/{stat}"] = value
-    rates = RATES_BOTH + (RATES_ALL_ONLY if subset == "all" else ())
     for name in rates:
         out[f"{name}/mean"] = float(cohort.numeric[name].mean())
     if subset == "all":
