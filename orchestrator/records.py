@@ -59,9 +59,11 @@ def describe_validation_error(error: ValidationError) -> str:
 
 
 def parse_record(data: bytes | str) -> RolloutRecord:
-    """Parse one stream record (JSON), or raise RecordRejected naming the field and value."""
+    """Parse one stream record (JSON), or raise RecordRejected naming the field and value.
+    Strict: each field must have its JSON type (`"reward": "1"` or `true` is not a number,
+    `"is_truncated": 1` is not a boolean), so what a producer meant is never guessed."""
     try:
-        return RolloutRecord.model_validate_json(data)
+        return RolloutRecord.model_validate_json(data, strict=True)
     except ValidationError as exc:
         reason = "invalid_json" if any(p["type"] == "json_invalid" for p in exc.errors()) else "invalid_field"
         raise RecordRejected(reason, describe_validation_error(exc)) from exc

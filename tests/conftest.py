@@ -7,6 +7,7 @@ gives) tasks of another session or of a local run on the same Redis.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -23,6 +25,31 @@ from orchestrator.processes import answering_workers, celery_worker_command, red
 from tasks.app import DEFAULT_REDIS_URL
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def require(prerequisite: str, missing: str | None) -> None:
+    """The one place a test's prerequisite (root, `ip netns`, a browser, an optional
+    package) is enforced: when `missing` says why it is absent, the test fails under
+    CI=true, where everything must run, and skips elsewhere; both name it and say why."""
+    if missing is None:
+        return
+    message = f"needs {prerequisite}: {missing}"
+    if in_ci():
+        pytest.fail(f"{message} (CI=true: a prerequisite must not be missing in CI)", pytrace=False)
+    pytest.skip(message)
+
+
+def require_module(name: str) -> ModuleType:
+    """An optional package, imported, or `require`'s verdict naming it."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        require(f"the Python package {name!r}", f"{exc} (pip install -e '.[test]')")
+        raise
 
 
 @pytest.fixture(scope="session")

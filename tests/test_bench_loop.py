@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from orchestrator.cli import main
+from tests.conftest import require_module
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -68,6 +69,6 @@ def test_every_placement_ships_identical_payloads(bench: tuple[int, Path], repor
 
 
 def test_lag_figure_beside_the_json(bench: tuple[int, Path]) -> None:
-    pytest.importorskip("matplotlib")
+    require_module("matplotlib")
     png = bench[1].with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

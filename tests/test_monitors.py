@@ -8,13 +8,14 @@ import json
 import pytest
 
 from tasks.ship import RunState
+from tests.conftest import require_module
 from tests.shiprun import metrics_lines, ship, ship_settings
 
 pytestmark = pytest.mark.timeout(240)
 
 
 def test_records_reach_every_monitor_and_samples_are_written(client, redis_url, run_id, workers, tmp_path):
-    wandb = pytest.importorskip("wandb")
+    wandb = require_module("wandb")
     settings = ship_settings(
         run_id, redis_url, workers, tmp_path, steps=2, samples_per_step=3,
         wandb_project="rlship-test", wandb_mode="offline",

@@ -27,6 +27,7 @@ from orchestrator.processes import ProcessGroup, redis_answers, rlship_command, 
 from orchestrator.run import received_by_rank, sent_checksums
 from orchestrator.settings import RunSettings, settings_to_env
 from tasks.ship import RunState
+from tests.conftest import require
 
 REDIS_PORT = 6390
 ZMQ_PORT = 5555  # each namespace has its own ports: no clash with anything on this machine
@@ -147,9 +148,7 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str, group: Pr
 
 @pytest.mark.timeout(240)
 def test_redis_workers_and_trainers_in_separate_network_namespaces(tmp_path: Path) -> None:
-    reason = netns_unavailable()
-    if reason:
-        pytest.skip(reason)
+    require("root, `ip netns` and redis-server (network namespaces)", netns_unavailable())
     with star_network() as star:
         redis_address, worker_address = star.address(1), star.address(2)
         password = secrets.token_hex(8)  # as a Redis reachable from other hosts must have
