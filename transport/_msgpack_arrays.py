@@ -61,6 +61,15 @@ def array_header(length: int) -> bytes:
     return b"\xdd" + length.to_bytes(4, "big")
 
 
+def map_header(length: int) -> bytes:
+    """The smallest MessagePack map header for `length` entries."""
+    if length < 16:
+        return bytes([0x80 | length])
+    if length < 1 << 16:
+        return b"\xde" + length.to_bytes(2, "big")
+    return b"\xdf" + length.to_bytes(4, "big")
+
+
 def str_header(length: int) -> bytes:
     """The str header msgpack-python writes with use_bin_type=True (fixstr, str8, str16, str32)."""
     if length < 32:
