@@ -298,6 +298,7 @@ def send(self: Task, run_id: str, step: int, rank: int) -> None:
             log.info("step %d rank %d: waiting for trainer ranks to announce READY", step, rank)
             raise self.retry(countdown=RETRY_SECONDS, queue=manifest.config.ship_queue)
         _mark_intent(ctx, step, rank)
+        ctx.crash_if_armed("sending", rank)  # marked, not sent: the redelivery sends it, once
         started = time.perf_counter()
         try:
             sender.send(step, rank, ctx.store.get_payload(step, rank))

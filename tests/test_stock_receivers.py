@@ -7,6 +7,9 @@ READY once, no duplicate check, no replay, their own step count.
   the message still queued does not publish a second copy when called again.
 - End to end: the ship worker SIGKILLed 5 times during a 30-step run over ZMQ; every stock
   rank receives every step once, in order, byte for byte as encoded.
+- The window that remains, at its two edges: killed after the `sending` mark and before
+  the message left, the step is sent again and arrives once; killed after it left and
+  before `last_sent` (the `send` fault point), it arrives twice. Both are counted.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ import pytest
 import redis
 import zmq
 
+from tasks.faults import arm, faults_key
 from tasks.ship import RunState
 from tests.conftest import running_workers
-from tests.shiprun import deterministic_run, run_orchestrator
+from tests.shiprun import deterministic_run, run_orchestrator, ship
 from tests.stock_peers import read_record, start_stock_peer
 from tests.test_stock_peers import payload, wait_for
 from transport.announcements import RedisAnnouncements
@@ -161,3 +165,37 @@ def test_ship_worker_killed_five_times_stock_ranks_get_every_step_once(client, r
         print(f"ship worker killed {kills} times; sends interrupted and resent: {interrupted}")
     client.delete(RunKeys(run_id).announced_ranks)
     PayloadStore(redis.Redis.from_url(redis_url), run_id).delete_all_rollouts()
+
+
+@pytest.mark.parametrize(
+    ("fault", "order"),
+    [("sending", [0, 1, 2]), ("send", [0, 1, 1, 2])],
+    ids=["killed-before-it-left", "killed-after-it-left"],
+)
+def test_the_window_left_by_a_killed_send(fault, order, client, redis_url, run_id, tmp_path):
+    (tmp_path / "worker-logs").mkdir()
+    with running_workers(redis_url, tmp_path / "worker-logs", env={"RLSHIP_FAULTS": "1"}) as workers:
+        settings = deterministic_run(client, run_id, redis_url, workers, tmp_path, 3).model_copy(
+            update={"trainers": "external", "stall_seconds": 3.0}
+        )
+        arm(client, run_id, fault, step=1, rank=1)
+        records = [tmp_path / f"stock-rank-{rank}.jsonl" for rank in range(settings.ranks)]
+        peers = [
+            start_stock_peer(
+                "zmq", rank, records[rank], output_dir=tmp_path, port=settings.zmq_port, start_step=0,
+                steps=len(order) if rank == 1 else 3,
+            )
+            for rank in range(settings.ranks)
+        ]  # fmt: skip
+        try:
+            ship(settings, trainers=False, produce=False)
+            assert [peer.wait(60) for peer in peers] == [0, 0]
+        finally:
+            for peer in peers:
+                peer.kill()
+    assert client.hlen(faults_key(run_id)) == 0, "the armed fault fired"
+    assert [r["topic_step"] for r in read_record(records[0])] == [0, 1, 2]
+    assert [r["topic_step"] for r in read_record(records[1])] == order
+    interrupted = client.hgetall(RunState(run_id).interrupted_sends)
+    assert interrupted == {b"1:1": b"1"}, "the resend is counted either way"
+    client.delete(RunKeys(run_id).announced_ranks, faults_key(run_id))
