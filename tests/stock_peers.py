@@ -38,32 +38,14 @@ from typing import Any
 
 import msgspec
 
+from orchestrator.bench.encode import WireMicroBatch
+
 REPO = Path(__file__).resolve().parent.parent
 POLL_SECONDS = 1.0  # prime-rl's filesystem receiver waits for a path about once a second
 
 
-class StockMicroBatch(msgspec.Struct, array_like=True):
-    """What a stock trainer decodes a payload into; any value of the right shape passes."""
-
-    input_ids: list[int]
-    loss_mask: list[bool]
-    advantages: list[float]
-    inference_logprobs: list[float]
-    position_ids: list[int]
-    sequence_lengths: list[int]
-    temperatures: list[float]
-    env_names: list[str]
-    seq_lens: list[int]
-    ref_logprobs: list[float] | None = None
-    routed_experts: Any = None
-    mm_kwargs: Any = None
-    mm_token_type_ids: list[int] | None = None
-    rl_weights: list[float] | None = None
-    ce_weights: list[float] | None = None
-    ref_kl_weights: list[float] | None = None
-
-
-_DECODER = msgspec.msgpack.Decoder(type=list[StockMicroBatch])
+# What a stock trainer decodes a payload into (prime-rl's msgspec MicroBatch, 16 fields).
+_DECODER = msgspec.msgpack.Decoder(type=list[WireMicroBatch])
 
 
 def zmq_messages(host: str, port: int, rank: int) -> Iterator[tuple[bytes, bytes]]:

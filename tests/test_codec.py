@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.bench.encode import WireMicroBatch
+from orchestrator.bench.encode import WireEncodedTensor, WireMicroBatch, WireRoutedExperts
 from transport import _msgpack_arrays as mp
 from transport.codec import (
     array_header,
@@ -59,22 +59,6 @@ def msgpack_oracle(batches: list[MicroBatch]) -> bytes:
     return msgpack.packb([b.as_wire_values() for b in batches], use_bin_type=True)
 
 
-class OracleRoutedExperts(msgspec.Struct, array_like=True):
-    """prime-rl's RoutedExperts struct: data, shape ([tokens, layers, topk]), dtype."""
-
-    data: bytes
-    shape: list[int]
-    dtype: str
-
-
-class OracleEncodedTensor(msgspec.Struct, array_like=True):
-    """prime-rl's EncodedTensor struct (an mm_kwargs value): dtype, shape, data."""
-
-    dtype: str
-    shape: list[int]
-    data: bytes
-
-
 def msgspec_oracle(batches: list[MicroBatch]) -> bytes:
     """What prime-rl's msgspec encoder writes for the same values, built from the
     batches' own fields (not from our wire values)."""
@@ -83,10 +67,10 @@ def msgspec_oracle(batches: list[MicroBatch]) -> bytes:
         values = b.as_wire_values()
         if b.routed_experts is not None:
             e = b.routed_experts
-            values[10] = OracleRoutedExperts(e.data, list(e.shape), e.dtype)
+            values[10] = WireRoutedExperts(e.data, list(e.shape), e.dtype)
         if b.mm_kwargs is not None:
             values[11] = {
-                k: OracleEncodedTensor(t.dtype, list(t.shape), t.data) for k, t in b.mm_kwargs.items()
+                k: WireEncodedTensor(t.dtype, list(t.shape), t.data) for k, t in b.mm_kwargs.items()
             }
         structs.append(WireMicroBatch(*values))
     return msgspec.msgpack.Encoder().encode(structs)
@@ -335,8 +319,10 @@ def test_all_optionals_present() -> None:
     )
     payload = check_roundtrip([batch, make_batch(np.arange(5))])
     decoded = msgspec.msgpack.Decoder(list[WireMicroBatch]).decode(payload)[0]
-    assert decoded.mm_kwargs["image_grid_thw"] == ["int64", [1, 3], np.array([[1, 14, 20]]).tobytes()]
-    assert decoded.routed_experts[1] == [n, 48, 8]
+    assert decoded.mm_kwargs["image_grid_thw"] == WireEncodedTensor(
+        "int64", [1, 3], np.array([[1, 14, 20]]).tobytes()
+    )
+    assert decoded.routed_experts.shape == [n, 48, 8]
 
 
 @pytest.mark.parametrize("nbytes", [0, 255, 256, 65535, 65536])

@@ -11,35 +11,14 @@ import msgspec
 import numpy as np
 import pytest
 
+from orchestrator.bench.encode import WireEncodedTensor, WireMicroBatch
 from orchestrator.producer import RolloutProducer, RolloutRejected
 from tests.factories import rollout
 from tests.shiprun import ship, ship_settings
-from tests.test_codec import OracleEncodedTensor, OracleRoutedExperts
 from transport.schema import EncodedTensor
 
 pytestmark = pytest.mark.timeout(180)
 STEPS = 2
-
-
-class PrimeMicroBatch(msgspec.Struct, array_like=True):
-    """The 16 wire fields as a msgspec trainer decodes them, optional structs typed."""
-
-    input_ids: list[int]
-    loss_mask: list[bool]
-    advantages: list[float]
-    inference_logprobs: list[float]
-    position_ids: list[int]
-    sequence_lengths: list[int]
-    temperatures: list[float]
-    env_names: list[str]
-    seq_lens: list[int]
-    ref_logprobs: list[float] | None
-    routed_experts: OracleRoutedExperts | None
-    mm_kwargs: dict[str, OracleEncodedTensor] | None
-    mm_token_type_ids: list[int] | None
-    rl_weights: list[float] | None
-    ce_weights: list[float] | None
-    ref_kl_weights: list[float] | None
 
 
 def with_streams(index: int, record, arrays):
@@ -80,7 +59,7 @@ def test_every_optional_stream_reaches_the_wire_as_msgspec_reads_it(
 
     seen = stacked = 0
     for path in sorted(Path(tmp_path, "rollouts").glob("step_*/rank_*.bin")):
-        for mb in msgspec.msgpack.Decoder(list[PrimeMicroBatch]).decode(path.read_bytes()):
+        for mb in msgspec.msgpack.Decoder(list[WireMicroBatch]).decode(path.read_bytes()):
             start, images = 0, []
             experts = np.frombuffer(mb.routed_experts.data, mb.routed_experts.dtype)
             experts = experts.reshape(mb.routed_experts.shape)
@@ -105,11 +84,11 @@ def test_every_optional_stream_reaches_the_wire_as_msgspec_reads_it(
                 continue
             stacked += len(images) > 1
             pixels = np.concatenate([image["pixel_values"] for image in images])
-            assert mb.mm_kwargs["pixel_values"] == OracleEncodedTensor(
+            assert mb.mm_kwargs["pixel_values"] == WireEncodedTensor(
                 "float32", list(pixels.shape), pixels.tobytes()
             )
             grid = b"".join(image["image_grid_thw"].data for image in images)
-            assert mb.mm_kwargs["image_grid_thw"] == OracleEncodedTensor("int64", [len(images), 3], grid)
+            assert mb.mm_kwargs["image_grid_thw"] == WireEncodedTensor("int64", [len(images), 3], grid)
     assert seen == STEPS * settings.batch_size, "every shipped rollout found on the wire once"
     assert stacked, "some micro-batch stacked the images of several samples"
 

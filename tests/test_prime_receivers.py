@@ -9,8 +9,8 @@ import msgspec
 import numpy as np
 import pytest
 
+from orchestrator.bench.encode import WireMicroBatch
 from tests.test_codec import make_batch
-from tests.test_optional_streams import PrimeMicroBatch
 from transport.codec import encode_microbatches
 from transport.filesystem import FileSender
 from transport.keys import RunKeys
@@ -89,14 +89,14 @@ def test_filesystem_receiver_and_prime_rl_decoding(redis_url, run_id, store, tmp
     sender = FileSender(tmp_path)
     for step in (2, 1, 3):  # written out of order (a redelivered task): read in order
         sender.send(step, 0, payload(step))
-    decoder = msgspec.msgpack.Decoder(type=list[PrimeMicroBatch]).decode
+    decoder = msgspec.msgpack.Decoder(type=list[WireMicroBatch]).decode
     receiver = FileSystemMicroBatchReceiver(
         tmp_path, 0, 1, run_id=run_id, redis_url=redis_url, ranks=1, decode=decoder
     )
     try:
         for step in (1, 2, 3):
             micro_batches = receiver.receive()
-            assert isinstance(micro_batches[0], PrimeMicroBatch)
+            assert isinstance(micro_batches[0], WireMicroBatch)
             assert micro_batches[0].input_ids == (np.arange(step + 2) * 7).tolist()
         assert not receiver.can_receive()
     finally:

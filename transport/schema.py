@@ -23,6 +23,15 @@ class SchemaError(ValueError):
 _EXTRA_ITEMSIZES = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
+def _freeze_tensor(tensor: Any, what: str) -> None:
+    """A raw tensor's fields as bytes and a tuple of ints, checked against each other."""
+    if not isinstance(tensor.dtype, str):
+        raise SchemaError(f"{what}.dtype: expected str, got {tensor.dtype!r}")
+    object.__setattr__(tensor, "data", bytes(tensor.data))
+    object.__setattr__(tensor, "shape", tuple(int(d) for d in tensor.shape))
+    _check_tensor_bytes(what, tensor.data, tensor.shape, tensor.dtype)
+
+
 def _check_tensor_bytes(what: str, data: bytes, shape: tuple[int, ...], dtype: str) -> None:
     """Raw tensor bytes must be exactly shape x item size of dtype; errors name `what`."""
     if dtype in _EXTRA_ITEMSIZES:
@@ -52,9 +61,7 @@ class RoutedExperts:
     dtype: str
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "data", bytes(self.data))
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-        _check_tensor_bytes("routed_experts", self.data, self.shape, self.dtype)
+        _freeze_tensor(self, "routed_experts")
 
     @classmethod
     def from_array(cls, array: np.ndarray) -> RoutedExperts:
@@ -76,11 +83,7 @@ class EncodedTensor:
     data: bytes
 
     def __post_init__(self) -> None:
-        if not isinstance(self.dtype, str):
-            raise SchemaError(f"mm_kwargs.dtype: expected str, got {self.dtype!r}")
-        object.__setattr__(self, "data", bytes(self.data))
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-        _check_tensor_bytes("mm_kwargs", self.data, self.shape, self.dtype)
+        _freeze_tensor(self, "mm_kwargs")
 
     @classmethod
     def from_array(cls, array: np.ndarray) -> EncodedTensor:
