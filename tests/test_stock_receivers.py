@@ -21,9 +21,9 @@ import time
 
 import psutil
 import pytest
-import redis
 import zmq
 
+from orchestrator.processes import delete_run_keys
 from tasks.faults import arm, faults_key
 from tasks.ship import RunState
 from tests.conftest import running_workers
@@ -32,7 +32,6 @@ from tests.stock_peers import read_record, start_stock_peer
 from tests.test_stock_peers import payload, wait_for
 from transport.announcements import RedisAnnouncements
 from transport.keys import RunKeys
-from transport.store import PayloadStore
 from transport.zmq import ZMQSender, free_port_pair
 
 pytestmark = pytest.mark.timeout(300)
@@ -173,8 +172,7 @@ def test_ship_worker_killed_five_times_stock_ranks_get_every_step_once(
                 assert entry["sha256"][:32] == encoded[f"{entry['step']}:{rank}"], "byte for byte"
         interrupted = client.hgetall(RunState(run_id).interrupted_sends)
         print(f"ship worker killed {kills} times; sends interrupted and resent: {interrupted}")
-    client.delete(RunKeys(run_id).announced_ranks)
-    PayloadStore(redis.Redis.from_url(redis_url), run_id).delete_all_rollouts()
+    delete_run_keys(settings)
 
 
 @pytest.mark.parametrize(
@@ -208,4 +206,4 @@ def test_the_window_left_by_a_killed_send(fault, order, client, redis_url, run_i
     assert [r["topic_step"] for r in read_record(records[1])] == order
     interrupted = client.hgetall(RunState(run_id).interrupted_sends)
     assert interrupted == {b"1:1": b"1"}, "the resend is counted either way"
-    client.delete(RunKeys(run_id).announced_ranks, faults_key(run_id))
+    delete_run_keys(settings)

@@ -10,8 +10,9 @@ per rank, never all ranks at once: a replacement sender (a ship worker started a
 reach the ranks still waiting even when another rank has finished and left. prime-rl's
 stock receivers announce READY once, when they start; with an `AnnouncementLog` the
 sender keeps every announcement (in Redis) so that a replacement knows the ranks that
-announced to its predecessor, and needs only their subscriptions (a SUB resubscribes by
-itself when it reconnects to the new socket).
+announced to its predecessor, and needs only their subscriptions (a SUB reconnects by
+itself, and libzmq resends its subscriptions once the application next calls into the
+socket: a trainer blocked in `recv` or `poll` does; one that never touches it does not).
 
 `send` returns once the message has left the process: libzmq queues a message and its
 I/O thread writes it to the TCP socket later, and a process that dies (SIGKILL) loses
