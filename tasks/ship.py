@@ -267,13 +267,13 @@ def send(self: Task, run_id: str, step: int, rank: int) -> None:
     step already marked `last_sent` (it left the process) or acknowledged is not sent again.
 
     Exactly-once to a receiver that neither drops duplicates nor replays (prime-rl's)
-    rests on three marks: `sending` is written before the send, the sender returns only
-    once the message has left the process (transport.zmq: in the kernel's socket buffer,
-    delivered even if this process dies next), and `last_sent` is written after. A ship
-    worker killed before the message left loses it with its libzmq queue; the redelivered
-    task finds `sending` above `last_sent` and sends it again, correctly. The one window
-    left: killed after the message left and before `last_sent` reached Redis (one Redis
-    round trip), the step is delivered and sent again, a duplicate to a stock receiver
+    rests on two marks around a send that returns only once the message has left the
+    process (transport.zmq: in the kernel's socket buffer, delivered even if this process
+    dies next): `sending` before it, `last_sent` after. A ship worker killed before the
+    message left loses it with its libzmq queue; the redelivered task finds `sending`
+    above `last_sent` and sends it again, correctly. The one window left: killed after the
+    message left and before `last_sent` reached Redis (one Redis round trip; measured in
+    the README), the step is delivered and sent again, a duplicate to a stock receiver
     (rlship's receivers drop it). Every such resend is counted in the run's
     `interrupted_sends` hash, field `{step}:{rank}`, so a run reports how often the
     window may have been hit.
