@@ -15,15 +15,28 @@ run, every `--kill-every` seconds one process dies by SIGKILL, in rotation:
 The report counts what the trainer ranks received: steps per rank, duplicates, steps out
 of order, payloads that differ from the fault-free run, records published, keys left in
 Redis, and the kills (`--json PATH`).
+
+`--receivers stock` runs trainer ranks that receive as prime-rl's stock ones do
+(tests/stock_peers.py, from a checkout): READY once, no duplicate check, no replay, their
+own step count; what they got is read from their record files. A duplicate or a lost step
+reaches such a rank for good, so this mode also reports ranks that never got every step
+(`hung_ranks`, waited for 30 s after the run) and the sends a ship worker redid after a
+predecessor died mid-send (`interrupted_sends`: each is a duplicate only if that process
+died in the window between the message leaving it and its `last_sent` mark, tasks/ship.py).
+The `send` stage fault fires inside that window by construction, so this mode leaves it
+out of the rotation; the ship worker is killed `--ship-kills` times at random moments.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import secrets
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -50,8 +63,17 @@ from transport.store import PayloadStore
 from transport.zmq import free_port_pair
 
 STAGES = ("finalize", "prune", "metrics", "pack", "encode", "send", "publish", "release")
+STOCK_STAGES = tuple(stage for stage in STAGES if stage != "send")  # see the module docstring
 PER_RANK_STAGES = ("encode", "send")
 WORKERS = ("cpu-worker", "ship-worker")
+STOCK_PEERS = Path(__file__).resolve().parent.parent / "tests" / "stock_peers.py"
+HANG_SECONDS = 30.0  # after the run, how long a stock rank may take to get its last step
+
+
+@dataclass(frozen=True)
+class KillPlan:
+    ship_kills: int
+    stages: tuple[str, ...]
 
 
 @dataclass
@@ -73,6 +95,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds each run may take")
+    parser.add_argument(
+        "--receivers",
+        choices=("rlship", "stock"),
+        default="rlship",
+        help="trainer ranks: rlship's, or ones that receive as prime-rl's stock receivers do",
+    )
+    parser.add_argument("--ship-kills", type=int, default=1, help="times the whole ship worker is killed")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -89,6 +118,7 @@ def main(args: argparse.Namespace) -> int:
         "max_off_policy_steps": args.steps + 1,  # written up front, so never stale
         "stall_seconds": 5.0,
         "samples_per_step": 0,
+        "trainers": "external" if args.receivers == "stock" else "builtin",
     }
 
     def settings_for(name: str) -> RunSettings:
@@ -104,9 +134,11 @@ def main(args: argparse.Namespace) -> int:
     reference, chaos = settings_for("reference"), settings_for("chaos")
     print(f"rlship chaos: fault-free run of {args.steps} steps ({reference.run_id})", flush=True)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that every child is stopped
-    expected = run_system(reference, None, random.Random(args.seed), args.timeout)
+    plan = KillPlan(args.ship_kills, STOCK_STAGES if args.receivers == "stock" else STAGES)
+    expected = run_system(reference, None, random.Random(args.seed), args.timeout, args.receivers, plan)
     print(f"rlship chaos: the same with a kill every {args.kill_every:g} s ({chaos.run_id})", flush=True)
-    observed = run_system(chaos, args.kill_every, random.Random(args.seed), args.timeout)
+    rng = random.Random(args.seed)
+    observed = run_system(chaos, args.kill_every, rng, args.timeout, args.receivers, plan)
     report = compare(args, expected, observed)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))
@@ -137,8 +169,30 @@ def _exit_on_sigterm(*_: object) -> None:
     raise SystemExit("rlship chaos: terminated")
 
 
+def trainer_command(settings: RunSettings, rank: int, receivers: str) -> list[str]:
+    if receivers == "rlship":
+        return rlship_command("trainer", "--rank", str(rank))
+    if not STOCK_PEERS.exists():
+        raise SystemExit(f"rlship chaos: --receivers stock needs a checkout ({STOCK_PEERS} is missing)")
+    return [
+        sys.executable, "-m", "tests.stock_peers", "zmq", "--rank", str(rank),
+        "--record", str(stock_record(settings, rank)), "--output-dir", str(settings.output_dir),
+        "--host", settings.zmq_host, "--port", str(settings.zmq_port),
+        "--start-step", "0", "--steps", str(settings.steps),
+    ]  # fmt: skip
+
+
+def stock_record(settings: RunSettings, rank: int) -> Path:
+    return settings.output_dir / "stock" / f"rank-{rank}.jsonl"
+
+
 def run_system(
-    settings: RunSettings, kill_every: float | None, rng: random.Random, timeout: float
+    settings: RunSettings,
+    kill_every: float | None,
+    rng: random.Random,
+    timeout: float,
+    receivers: str = "rlship",
+    plan: KillPlan = KillPlan(1, STAGES),
 ) -> dict[str, Any]:
     """One run of the whole system on this machine, with kills when `kill_every` is set."""
     rollouts = write_workload(settings)
@@ -153,7 +207,7 @@ def run_system(
             group.start(name, command)
         wait_for_workers(settings, group)
         for rank in range(settings.ranks):
-            group.start(f"trainer-{rank}", rlship_command("trainer", "--rank", str(rank)))
+            group.start(f"trainer-{rank}", trainer_command(settings, rank, receivers))
         started = time.monotonic()
         group.start("orchestrator", rlship_command("orchestrate"))
         next_kill = started + (kill_every or 0.0)
@@ -174,21 +228,33 @@ def run_system(
                     f"{settings.run_id}: no end after {timeout:.0f} s; logs in {group.log_dir}"
                 )
             if kill_every is not None and now >= next_kill:
-                kill = kill_one(settings, group, client, rng, kills, now - started)
+                kill = kill_one(settings, group, client, rng, kills, now - started, plan)
                 if kill is not None:
                     kills.append(kill)
                 next_kill = now + kill_every
             time.sleep(0.02)
         wall = time.monotonic() - started
-        for rank in range(settings.ranks):
-            group.processes[f"trainer-{rank}"].wait(60)
+        hung = wait_for_trainers(group, settings.ranks, 60 if receivers == "rlship" else HANG_SECONDS)
+        if hung and receivers == "rlship":
+            raise RuntimeError(f"{settings.run_id}: trainer ranks {hung} never finished; see {group.log_dir}")
     finally:
         group.stop_all()
     fired = {f.decode() for f in client.hkeys(faults_key(settings.run_id))}
     for kill in kills:
         if kill.target == "stage-fault":
             kill.fired = fault_field(kill.stage, kill.step, kill.rank) not in fired
-    return {"rollouts_written": rollouts, "wall_seconds": wall, "kills": kills, **observe(settings, client)}
+    seen = observe(settings, client) if receivers == "rlship" else observe_stock(settings, client)
+    return {"rollouts_written": rollouts, "wall_seconds": wall, "kills": kills, "hung_ranks": hung, **seen}
+
+
+def wait_for_trainers(group: ProcessGroup, ranks: int, timeout: float) -> list[int]:
+    """The ranks still running `timeout` seconds from now (a stock rank waits forever for a
+    step it lost)."""
+    deadline = time.monotonic() + timeout
+    for rank in range(ranks):
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            group.processes[f"trainer-{rank}"].wait(max(0.0, deadline - time.monotonic()))
+    return [rank for rank in range(ranks) if group.processes[f"trainer-{rank}"].poll() is None]
 
 
 def kill_one(
@@ -198,15 +264,18 @@ def kill_one(
     rng: random.Random,
     kills: list[Kill],
     seconds: float,
+    plan: KillPlan = KillPlan(1, STAGES),
 ) -> Kill | None:
     """The next kill of the rotation (module docstring). The orchestrator dies once it has
-    published two steps and the ship worker once four are, so both die mid-run."""
+    published two steps; the ship worker once four are, and again every few steps after
+    (`plan.ship_kills` in all), so both die mid-run."""
     published = client.hlen(RunState(settings.run_id).published)
-    done = {kill.target for kill in kills}
-    if "orchestrator" not in done and published >= 2:
+    done = Counter(kill.target for kill in kills)
+    if not done["orchestrator"] and published >= 2:
         group.processes["orchestrator"].send_signal(signal.SIGKILL)
         return Kill(seconds, "orchestrator", step=published)
-    if "ship-worker" not in done and published >= 4:
+    spacing = max(1, (settings.steps - 4) // max(1, plan.ship_kills))
+    if done["ship-worker"] < plan.ship_kills and published >= 4 + spacing * done["ship-worker"]:
         children = _children(group, "ship-worker")  # before: once the parent dies they move
         group.processes["ship-worker"].send_signal(signal.SIGKILL)
         for child in children:
@@ -221,7 +290,7 @@ def kill_one(
     step = int(client.get(RunState(settings.run_id).next_step) or 0)
     if step >= settings.steps:
         return None
-    stage = rng.choice(STAGES)
+    stage = rng.choice(plan.stages)
     rank = rng.randrange(settings.ranks) if stage in PER_RANK_STAGES else None
     if client.hexists(faults_key(settings.run_id), fault_field(stage, step, rank)):
         return None  # armed already: one fault per stage of a step
@@ -251,6 +320,27 @@ def observe(settings: RunSettings, client: redis.Redis) -> dict[str, Any]:
     return {"ranks": ranks, "records": records, "keys_left": left}
 
 
+def observe_stock(settings: RunSettings, client: redis.Redis) -> dict[str, Any]:
+    """What stock ranks recorded (by the step in the topic, which they ignore), in the
+    shape `observe` gives, and the sends redone after an interrupted one."""
+    ranks: dict[str, Any] = {}
+    for rank in range(settings.ranks):
+        path = stock_record(settings, rank)
+        got = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        ranks[str(rank)] = {
+            "checksums": {str(r["topic_step"]): r["sha256"][:32] for r in got},
+            "deliveries": {str(s): n for s, n in Counter(r["topic_step"] for r in got).items()},
+            "order": [r["topic_step"] for r in got],
+        }
+    seen = observe(settings, client)
+    interrupted = client.hgetall(RunState(settings.run_id).interrupted_sends)
+    return {
+        **seen,
+        "ranks": ranks,
+        "interrupted_sends": {k.decode(): int(v) for k, v in interrupted.items()},
+    }
+
+
 def compare(args: argparse.Namespace, expected: dict[str, Any], observed: dict[str, Any]) -> dict[str, Any]:
     steps = [str(s) for s in range(args.steps)]
     delivered, duplicates, out_of_order, mismatches = {}, 0, 0, 0
@@ -278,16 +368,24 @@ def compare(args: argparse.Namespace, expected: dict[str, Any], observed: dict[s
         "reference_keys_left": len(expected["keys_left"]),
         "wall_seconds": {"fault_free": expected["wall_seconds"], "chaos": observed["wall_seconds"]},
         "rollouts_written": observed["rollouts_written"],
-        "command": f"rlship chaos --steps {args.steps} --kill-every {args.kill_every:g} --json {args.json}",
+        "receivers": args.receivers,
+        "hung_ranks": observed["hung_ranks"],
+        "interrupted_sends": observed.get("interrupted_sends", {}),
+        "command": (
+            f"rlship chaos --steps {args.steps} --kill-every {args.kill_every:g} "
+            f"--receivers {args.receivers} --ship-kills {args.ship_kills} --json {args.json}"
+        ),
     }
     report["goal_met"] = (
         all(n == args.steps for n in delivered.values())
+        and not report["hung_ranks"]
         and duplicates == out_of_order == mismatches == 0
         and report["records_published"] == args.steps
         and report["records_duplicated"] == 0
         and report["keys_left"] == 0
         and report["kills"] >= 10
         and {"orchestrator", "ship-worker"} <= set(report["kills_by_target"])
+        and report["kills_by_target"]["ship-worker"] >= args.ship_kills
     )
     return report
 
@@ -298,7 +396,9 @@ def print_report(report: dict[str, Any], path: Path) -> None:
         f"(stages {report['kills_by_stage']})\n"
         f"  steps delivered per rank {report['steps_delivered_per_rank']} of {report['steps_expected']}; "
         f"duplicates {report['duplicates_delivered']}, out of order {report['out_of_order']}, "
-        f"payload mismatches {report['payload_mismatches']}\n"
+        f"payload mismatches {report['payload_mismatches']}; receivers {report['receivers']}, "
+        f"hung ranks {report['hung_ranks']}, sends redone after an interrupted one "
+        f"{sum(report['interrupted_sends'].values())}\n"
         f"  records {report['records_published']} (duplicated {report['records_duplicated']}), "
         f"keys left {report['keys_left']}; "
         f"wall {report['wall_seconds']['fault_free']:.1f} s fault-free, "

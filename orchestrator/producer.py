@@ -24,7 +24,8 @@ from orchestrator.settings import RunSettings, add_settings_arguments, settings_
 from tasks.stages.finalize import check_rollout_arrays
 from transport.connection import connect_redis
 from transport.keys import RunKeys
-from transport.store import DEFAULT_TTL_SECONDS, pack_arrays
+from transport.schema import EncodedTensor, SchemaError
+from transport.store import DEFAULT_TTL_SECONDS, flat_arrays, pack_arrays
 
 
 class RolloutRejected(ValueError):
@@ -41,8 +42,16 @@ def check_rollouts(
     """The workers' own payload checks, run where the bad data is made (the producer)."""
     problems = {}
     for record, arrays in rollouts:
+        try:
+            flat = flat_arrays(arrays)
+        except SchemaError as exc:
+            problems[record.rollout_id] = str(exc)
+            continue
         problem = check_rollout_arrays(
-            {k: np.asarray(v) for k, v in arrays.items()}, record.num_tokens, max_tokens, vocab_size
+            {k: v if isinstance(v, EncodedTensor) else np.asarray(v) for k, v in flat.items()},
+            record.num_tokens,
+            max_tokens,
+            vocab_size,
         )
         if problem is not None:
             problems[record.rollout_id] = problem

@@ -81,6 +81,8 @@ class RunState:
         # The orchestrator's live counters (pending, open groups, lag), for progress displays.
         self.status = self.keys.run_key("status")
         self.evicted = self.keys.run_key("payloads_evicted_unacknowledged")
+        # Sends that found an earlier process's `sending` mark above `last_sent` (see send).
+        self.interrupted_sends = self.keys.run_key("interrupted_sends")
         # The orchestrator's restart point (orchestrator.checkpoint), the newest step whose
         # record it has mirrored and released, and the lease only one live orchestrator holds.
         self.checkpoint = self.keys.run_key("checkpoint")
@@ -244,19 +246,46 @@ def encode(run_id: str, step: int, rank: int) -> None:
 
 
 @functools.cache
-def _sender(config: ShipConfig) -> StepSender:
-    """The process's sender for a run's transport; the ZMQ one binds once per process."""
+def _sender(run_id: str, config: ShipConfig) -> StepSender:
+    """The process's sender for a run's transport; the ZMQ one binds once per process and
+    knows every rank that announced READY to an earlier ship worker of the run."""
     if config.transport == "zmq":
+        from transport.announcements import RedisAnnouncements
         from transport.zmq import ZMQSender
 
-        return ZMQSender(config.zmq_host, config.zmq_port, config.ranks, send_timeout=SEND_TIMEOUT_SECONDS)
+        return ZMQSender(
+            config.zmq_host,
+            config.zmq_port,
+            config.ranks,
+            send_timeout=SEND_TIMEOUT_SECONDS,
+            announcements=RedisAnnouncements(redis_client(), run_id),
+        )
     from transport.filesystem import FileSender
 
     return FileSender(config.output_path)
 
 
+# (run_id, step, rank) whose `sending` mark this process wrote: a retry here is not a crash.
+_intents: set[tuple[str, int, int]] = set()
+
+
 @app.task(name="rlship.send", bind=True, max_retries=None)
 def send(self: Task, run_id: str, step: int, rank: int) -> None:
+    """Send one rank its step, once: the step before must have left (per-rank order), and a
+    step already marked `last_sent` (it left the process) or acknowledged is not sent again.
+
+    Exactly-once to a receiver that neither drops duplicates nor replays (prime-rl's)
+    rests on two marks around a send that returns only once the message has left the
+    process (transport.zmq: in the kernel's socket buffer, delivered even if this process
+    dies next): `sending` before it, `last_sent` after. A ship worker killed before the
+    message left loses it with its libzmq queue; the redelivered task finds `sending`
+    above `last_sent` and sends it again, correctly. The one window left: killed after the
+    message left and before `last_sent` reached Redis (one Redis round trip; measured in
+    the README), the step is delivered and sent again, a duplicate to a stock receiver
+    (rlship's receivers drop it). Every such resend is counted in the run's
+    `interrupted_sends` hash, field `{step}:{rank}`, so a run reports how often the
+    window may have been hit.
+    """
     ctx = StepContext(run_id, step)
     if _skip_if_published(ctx, "send"):
         return
@@ -271,11 +300,13 @@ def send(self: Task, run_id: str, step: int, rank: int) -> None:
         log.info("step %d rank %d: acknowledged by the rank already; not sent again", step, rank)
         ctx.client.set(ctx.keys.last_sent(rank), step)
     elif last_sent < step:
-        sender = _sender(manifest.config)
+        sender = _sender(run_id, manifest.config)
         wait_ready = getattr(sender, "wait_ready", None)
         if wait_ready is not None and not wait_ready(timeout=READY_WAIT_SECONDS, rank=rank):
             log.info("step %d rank %d: waiting for trainer ranks to announce READY", step, rank)
             raise self.retry(countdown=RETRY_SECONDS, queue=manifest.config.ship_queue)
+        _mark_intent(ctx, step, rank)
+        ctx.crash_if_armed("sending", rank)  # marked, not sent: the redelivery sends it, once
         started = time.perf_counter()
         try:
             sender.send(step, rank, ctx.store.get_payload(step, rank))
@@ -283,17 +314,37 @@ def send(self: Task, run_id: str, step: int, rank: int) -> None:
             log.warning("step %d rank %d: trainer not reading; retrying", step, rank)
             raise self.retry(countdown=RETRY_SECONDS, queue=manifest.config.ship_queue) from None
         seconds = time.perf_counter() - started
-        ctx.crash_if_armed("send", rank)  # sent, not yet marked: the redelivery sends again
+        ctx.crash_if_armed("send", rank)  # left the process, not yet marked: the window
         pipe = ctx.client.pipeline(transaction=True)
         pipe.set(ctx.keys.last_sent(rank), step)
         pipe.hset(ctx.keys.step(step, "times"), f"send:{rank}", seconds)
         pipe.execute()
+        _intents.discard((run_id, step, rank))
     sent_key = ctx.keys.step(step, "sent")
     pipe = ctx.client.pipeline(transaction=True)
     pipe.sadd(sent_key, rank)
     pipe.sadd(ctx.keys.step_keys(step), sent_key)
     pipe.execute()
     _publish_when_complete(ctx)
+
+
+def _mark_intent(ctx: StepContext, step: int, rank: int) -> None:
+    """Write the `sending` mark; if an earlier process wrote it for this step and died
+    before `last_sent`, count the resend that follows (see `send`)."""
+    intent = (ctx.run_id, step, rank)
+    if intent in _intents:
+        return  # this process's own retry: its message is tracked by the sender
+    previous = ctx.client.getset(ctx.keys.sending(rank), step)
+    _intents.add(intent)
+    if previous is not None and int(previous) == step:
+        ctx.client.hincrby(ctx.state.interrupted_sends, f"{step}:{rank}", 1)
+        log.warning(
+            "step %d rank %d: the previous send died before marking it sent; sending again "
+            "(a receiver without duplicate checks gets it twice only if that process died "
+            "after the message left it)",
+            step,
+            rank,
+        )
 
 
 def _publish_when_complete(ctx: StepContext) -> None:

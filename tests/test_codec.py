@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.bench.encode import WireMicroBatch
+from orchestrator.bench.encode import WireEncodedTensor, WireMicroBatch, WireRoutedExperts
 from transport import _msgpack_arrays as mp
 from transport.codec import (
     array_header,
@@ -26,7 +26,7 @@ from transport.codec import (
     encode_microbatches_into,
     wire_size,
 )
-from transport.schema import MicroBatch, RoutedExperts
+from transport.schema import EncodedTensor, MicroBatch, RoutedExperts
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 INT_BOUNDARIES = [
@@ -60,11 +60,18 @@ def msgpack_oracle(batches: list[MicroBatch]) -> bytes:
 
 
 def msgspec_oracle(batches: list[MicroBatch]) -> bytes:
+    """What prime-rl's msgspec encoder writes for the same values, built from the
+    batches' own fields (not from our wire values)."""
     structs = []
     for b in batches:
         values = b.as_wire_values()
-        if values[10] is not None:
-            values[10] = tuple(values[10])
+        if b.routed_experts is not None:
+            e = b.routed_experts
+            values[10] = WireRoutedExperts(e.data, list(e.shape), e.dtype)
+        if b.mm_kwargs is not None:
+            values[11] = {
+                k: WireEncodedTensor(t.dtype, list(t.shape), t.data) for k, t in b.mm_kwargs.items()
+            }
         structs.append(WireMicroBatch(*values))
     return msgspec.msgpack.Encoder().encode(structs)
 
@@ -130,6 +137,10 @@ floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_fr
 names = st.one_of(st.sampled_from(NAMES[:-1]), st.text(max_size=40))
 
 
+def even_length(data: bytes) -> bytes:
+    return data[: len(data) // 2 * 2]
+
+
 @st.composite
 def microbatches(draw: st.DrawFn) -> MicroBatch:
     n = draw(st.one_of(st.integers(0, 20), st.integers(0, 400)))
@@ -150,8 +161,23 @@ def microbatches(draw: st.DrawFn) -> MicroBatch:
     experts = None
     if draw(st.booleans()):
         dtype = draw(st.sampled_from(["int8", "int32", "uint16"]))
-        width = draw(st.integers(1, 3))
-        experts = RoutedExperts.from_array(np.arange(n * width, dtype=dtype).reshape(n, width))
+        layers, topk = draw(st.integers(1, 3)), draw(st.integers(1, 4))
+        experts = RoutedExperts.from_array(np.arange(n * layers * topk, dtype=dtype).reshape(n, layers, topk))
+    mm_kwargs = None
+    if draw(st.booleans()):
+        mm_kwargs = {
+            name: EncodedTensor(dtype, (len(data) // size,), data)
+            for name, (dtype, size, data) in draw(
+                st.dictionaries(
+                    st.one_of(st.sampled_from(["pixel_values", "image_grid_thw"]), names),
+                    st.one_of(
+                        st.tuples(st.just("uint8"), st.just(1), st.binary(max_size=300)),
+                        st.tuples(st.just("bfloat16"), st.just(2), st.binary(max_size=64).map(even_length)),
+                    ),
+                    max_size=3,
+                )
+            ).items()
+        }
     return MicroBatch(
         input_ids=np.array(token_list(ints), np.int64),
         loss_mask=np.array(token_list(st.booleans()), bool),
@@ -164,6 +190,7 @@ def microbatches(draw: st.DrawFn) -> MicroBatch:
         seq_lens=lengths,
         ref_logprobs=maybe(floats),
         routed_experts=experts,
+        mm_kwargs=mm_kwargs,
         mm_token_type_ids=maybe(ints),
         rl_weights=maybe(floats),
         ce_weights=maybe(floats),
@@ -267,19 +294,35 @@ def test_empty_microbatches_and_nil_optionals() -> None:
 
 
 def test_all_optionals_present() -> None:
+    """Every optional stream prime-rl's trainer consumes, set at once, against msgspec:
+    routed experts [tokens, layers, topk], mm_kwargs of several dtypes and sizes (bin8 to
+    bin32, a 16-entry map), the per-token weights and token types."""
     n = 300
     rng = np.random.default_rng(3)
+    pixels = rng.random((70_000, 3)).astype(np.float32)  # 840 KB: a bin32
+    mm_kwargs = {
+        "pixel_values": EncodedTensor.from_array(pixels),
+        "image_grid_thw": EncodedTensor.from_array(np.array([[1, 14, 20]], np.int64)),
+        "pixel_values_bf16": EncodedTensor("bfloat16", (4, 2), rng.bytes(16)),
+        **{f"extra_{i}": EncodedTensor.from_array(np.arange(i, dtype=np.int16)) for i in range(13)},
+    }
     batch = make_batch(
         rng.integers(0, 150_000, n),
         sample_lengths=[100, 200],
         ref_logprobs=-rng.random(n),
-        routed_experts=RoutedExperts.from_array(rng.integers(0, 64, (n, 8)).astype(np.int32)),
+        routed_experts=RoutedExperts.from_array(rng.integers(0, 64, (n, 48, 8)).astype(np.uint8)),
+        mm_kwargs=mm_kwargs,
         mm_token_type_ids=rng.integers(0, 3, n),
         rl_weights=rng.random(n),
         ce_weights=rng.random(n),
         ref_kl_weights=rng.random(n),
     )
-    check_roundtrip([batch])
+    payload = check_roundtrip([batch, make_batch(np.arange(5))])
+    decoded = msgspec.msgpack.Decoder(list[WireMicroBatch]).decode(payload)[0]
+    assert decoded.mm_kwargs["image_grid_thw"] == WireEncodedTensor(
+        "int64", [1, 3], np.array([[1, 14, 20]]).tobytes()
+    )
+    assert decoded.routed_experts.shape == [n, 48, 8]
 
 
 @pytest.mark.parametrize("nbytes", [0, 255, 256, 65535, 65536])

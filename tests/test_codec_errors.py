@@ -115,3 +115,18 @@ def test_invalid_utf8_is_a_codec_error() -> None:
     data[index] = 0xFF
     with pytest.raises(CodecError, match=r"^micro-batch 0: env_names: malformed MessagePack"):
         decode_microbatches(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("mm_kwargs", "message"),
+    [
+        ({"pixel_values": ["float32", [2, 3], b"\0" * 20]}, r"mm_kwargs.data: length 20 does not match"),
+        ({"pixel_values": ["complex1024", [1], b"\0"]}, r"mm_kwargs.dtype: unknown dtype 'complex1024'"),
+        ({7: ["uint8", [1], b"\0"]}, r"mm_kwargs: key 7 is not a str"),
+        ({"pixel_values": b"raw"}, r"mm_kwargs\['pixel_values'\]: expected \[dtype, shape, data\]"),
+        ([1, 2], r"mm_kwargs: expected a map of name to tensor, got list"),
+    ],
+)
+def test_malformed_mm_kwargs_are_named(mm_kwargs, message) -> None:
+    with pytest.raises(SchemaError, match=message):
+        MicroBatch(**fields(), mm_kwargs=mm_kwargs)

@@ -52,13 +52,22 @@ _FEW_RUNS = 16
 """A mixed chunk with fewer runs of one width class than this is written run by run."""
 
 
+def _container_header(length: int, fix: int, tag16: bytes, tag32: bytes) -> bytes:
+    if length < 16:
+        return bytes([fix | length])
+    if length < 1 << 16:
+        return tag16 + length.to_bytes(2, "big")
+    return tag32 + length.to_bytes(4, "big")
+
+
 def array_header(length: int) -> bytes:
     """The smallest MessagePack array header for `length` elements."""
-    if length < 16:
-        return bytes([0x90 | length])
-    if length < 1 << 16:
-        return b"\xdc" + length.to_bytes(2, "big")
-    return b"\xdd" + length.to_bytes(4, "big")
+    return _container_header(length, 0x90, b"\xdc", b"\xdd")
+
+
+def map_header(length: int) -> bytes:
+    """The smallest MessagePack map header for `length` entries."""
+    return _container_header(length, 0x80, b"\xde", b"\xdf")
 
 
 def str_header(length: int) -> bytes:

@@ -22,7 +22,15 @@ import numpy as np
 
 from transport import _msgpack_arrays as mp
 from transport._msgpack_arrays import array_header
-from transport.schema import ARRAY_DTYPES, MICROBATCH_FIELDS, MicroBatch, RoutedExperts, SchemaError
+from transport.schema import (
+    ARRAY_DTYPES,
+    MICROBATCH_FIELDS,
+    EncodedTensor,
+    MicroBatch,
+    RoutedExperts,
+    SchemaError,
+    as_encoded_tensors,
+)
 
 __all__ = [
     "CodecError",
@@ -73,19 +81,35 @@ def _env_name_runs(names: list[str], sample_lengths: np.ndarray) -> _Runs:
     return [(encoded[name], count) for name, count in runs]
 
 
-def _experts_parts(experts: RoutedExperts) -> tuple[bytes, bytes, bytes]:
+def _experts_parts(experts: RoutedExperts) -> list[bytes]:
     """routed_experts as [bin data, shape, dtype]: the small head and tail, and the data."""
     head = b"\x93" + mp.bin_header(len(experts.data))
     tail = msgpack.packb(list(experts.shape)) + msgpack.packb(experts.dtype)
-    return head, experts.data, tail
+    return [head, experts.data, tail]
+
+
+def _mm_kwargs_parts(mm_kwargs: dict[str, EncodedTensor]) -> list[bytes]:
+    """mm_kwargs as a map of name -> [dtype, shape, bin data], in the map's order: small
+    encoded pieces and each tensor's raw bytes, to be written one after another."""
+    parts = [mp.map_header(len(mm_kwargs))]
+    for name, tensor in mm_kwargs.items():
+        head = mp.encode_str(name) + b"\x93" + mp.encode_str(tensor.dtype) + msgpack.packb(list(tensor.shape))
+        parts += [head + mp.bin_header(len(tensor.data)), tensor.data]
+    return parts
+
+
+_PARTS: dict[str, Callable[[Any], list[bytes]]] = {
+    "routed_experts": _experts_parts,
+    "mm_kwargs": _mm_kwargs_parts,
+}
 
 
 def _field_size(batch: MicroBatch, name: str, runs: _Runs) -> int:
     value = getattr(batch, name)
     if value is None:
         return 1
-    if name == "routed_experts":
-        return sum(map(len, _experts_parts(value)))
+    if name in _PARTS:
+        return sum(map(len, _PARTS[name](value)))
     size = len(array_header(len(value)))
     kind = _KIND[name]
     if kind == "str":
@@ -127,11 +151,10 @@ def _write_microbatch(batch: MicroBatch, runs: _Runs, out: np.ndarray, pos: int)
         if value is None:
             out[pos] = 0xC0
             pos += 1
-        elif name == "routed_experts":
-            head, data, tail = _experts_parts(value)
-            pos = mp.put(out, pos, head)
-            out[pos : pos + len(data)] = np.frombuffer(data, np.uint8)
-            pos = mp.put(out, pos + len(data), tail)
+        elif name in _PARTS:
+            for part in _PARTS[name](value):
+                out[pos : pos + len(part)] = np.frombuffer(part, np.uint8)
+                pos += len(part)
         else:
             pos = mp.put(out, pos, array_header(len(value)))
             if name == "env_names":
@@ -231,6 +254,8 @@ def _read_field(buffer: np.ndarray, pos: int, name: str) -> tuple[Any, int]:
         if not isinstance(value, list) or len(value) != 3:
             raise SchemaError(f"routed_experts: expected [data, shape, dtype], got {value!r:.80}")
         value = RoutedExperts(data=value[0], shape=value[1], dtype=value[2])
+    elif name == "mm_kwargs":
+        value = as_encoded_tensors(value)
     return value, end
 
 

@@ -73,7 +73,19 @@ class RunKeys:
         return f"{self.prefix}delivery_order:{rank}"
 
     def last_sent(self, rank: int) -> str:
+        """The newest step whose message has left the sending process for `rank`."""
         return f"{self.prefix}last_sent:{rank}"
+
+    def sending(self, rank: int) -> str:
+        """The step a sender is about to send to `rank` (an intent mark, written before the
+        send): found above `last_sent` by the next sender, the previous one died mid-send."""
+        return f"{self.prefix}sending:{rank}"
+
+    @property
+    def announced_ranks(self) -> str:
+        """Ranks that have announced READY to any of the run's senders (a set, with an
+        expiry): a replacement sender knows them without hearing READY again."""
+        return f"{self.prefix}announced_ranks"
 
     def run_key(self, name: str) -> str:
         """Run-wide bookkeeping (next step, counters, stage calls)."""

@@ -19,27 +19,49 @@ class SchemaError(ValueError):
     """A micro-batch or sample whose fields do not agree with each other or the spec."""
 
 
+# Tensor dtypes producers send that numpy has no name for (torch's), and their item sizes.
+_EXTRA_ITEMSIZES = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def _freeze_tensor(tensor: Any, what: str) -> None:
+    """A raw tensor's fields as bytes and a tuple of ints, checked against each other."""
+    if not isinstance(tensor.dtype, str):
+        raise SchemaError(f"{what}.dtype: expected str, got {tensor.dtype!r}")
+    object.__setattr__(tensor, "data", bytes(tensor.data))
+    object.__setattr__(tensor, "shape", tuple(int(d) for d in tensor.shape))
+    _check_tensor_bytes(what, tensor.data, tensor.shape, tensor.dtype)
+
+
+def _check_tensor_bytes(what: str, data: bytes, shape: tuple[int, ...], dtype: str) -> None:
+    """Raw tensor bytes must be exactly shape x item size of dtype; errors name `what`."""
+    if dtype in _EXTRA_ITEMSIZES:
+        itemsize = _EXTRA_ITEMSIZES[dtype]
+    else:
+        try:
+            itemsize = np.dtype(dtype).itemsize
+        except TypeError as exc:
+            raise SchemaError(f"{what}.dtype: unknown dtype {dtype!r}") from exc
+    if any(d < 0 for d in shape):
+        raise SchemaError(f"{what}.shape: {shape} has a negative dimension")
+    expected = itemsize * int(np.prod(shape, dtype=np.int64))
+    if len(data) != expected:
+        raise SchemaError(
+            f"{what}.data: length {len(data)} does not match shape {shape} "
+            f"of {dtype} (expected {expected} bytes)"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class RoutedExperts:
-    """Per-token expert routing (MoE), carried as raw bytes with their shape and dtype."""
+    """Per-token expert routing (MoE), `[tokens, layers, topk]`, carried as raw bytes with
+    their shape and dtype (prime-rl's wire order: data, shape, dtype)."""
 
     data: bytes
     shape: tuple[int, ...]
     dtype: str
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "data", bytes(self.data))
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-        try:
-            itemsize = np.dtype(self.dtype).itemsize
-        except TypeError as exc:
-            raise SchemaError(f"routed_experts.dtype: unknown dtype {self.dtype!r}") from exc
-        expected = itemsize * int(np.prod(self.shape, dtype=np.int64))
-        if len(self.data) != expected:
-            raise SchemaError(
-                f"routed_experts.data: length {len(self.data)} does not match shape {self.shape} "
-                f"of {self.dtype} (expected {expected} bytes)"
-            )
+        _freeze_tensor(self, "routed_experts")
 
     @classmethod
     def from_array(cls, array: np.ndarray) -> RoutedExperts:
@@ -48,6 +70,63 @@ class RoutedExperts:
 
     def to_array(self) -> np.ndarray:
         return np.frombuffer(self.data, dtype=self.dtype).reshape(self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedTensor:
+    """One multimodal model input (an `mm_kwargs` value, e.g. `pixel_values`): raw bytes
+    with their dtype and shape, as prime-rl encodes a tensor (wire order: dtype, shape,
+    data). The dtype is the producer's name for it ("float32", "bfloat16", ...)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    def __post_init__(self) -> None:
+        _freeze_tensor(self, "mm_kwargs")
+
+    @classmethod
+    def from_array(cls, array: np.ndarray) -> EncodedTensor:
+        array = np.ascontiguousarray(array)
+        return cls(dtype=array.dtype.name, shape=array.shape, data=array.tobytes())
+
+    @classmethod
+    def concatenate(cls, name: str, tensors: Sequence[EncodedTensor]) -> EncodedTensor:
+        """Stack along the first dimension (several samples' images in one micro-batch);
+        dtypes and the other dimensions must agree."""
+        first = tensors[0]
+        for tensor in tensors[1:]:
+            if tensor.dtype != first.dtype or tensor.shape[1:] != first.shape[1:] or not tensor.shape:
+                raise SchemaError(
+                    f"mm_kwargs[{name!r}]: cannot stack {tensor.dtype}{list(tensor.shape)} "
+                    f"onto {first.dtype}{list(first.shape)} along the first dimension"
+                )
+        rows = sum(t.shape[0] for t in tensors) if first.shape else 0
+        shape = (rows, *first.shape[1:]) if first.shape else ()
+        return cls(dtype=first.dtype, shape=shape, data=b"".join(t.data for t in tensors))
+
+
+MM_KWARGS_PREFIX = "mm_kwargs."
+"""A rollout's stored arrays hold each mm_kwargs tensor under `mm_kwargs.{name}`."""
+
+
+def as_encoded_tensors(value: Any) -> dict[str, EncodedTensor]:
+    """mm_kwargs from what producers and decoders hold: name -> EncodedTensor, a numpy
+    array, or the wire's [dtype, shape, data]."""
+    if not isinstance(value, dict):
+        raise SchemaError(f"mm_kwargs: expected a map of name to tensor, got {type(value).__name__}")
+    out = {}
+    for name, tensor in value.items():
+        if not isinstance(name, str):
+            raise SchemaError(f"mm_kwargs: key {name!r} is not a str")
+        if isinstance(tensor, np.ndarray):
+            tensor = EncodedTensor.from_array(tensor)
+        elif isinstance(tensor, list | tuple) and len(tensor) == 3:
+            tensor = EncodedTensor(*tensor)
+        elif not isinstance(tensor, EncodedTensor):
+            raise SchemaError(f"mm_kwargs[{name!r}]: expected [dtype, shape, data], got {tensor!r:.80}")
+        out[name] = tensor
+    return out
 
 
 # Wire order of the 16 MicroBatch fields, and the numpy dtype each per-token/per-sample
@@ -178,7 +257,7 @@ class MicroBatch:
     seq_lens: np.ndarray
     ref_logprobs: np.ndarray | None = None
     routed_experts: RoutedExperts | None = None
-    mm_kwargs: dict[str, Any] | None = None
+    mm_kwargs: dict[str, EncodedTensor] | None = None
     mm_token_type_ids: np.ndarray | None = None
     rl_weights: np.ndarray | None = None
     ce_weights: np.ndarray | None = None
@@ -194,7 +273,7 @@ class MicroBatch:
             setattr(self, name, as_array(name, value))
         self.env_names = _as_strings("env_names", self.env_names)
         if self.mm_kwargs is not None:
-            raise SchemaError("mm_kwargs: reserved, must be None")
+            self.mm_kwargs = as_encoded_tensors(self.mm_kwargs)
         if isinstance(self.routed_experts, dict):
             self.routed_experts = RoutedExperts(**self.routed_experts)
         self.validate()
@@ -234,6 +313,8 @@ class MicroBatch:
                 values.append(value.tolist())
             elif isinstance(value, RoutedExperts):
                 values.append([value.data, list(value.shape), value.dtype])
+            elif name == "mm_kwargs":
+                values.append({k: [t.dtype, list(t.shape), t.data] for k, t in value.items()})
             else:
                 values.append(list(value))
         return values

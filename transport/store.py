@@ -21,6 +21,7 @@ import redis
 import redis.asyncio as aioredis
 
 from transport.keys import RunKeys
+from transport.schema import MM_KWARGS_PREFIX, EncodedTensor, SchemaError, as_encoded_tensors
 
 DEFAULT_TTL_SECONDS = 24 * 3600
 
@@ -40,23 +41,48 @@ class PayloadCorruptError(ValueError):
     """A stored value that does not decode as an array blob."""
 
 
-def pack_arrays(arrays: Mapping[str, np.ndarray]) -> bytes:
-    """Arrays to one compact blob: no JSON lists, one copy of each array's bytes."""
-    entries: dict[str, list[Any]] = {}
+def flat_arrays(arrays: Mapping[str, Any]) -> dict[str, Any]:
+    """A rollout's arrays with its `mm_kwargs` (a map of name -> tensor: an EncodedTensor or
+    a numpy array) stored flat, as `mm_kwargs.{name}` -> EncodedTensor. SchemaError names
+    a malformed tensor."""
+    out: dict[str, Any] = {}
     for name, value in arrays.items():
+        if name == "mm_kwargs":
+            if not isinstance(value, Mapping):
+                raise SchemaError(f"mm_kwargs: expected a map of name to tensor, got {type(value).__name__}")
+            tensors = as_encoded_tensors(dict(value))
+            out.update({MM_KWARGS_PREFIX + kwarg: tensor for kwarg, tensor in tensors.items()})
+        elif name.startswith(MM_KWARGS_PREFIX):
+            out[name] = as_encoded_tensors({name[len(MM_KWARGS_PREFIX) :]: value}).popitem()[1]
+        else:
+            out[name] = value
+    return out
+
+
+def pack_arrays(arrays: Mapping[str, Any]) -> bytes:
+    """Arrays to one compact blob: no JSON lists, one copy of each array's bytes. An
+    mm_kwargs tensor keeps the producer's dtype name (it may be one numpy lacks)."""
+    entries: dict[str, list[Any]] = {}
+    for name, value in flat_arrays(arrays).items():
+        if isinstance(value, EncodedTensor):
+            entries[name] = [value.dtype, list(value.shape), value.data]
+            continue
         array = np.ascontiguousarray(value)
         entries[name] = [array.dtype.str, list(array.shape), memoryview(array).cast("B")]
     return msgpack.packb(entries, use_bin_type=True)
 
 
-def unpack_arrays(blob: bytes, key: str = "<blob>") -> dict[str, np.ndarray]:
-    """The inverse of `pack_arrays`; arrays are read-only views into `blob`."""
+def unpack_arrays(blob: bytes, key: str = "<blob>") -> dict[str, Any]:
+    """The inverse of `pack_arrays`: arrays are read-only views into `blob`, mm_kwargs
+    tensors EncodedTensor."""
     try:
         entries = msgpack.unpackb(blob, raw=False)
         if not isinstance(entries, dict):
             raise TypeError(f"expected a map, got {type(entries).__name__}")
         return {
-            name: np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
+            name: EncodedTensor(dtype, shape, data)
+            if name.startswith(MM_KWARGS_PREFIX)
+            else np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
             for name, (dtype, shape, data) in entries.items()
         }
     except (ValueError, TypeError, msgpack.UnpackException) as exc:

@@ -46,28 +46,19 @@ return -1
 """
 
 
-@dataclass
-class TrainerRank:
-    """One rank's receive-check-acknowledge loop over any `StepReceiver`."""
+class Acknowledgements:
+    """A rank's acknowledgements in the run's Redis: the sender skips what a rank has, the
+    retained payloads of a step every rank has are released, and the rank completing a
+    step raises the policy version."""
 
-    receiver: StepReceiver
-    client: redis.Redis
-    run_id: str
-    ranks: int
-    received: dict[int, str] = field(default_factory=dict)
+    def __init__(self, client: redis.Redis, run_id: str, ranks: int) -> None:
+        self.keys = RunKeys(run_id)
+        self.ranks = ranks
+        self._mark_trained = client.register_script(_MARK_TRAINED_LUA)
 
-    def __post_init__(self) -> None:
-        self.keys = RunKeys(self.run_id)
-        self._mark_trained = self.client.register_script(_MARK_TRAINED_LUA)
-
-    def handle(self, message: ReceivedStep) -> None:
-        """Decode and check one step (raises on any violation), then acknowledge it."""
-        micro_batches = decode_microbatches(message.payload)
-        for micro_batch in micro_batches:
-            micro_batch.validate()
+    def acknowledge(self, message: ReceivedStep) -> str:
+        """Record that `message` reached its rank; returns the payload's checksum."""
         checksum = payload_checksum(message.payload)
-        self.received[message.step] = checksum
-        tokens = sum(mb.num_tokens for mb in micro_batches)
         self._mark_trained(
             keys=[
                 self.keys.received(message.rank),
@@ -79,6 +70,30 @@ class TrainerRank:
             ],
             args=[message.step, message.rank, checksum, self.ranks],
         )
+        return checksum
+
+
+@dataclass
+class TrainerRank:
+    """One rank's receive-check-acknowledge loop over any `StepReceiver`."""
+
+    receiver: StepReceiver
+    client: redis.Redis
+    run_id: str
+    ranks: int
+    received: dict[int, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.acknowledgements = Acknowledgements(self.client, self.run_id, self.ranks)
+
+    def handle(self, message: ReceivedStep) -> None:
+        """Decode and check one step (raises on any violation), then acknowledge it."""
+        micro_batches = decode_microbatches(message.payload)
+        for micro_batch in micro_batches:
+            micro_batch.validate()
+        checksum = self.acknowledgements.acknowledge(message)
+        self.received[message.step] = checksum
+        tokens = sum(mb.num_tokens for mb in micro_batches)
         log.info(
             "rank %d received step %d: %d micro-batches, %d tokens, checksum %s",
             message.rank,

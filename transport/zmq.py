@@ -7,7 +7,21 @@ it is ready, and "ready" means two things have been seen: the rank's READY annou
 second is why this is XPUB rather than PUB: a READY can overtake the subscription, and a
 PUB would silently drop whatever it publishes in between (the "slow joiner"). Readiness is
 per rank, never all ranks at once: a replacement sender (a ship worker started again) must
-reach the ranks still waiting even when another rank has finished and left.
+reach the ranks still waiting even when another rank has finished and left. prime-rl's
+stock receivers announce READY once, when they start; with an `AnnouncementLog` the
+sender keeps every announcement (in Redis) so that a replacement knows the ranks that
+announced to its predecessor, and needs only their subscriptions (a SUB reconnects by
+itself, and libzmq resends its subscriptions once the application next calls into the
+socket: a trainer blocked in `recv` or `poll` does; one that never touches it does not).
+
+`send` returns once the message has left the process: libzmq queues a message and its
+I/O thread writes it to the TCP socket later, and a process that dies (SIGKILL) loses
+whatever is still queued. Each message is tracked (zero-copy, `copy_threshold` 0, so the
+tracker follows the real buffer) and `send` waits until libzmq has released it, i.e.
+written it to the kernel's socket buffer (the last <= 8 KiB of it may sit in libzmq's
+output batch while the kernel buffer is full), which the kernel delivers even if the
+process dies next. A caller that marks a step sent after `send` returns (tasks/ship.py's
+`last_sent`) marks only what has left.
 
 Receiver: a SUB socket subscribed to `data_rank|{rank}|` and a PUSH socket to port+1. It
 re-announces READY while it waits, so a sender that restarted and bound again (a
@@ -26,6 +40,7 @@ import math
 import socket
 import time
 from collections import deque
+from typing import Protocol
 
 import zmq
 
@@ -64,6 +79,14 @@ def parse_topic(frame: bytes) -> tuple[int, int] | None:
     return int(rank), int(step)
 
 
+class AnnouncementLog(Protocol):
+    """Where a sender keeps the ranks that announced READY, so the announcement outlives it."""
+
+    def load(self) -> set[int]: ...
+
+    def add(self, rank: int) -> None: ...
+
+
 def free_port_pair(host: str = "127.0.0.1") -> int:
     """A port p with p and p + 1 free on `host`: the data and control ports of a sender."""
     for _ in range(100):
@@ -99,6 +122,7 @@ class ZMQSender(Closeable):
     space (TimeoutError); None waits forever.
     A rank whose subscription disappears (its trainer disconnected) is not ready again
     until it resubscribes, so `send` waits rather than publish into the void.
+    `announcements` carries READY announcements across senders (module docstring).
     """
 
     def __init__(
@@ -110,6 +134,7 @@ class ZMQSender(Closeable):
         hwm: int = 64,
         linger_ms: int = 1000,
         send_timeout: float | None = None,
+        announcements: AnnouncementLog | None = None,
     ) -> None:
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
@@ -118,7 +143,12 @@ class ZMQSender(Closeable):
         self.ranks = ranks
         self.linger_ms = linger_ms
         self._send_timeout = send_timeout
-        self._announced: set[int] = set()
+        self._announcements = announcements
+        self._announced: set[int] = (
+            {r for r in announcements.load() if 0 <= r < ranks} if announcements is not None else set()
+        )
+        # Messages handed to libzmq that have not left the process yet, by (step, rank).
+        self._leaving: dict[tuple[int, int], zmq.MessageTracker] = {}
         self._topics: set[bytes] = set()
         self._subscribed: set[int] = set()
         self._ready = False
@@ -130,6 +160,7 @@ class ZMQSender(Closeable):
             self._pub.setsockopt(zmq.XPUB_NODROP, 1)
             self._pub.setsockopt(zmq.SNDHWM, hwm)
             self._pub.setsockopt(zmq.LINGER, linger_ms)
+            self._pub.copy_threshold = 0  # track every payload, however small (module docstring)
             if send_timeout is not None:
                 self._pub.setsockopt(zmq.SNDTIMEO, _poll_ms(send_timeout))
             self._pub.bind(_endpoint(host, port))
@@ -172,22 +203,34 @@ class ZMQSender(Closeable):
             self._poller.poll(_poll_ms(wait))
 
     def send(self, step: int, rank: int, payload: Payload) -> None:
-        """Publish one rank's payload for `step` without copying it.
+        """Publish one rank's payload for `step` without copying it; return once it has left
+        the process (module docstring).
 
         The buffer is handed to libzmq as is: do not mutate a bytearray/memoryview after
-        passing it in. Blocks until this rank is ready and while its queue is full.
+        passing it in. Blocks until this rank is ready, while its queue is full and until
+        the message has left; each wait is bounded by `send_timeout` (TimeoutError). A
+        message that timed out waiting to leave is still queued: sending the same (step,
+        rank) again waits for it instead of publishing a second copy.
         """
         self._check_open()
         if not 0 <= rank < self.ranks:
             raise ValueError(f"rank {rank} out of range 0..{self.ranks - 1}")
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        if not self.wait_ready(self._send_timeout, rank=rank):
-            raise TimeoutError(f"rank {rank} step {step}: not ready within send_timeout")
+        tracker = self._leaving.get((step, rank))
+        if tracker is None:
+            if not self.wait_ready(self._send_timeout, rank=rank):
+                raise TimeoutError(f"rank {rank} step {step}: not ready within send_timeout")
+            try:
+                tracker = self._pub.send_multipart([topic(step, rank), payload], copy=False, track=True)
+            except zmq.Again as exc:
+                raise TimeoutError(f"rank {rank} step {step}: send queue full past send_timeout") from exc
+            self._leaving[(step, rank)] = tracker
         try:
-            self._pub.send_multipart([topic(step, rank), payload], copy=False)
-        except zmq.Again as exc:
-            raise TimeoutError(f"rank {rank} step {step}: send queue full past send_timeout") from exc
+            tracker.wait(-1 if self._send_timeout is None else self._send_timeout)
+        except zmq.NotDone as exc:
+            raise TimeoutError(f"rank {rank} step {step}: still queued in libzmq past send_timeout") from exc
+        del self._leaving[(step, rank)]
 
     def close(self) -> None:
         """Close both sockets; pending messages get at most `linger_ms` to leave."""
@@ -241,6 +284,8 @@ class ZMQSender(Closeable):
 
     def _on_announce(self, msg: bytes) -> bool:
         text = msg.strip()
+        if text.startswith(b"ack|"):
+            return False  # prime-rl's per-step consumption ack: nothing to do with readiness
         if not text.isdigit() or int(text) >= self.ranks:
             logger.warning("ignoring READY %r: not a rank in 0..%d", msg[:32], self.ranks - 1)
             return False
@@ -248,6 +293,8 @@ class ZMQSender(Closeable):
         if rank in self._announced:
             return False
         self._announced.add(rank)
+        if self._announcements is not None:
+            self._announcements.add(rank)
         return True
 
     def _update_ready(self) -> None:

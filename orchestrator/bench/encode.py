@@ -31,6 +31,22 @@ MIB = 1 << 20
 ENV_NAMES = ("math-python", "code-contests", "wordle")
 
 
+class WireRoutedExperts(msgspec.Struct, array_like=True):
+    """prime-rl's RoutedExperts: data, shape ([tokens, layers, topk]), dtype."""
+
+    data: bytes
+    shape: list[int]
+    dtype: str
+
+
+class WireEncodedTensor(msgspec.Struct, array_like=True):
+    """prime-rl's EncodedTensor, an mm_kwargs value: dtype, shape, data."""
+
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+
 class WireMicroBatch(msgspec.Struct, array_like=True):
     """The 16 wire fields as a msgspec struct: what a msgspec-based trainer decodes into."""
 
@@ -44,8 +60,8 @@ class WireMicroBatch(msgspec.Struct, array_like=True):
     env_names: list[str]
     seq_lens: list[int]
     ref_logprobs: list[float] | None = None
-    routed_experts: tuple[bytes, list[int], str] | None = None
-    mm_kwargs: dict[str, Any] | None = None
+    routed_experts: WireRoutedExperts | None = None
+    mm_kwargs: dict[str, WireEncodedTensor] | None = None
     mm_token_type_ids: list[int] | None = None
     rl_weights: list[float] | None = None
     ce_weights: list[float] | None = None

@@ -3,11 +3,14 @@
 The per-token fields are concatenated straight from the stored arrays (no Python lists
 of tokens); sample-level annotations (advantage, temperature, env) are broadcast over the
 sample's tokens; zero-advantage tokens get zero rl weight (the prune stage's rule).
+Optional streams (ce and ref-kl weights, token types, mm_kwargs) are carried when any
+sample of the micro-batch has them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -15,7 +18,7 @@ from tasks.cohort import Cohort
 from tasks.stages.pack import MicroBatchPlan
 from tasks.stages.prune import token_rl_weights
 from transport.codec import encode_microbatches
-from transport.schema import MicroBatch, RoutedExperts
+from transport.schema import MM_KWARGS_PREFIX, EncodedTensor, MicroBatch, RoutedExperts
 
 PADDING_ENV = "padding"
 
@@ -51,6 +54,12 @@ def build_microbatch(
     for a, _, _, env in segments:
         env_names.extend([env] * len(a["input_ids"]))
     env_names.extend([PADDING_ENV] * pad)
+    def optional_stream(name: str, fill: float, dtype: type) -> np.ndarray | None:
+        """A stream some samples carry: theirs, `fill` for the others and the padding."""
+        if not any(name in a for a, *_ in segments):
+            return None
+        return concat([a.get(name, np.full(len(a["input_ids"]), fill)) for a, *_ in segments], fill, dtype)
+
     has_ref = bool(segments) and all("ref_logprobs" in a for a, *_ in segments)
     experts = [a.get("routed_experts") for a, *_ in segments]
     routed = None
@@ -73,10 +82,28 @@ def build_microbatch(
         seq_lens=np.asarray(lengths, dtype=np.int64),
         ref_logprobs=concat([a["ref_logprobs"] for a, *_ in segments], 0.0, np.float64) if has_ref else None,
         routed_experts=routed,
+        mm_kwargs=_stacked_mm_kwargs([a for a, *_ in segments]),
+        mm_token_type_ids=optional_stream("mm_token_type_ids", 0, np.int64),
+        ce_weights=optional_stream("ce_weights", 0.0, np.float64),
+        ref_kl_weights=optional_stream("ref_kl_weights", 0.0, np.float64),
         rl_weights=concat(
             [token_rl_weights(a["loss_mask"], adv) for a, adv, _, _ in segments], 0.0, np.float64
         ),
     )
+
+
+def _stacked_mm_kwargs(samples: list[Mapping[str, Any]]) -> dict[str, EncodedTensor] | None:
+    """The micro-batch's mm_kwargs: each name's tensors of the samples that carry it,
+    stacked along the first dimension in sample order (as prime-rl's packer does)."""
+    names = dict.fromkeys(name for arrays in samples for name in arrays if name.startswith(MM_KWARGS_PREFIX))
+    if not names:
+        return None
+    return {
+        name[len(MM_KWARGS_PREFIX) :]: EncodedTensor.concatenate(
+            name[len(MM_KWARGS_PREFIX) :], [arrays[name] for arrays in samples if name in arrays]
+        )
+        for name in names
+    }
 
 
 def encode_rank(

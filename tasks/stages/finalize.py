@@ -7,14 +7,26 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from tasks.cohort import Cohort
 from tasks.manifest import StepManifest
 from tasks.stages.prune import count_trainable_tokens
+from transport.schema import MM_KWARGS_PREFIX, EncodedTensor
 
 REQUIRED_ARRAYS: tuple[str, ...] = ("input_ids", "loss_mask", "inference_logprobs")
+# Optional per-token streams a producer may supply, one value per token (routed experts:
+# [tokens, layers, topk]); the encoder carries each into the micro-batch field of its name.
+OPTIONAL_TOKEN_ARRAYS: tuple[str, ...] = (
+    "ref_logprobs",
+    "routed_experts",
+    "ce_weights",
+    "ref_kl_weights",
+    "mm_token_type_ids",
+)
+FLOAT_ARRAYS: tuple[str, ...] = ("inference_logprobs", "ref_logprobs", "ce_weights", "ref_kl_weights")
 
 
 @dataclass
@@ -26,7 +38,7 @@ class FinalizedStep:
 
 
 def check_rollout_arrays(
-    arrays: Mapping[str, np.ndarray], expected_tokens: int, seq_len: int, vocab_size: int
+    arrays: Mapping[str, Any], expected_tokens: int, seq_len: int, vocab_size: int
 ) -> str | None:
     """Why a rollout's arrays cannot train (naming the array and the value), or None."""
     for name in REQUIRED_ARRAYS:
@@ -39,9 +51,16 @@ def check_rollout_arrays(
         return f"input_ids: length {num_tokens}, the record says {expected_tokens} tokens"
     if num_tokens > seq_len:
         return f"input_ids: length {num_tokens} exceeds seq_len {seq_len}"
-    for name in ("loss_mask", "inference_logprobs", "ref_logprobs", "routed_experts"):
+    for name in ("loss_mask", "inference_logprobs", *OPTIONAL_TOKEN_ARRAYS):
         if name in arrays and len(arrays[name]) != num_tokens:
             return f"{name}: length {len(arrays[name])}, expected {num_tokens} (len(input_ids))"
+        if name in arrays and name != "routed_experts" and arrays[name].ndim != 1:
+            return f"{name}: expected one dimension, got shape {arrays[name].shape}"
+    if "mm_token_type_ids" in arrays and arrays["mm_token_type_ids"].dtype.kind not in "iu":
+        return f"mm_token_type_ids: dtype {arrays['mm_token_type_ids'].dtype}, expected integers"
+    for name, value in arrays.items():
+        if name.startswith(MM_KWARGS_PREFIX) and not isinstance(value, EncodedTensor):
+            return f"{name}: expected an encoded tensor (dtype, shape, data), got {type(value).__name__}"
     ids = arrays["input_ids"]
     if ids.dtype.kind not in "iu":
         return f"input_ids: dtype {ids.dtype}, expected integers"
@@ -50,7 +69,7 @@ def check_rollout_arrays(
         return f"input_ids: token id {bad} outside [0, {vocab_size})"
     if arrays["loss_mask"].dtype.kind != "b":
         return f"loss_mask: dtype {arrays['loss_mask'].dtype}, expected bool"
-    for name in ("inference_logprobs", "ref_logprobs"):
+    for name in FLOAT_ARRAYS:
         if name in arrays and not np.isfinite(arrays[name]).all():
             bad = arrays[name][~np.isfinite(arrays[name])][0]
             return f"{name}: non-finite value {bad}"

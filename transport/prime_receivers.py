@@ -1,0 +1,178 @@
+"""prime-rl's trainer receivers, with what the stock ones lack: exactly once, in order.
+
+prime-rl's trainer drives a `MicroBatchReceiver` (src/prime_rl/transport/): constructed
+for a data rank and the step it trains next, then `wait()`, `can_receive()`, `receive()`
+(that step's micro-batches), `ack(step)` and `close()`. Its ZMQ receiver counts messages
+and has no duplicate check or replay, so a step sent twice is trained twice and a step
+lost in flight shifts every later one. These classes keep the interface and the names,
+so a prime-rl user switches one import:
+
+    from transport.prime_receivers import ZMQMicroBatchReceiver  # was prime_rl.transport.zmq
+
+and underneath run rlship's receivers: the step comes from the topic (so `current_step`
+is the step number on the wire), a duplicate is dropped, a gap or a last step lost in
+flight is replayed from the payloads rlship retains in Redis, and a rank that restarts
+from a checkpoint catches up from there before anything newer. Each step received is
+acknowledged in the run's Redis, as rlship's own trainer does (the ship path then
+releases its retained payloads, and the policy version moves when every rank has it).
+
+The run is named by arguments or by the environment rlship's processes share:
+`RLSHIP_RUN_ID`, `REDIS_URL`, `RLSHIP_RANKS`. `receive()` returns what `decode` makes of
+the payload: prime-rl's own `MicroBatch` structs when prime-rl is installed (its msgspec
+decoder, as its receivers do), rlship's `MicroBatch` list otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from transport.base import ReceivedStep, StepReceiver
+from transport.codec import decode_microbatches
+from transport.connection import connect_redis
+from transport.filesystem import FileReceiver
+from transport.replay import RetainedPayloads
+from transport.trainer import Acknowledgements
+from transport.zmq import ZMQReceiver
+
+Decode = Callable[[bytes | memoryview], Any]
+
+
+def default_decode() -> Decode:
+    """prime-rl's msgspec decoder of `list[MicroBatch]` if prime-rl is importable, else ours."""
+    try:
+        import msgspec
+        from prime_rl.transport.types import MicroBatch  # type: ignore[import-not-found]
+    except ImportError:
+        return decode_microbatches
+    return msgspec.msgpack.Decoder(type=list[MicroBatch]).decode
+
+
+def _setting(value: Any, env: str, default: Any = None) -> Any:
+    if value is not None:
+        return value
+    if env in os.environ:
+        return os.environ[env]
+    if default is None:
+        raise ValueError(f"{env}: not set; pass it as an argument or set the environment variable")
+    return default
+
+
+class ExactlyOnceReceiver:
+    """The MicroBatchReceiver interface over one of rlship's step receivers."""
+
+    def __init__(
+        self,
+        receiver: StepReceiver,
+        data_rank: int,
+        *,
+        run_id: str | None,
+        redis_url: str | None,
+        ranks: int | None,
+        decode: Decode | None,
+    ) -> None:
+        self.data_rank = data_rank
+        self._receiver = receiver
+        self._decode = decode or default_decode()
+        self.client = connect_redis(_setting(redis_url, "REDIS_URL", "redis://127.0.0.1:6379/0"))
+        self.run_id = str(_setting(run_id, "RLSHIP_RUN_ID"))
+        self._acknowledgements = Acknowledgements(
+            self.client, self.run_id, int(_setting(ranks, "RLSHIP_RANKS"))
+        )
+        self._pending: ReceivedStep | None = None
+
+    @property
+    def current_step(self) -> int:
+        """The step `receive()` returns next."""
+        return self._receiver.next_step if self._pending is None else self._pending.step
+
+    @property
+    def duplicates_dropped(self) -> int:
+        return self._receiver.duplicates_dropped
+
+    def wait(self) -> None:
+        """Block until the next step can be received."""
+        while self._pending is None:
+            self._pending = self._receiver.receive(timeout=None)
+
+    def can_receive(self) -> bool:
+        """Whether `receive()` would return without waiting."""
+        if self._pending is None:
+            self._pending = self._receiver.receive(timeout=0)
+        return self._pending is not None
+
+    def receive(self) -> Any:
+        """The next step's micro-batches (each step once, in order), acknowledged in Redis."""
+        self.wait()
+        assert self._pending is not None
+        message, self._pending = self._pending, None
+        micro_batches = self._decode(message.payload)
+        self._acknowledgements.acknowledge(message)
+        return micro_batches
+
+    def ack(self, step: int) -> None:
+        """prime-rl's consumption ack: the step was acknowledged in Redis when received."""
+
+    def close(self) -> None:
+        self._receiver.close()
+        self.client.close()
+
+
+class ZMQMicroBatchReceiver(ExactlyOnceReceiver):
+    """prime-rl's ZMQMicroBatchReceiver(output_dir, data_rank, current_step, transport),
+    `transport` being its ZMQ transport config (`host`, `port`, `hwm`)."""
+
+    def __init__(
+        self,
+        output_dir: Path,
+        data_rank: int,
+        current_step: int,
+        transport: Any,
+        *,
+        run_id: str | None = None,
+        redis_url: str | None = None,
+        ranks: int | None = None,
+        decode: Decode | None = None,
+        replay_after: float = 1.0,
+    ) -> None:
+        self.output_dir = Path(output_dir)
+        receiver = ZMQReceiver(
+            transport.host,
+            transport.port,
+            data_rank,
+            next_step=current_step,
+            hwm=getattr(transport, "hwm", 64),
+            replay_after=replay_after,
+        )
+        try:
+            super().__init__(
+                receiver, data_rank, run_id=run_id, redis_url=redis_url, ranks=ranks, decode=decode
+            )
+        except BaseException:
+            receiver.close()
+            raise
+        receiver.replay = RetainedPayloads(self.client, self.run_id)
+
+
+class FileSystemMicroBatchReceiver(ExactlyOnceReceiver):
+    """prime-rl's FileSystemMicroBatchReceiver(output_dir, data_rank, current_step): reads
+    `{output_dir}/rollouts/step_{n}/rank_{r}.bin` in step order (files stay, so nothing
+    needs replaying; a restarted rank reads on from its `current_step`)."""
+
+    def __init__(
+        self,
+        output_dir: Path,
+        data_rank: int,
+        current_step: int = 0,
+        *,
+        run_id: str | None = None,
+        redis_url: str | None = None,
+        ranks: int | None = None,
+        decode: Decode | None = None,
+        poll_interval: float = 0.05,
+    ) -> None:
+        self.output_dir = Path(output_dir)
+        receiver = FileReceiver(output_dir, data_rank, next_step=current_step, poll_interval=poll_interval)
+        super().__init__(receiver, data_rank, run_id=run_id, redis_url=redis_url, ranks=ranks, decode=decode)
