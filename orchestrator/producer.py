@@ -19,6 +19,7 @@ import numpy as np
 import redis
 import redis.asyncio as aioredis
 
+from orchestrator.checks import preflight_client
 from orchestrator.records import RolloutRecord
 from orchestrator.settings import RunSettings, add_settings_arguments, settings_from_args
 from tasks.stages.finalize import check_rollout_arrays
@@ -228,5 +229,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    run_producer(settings_from_args(args), groups=args.groups)
+    settings = settings_from_args(args)
+    preflight_client("produce", settings).close()
+    run_producer(settings, groups=args.groups)
     return 0

@@ -22,6 +22,7 @@ from typing import Any
 
 import redis
 
+from orchestrator.checks import preflight_client, preflight_run, rank_in_run, require
 from orchestrator.logs import configure_logging
 from orchestrator.loop import Orchestrator, RunStateLost
 from orchestrator.processes import ProcessGroup, ensure_redis, rlship_command, worker_commands
@@ -205,6 +206,9 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     if sources["output_dir"] == "default":
         settings = settings.model_copy(update={"output_dir": Path("runs") / settings.run_id})
+    for check in preflight_run(settings):
+        if not check.ok:
+            log.warning("%s", check.line())
     summary = run_local(settings, args.summary_json)
     print_summary(summary)
     return 0 if summary.get("steps_shipped", 0) == settings.steps else 1
@@ -229,6 +233,7 @@ async def _orchestrate(settings: RunSettings) -> dict[str, Any]:
 def orchestrate_main(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     configure_logging(settings.log_json, logging.WARNING, run_id=settings.run_id)
+    preflight_client("orchestrate", settings).close()
     try:
         summary = asyncio.run(_orchestrate(settings))
     except RunStateLost as exc:
@@ -251,7 +256,7 @@ def orchestrate_main(args: argparse.Namespace) -> int:
 
 def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings_arguments(parser)
-    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--rank", type=int, required=True, help="this rank, 0 to ranks - 1")
     parser.add_argument(
         "--idle-timeout", type=float, default=None, help="exit after this long without a step"
     )
@@ -260,6 +265,8 @@ def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
 def trainer_main(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     configure_logging(settings.log_json, logging.INFO, run_id=settings.run_id, rank=args.rank)
+    require("trainer", [rank_in_run(args.rank, settings.ranks)])
+    preflight_client("trainer", settings).close()
     client = connect_redis(settings.redis_url)
     received = client.hkeys(RunKeys(settings.run_id).received(args.rank))
     next_step = max((int(s) + 1 for s in received), default=0)

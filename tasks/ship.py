@@ -85,6 +85,12 @@ class RunState:
         self.orchestrator_lease = self.keys.run_key("orchestrator_lease")
         # Written once when the run starts; its absence means Redis lost the run.
         self.run_marker = self.keys.run_key("started_at")
+        # Set while an orchestrator of the run lives (with an expiry, so a killed run's ends
+        # too): a task of a run without it is dropped (`run_ended`), counted in `tasks_dropped`.
+        self.alive = self.keys.run_key("alive")
+        self.tasks_dropped = self.keys.run_key("tasks_dropped")
+        # Set when the run shipped all its steps: its id is not reused.
+        self.finished = self.keys.run_key("finished")
 
 
 class StepContext:
