@@ -53,6 +53,9 @@ LEASE_SECONDS = 5  # a killed orchestrator's successor waits at most this long t
 STALL_REPORT_SECONDS = 2.0  # a policy wait this long is reported, naming the ranks behind it
 STALL_CHECK_SECONDS = 1.0  # how often the stall watchdog looks at the steps in flight
 STALL_BACKOFF_MAX_SECONDS = 600.0
+# The run-alive mark outlives its orchestrator by this much: a restarted one (which waits out
+# the lease) finds its tasks still running; a run killed for good has its tasks dropped after.
+ALIVE_SECONDS = 30
 
 
 class RunStateLost(RuntimeError):
@@ -439,6 +442,15 @@ class Orchestrator:
             log.info("released %d unshipped rollouts at shutdown", deleted)
         return deleted
 
+    async def end_run(self) -> None:
+        """The run shipped every step: its tasks still queued are dropped (no alive mark), its
+        id is marked used, and every key it leaves expires (`DEFAULT_TTL_SECONDS`)."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.unlink(self.state.alive)
+        pipe.set(self.state.finished, time.time())
+        await pipe.execute()
+        await self.store.expire_run()
+
     # -- lifecycle ---------------------------------------------------------------------
 
     async def hold_lease(self, acquired: asyncio.Event) -> None:
@@ -449,6 +461,7 @@ class Orchestrator:
         while not acquired.is_set():
             if await self.client.set(self.state.orchestrator_lease, token, nx=True, ex=LEASE_SECONDS):
                 await self.client.set(self.state.run_marker, time.time(), nx=True)
+                await self.client.set(self.state.alive, token, ex=ALIVE_SECONDS)
                 acquired.set()
                 break
             if not waiting_logged:
@@ -460,7 +473,8 @@ class Orchestrator:
             pipe.exists(self.state.run_marker)
             pipe.set(self.state.orchestrator_lease, token, nx=True, ex=LEASE_SECONDS)
             pipe.get(self.state.orchestrator_lease)
-            marker, _, holder = await pipe.execute()
+            pipe.set(self.state.alive, token, ex=ALIVE_SECONDS)
+            marker, _, holder, _ = await pipe.execute()
             if not marker:
                 self._abort(RunStateLost(self.settings.run_id, self.loss_report()))
                 return
@@ -551,6 +565,7 @@ class Orchestrator:
             raise self._aborted
         unacknowledged = await self.release_acknowledged_payloads()
         await self.release_unshipped()
+        await self.end_run()
         return {
             "steps_unacknowledged": unacknowledged,
             "steps_shipped": self.records_published,

@@ -11,6 +11,7 @@ per-task difficulty (so some groups have zero advantage), errors and truncations
 from __future__ import annotations
 
 import argparse
+import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -82,6 +83,7 @@ return refused
 """
 
 DEFAULT_LIMITS = RunSettings()
+log = logging.getLogger("rlship.producer")
 
 
 class _Producer:
@@ -256,13 +258,19 @@ def run_producer(
         seq_len=settings.seq_len,
         vocab_size=settings.vocab_size,
     )
+    # A resumed run: the groups its earlier start wrote are made again (same seed) and skipped.
+    for _ in range(int(client.get(producer.keys.run_key("produced")) or 0) // settings.group_size):
+        workload.group()
     written = 0
     while (groups is None or written < groups) and not (stop is not None and stop.is_set()):
         if producer.outstanding() + settings.group_size > settings.outstanding_limit:
             time.sleep(poll_seconds)
             continue
         workload.policy_version = int(client.get(producer.keys.policy_version) or 0)
-        producer.produce(workload.group())
+        try:
+            producer.produce(workload.group())
+        except RolloutRejected as exc:
+            log.warning("%s", exc)
         written += 1
     return written
 

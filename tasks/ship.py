@@ -140,17 +140,30 @@ class StepContext:
         pipe.execute()
 
 
-def _skip_if_published(ctx: StepContext, task: str) -> bool:
-    if ctx.is_published():
-        log.info("step %d: %s arrived after the step was published; nothing to do", ctx.step, task)
+def _skip(ctx: StepContext, task: str) -> bool:
+    """Whether the task has nothing to do: its step is published, or its run has ended (no
+    live orchestrator: finished, failed to start, or killed). A task of an ended run is
+    dropped and counted, never retried: workers serve many runs, and a dead run's retrying
+    sends would otherwise loop forever."""
+    pipe = ctx.client.pipeline(transaction=False)
+    pipe.exists(ctx.state.alive)
+    pipe.hexists(ctx.state.published, ctx.step)
+    alive, published = pipe.execute()
+    if not alive:
+        log.warning("run %s has ended: %s of step %d dropped", ctx.run_id, task, ctx.step)
+        pipe.hincrby(ctx.state.tasks_dropped, task, 1)
+        pipe.expire(ctx.state.tasks_dropped, ctx.store.ttl)
+        pipe.execute()
         return True
-    return False
+    if published:
+        log.info("step %d: %s arrived after the step was published; nothing to do", ctx.step, task)
+    return bool(published)
 
 
 @app.task(name="rlship.finalize")
 def finalize(run_id: str, step: int) -> None:
     ctx = StepContext(run_id, step)
-    if _skip_if_published(ctx, "finalize"):
+    if _skip(ctx, "finalize"):
         return
 
     def compute() -> None:
@@ -168,7 +181,7 @@ def finalize(run_id: str, step: int) -> None:
 @app.task(name="rlship.prune")
 def prune(run_id: str, step: int) -> None:
     ctx = StepContext(run_id, step)
-    if _skip_if_published(ctx, "prune"):
+    if _skip(ctx, "prune"):
         return
 
     def compute() -> None:
@@ -186,7 +199,7 @@ def prune(run_id: str, step: int) -> None:
 @app.task(name="rlship.metrics")
 def metrics(run_id: str, step: int) -> None:
     ctx = StepContext(run_id, step)
-    if _skip_if_published(ctx, "metrics"):
+    if _skip(ctx, "metrics"):
         return
 
     def compute() -> None:
@@ -207,7 +220,7 @@ def metrics(run_id: str, step: int) -> None:
 @app.task(name="rlship.pack")
 def pack(run_id: str, step: int) -> None:
     ctx = StepContext(run_id, step)
-    if _skip_if_published(ctx, "pack"):
+    if _skip(ctx, "pack"):
         return
     config = ctx.manifest.config
 
@@ -226,7 +239,7 @@ def pack(run_id: str, step: int) -> None:
 @app.task(name="rlship.encode")
 def encode(run_id: str, step: int, rank: int) -> None:
     ctx = StepContext(run_id, step)
-    if _skip_if_published(ctx, "encode"):
+    if _skip(ctx, "encode"):
         return
 
     def compute() -> None:
@@ -256,7 +269,7 @@ def _sender(config: ShipConfig) -> StepSender:
 @app.task(name="rlship.send", bind=True, max_retries=None)
 def send(self: Task, run_id: str, step: int, rank: int) -> None:
     ctx = StepContext(run_id, step)
-    if _skip_if_published(ctx, "send"):
+    if _skip(ctx, "send"):
         return
     manifest = ctx.manifest
     last_sent_raw = ctx.client.get(ctx.keys.last_sent(rank))
@@ -318,7 +331,7 @@ def _stage_seconds(times: dict[bytes, bytes]) -> dict[str, float]:
 def publish(self: Task, run_id: str, step: int) -> None:
     """Write the step's one record to the metrics stream, exactly once, in step order."""
     ctx = StepContext(run_id, step)
-    if ctx.is_published():
+    if _skip(ctx, "publish"):
         return
     manifest = ctx.manifest
     if manifest.prev_step >= 0 and not ctx.is_published(manifest.prev_step):

@@ -179,6 +179,15 @@ class PayloadStore:
             for key in self.client.scan_iter(match=self.keys.prefix + pattern, count=1000)
         )
 
+    def expire_run(self, seconds: int = DEFAULT_TTL_SECONDS) -> int:
+        """Give every key of the run that has no expiry one (`seconds`): an ended run leaves
+        nothing in Redis forever. Returns how many keys got one."""
+        keys = list(self.client.scan_iter(match=self.keys.prefix + "*", count=1000))
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.expire(key, seconds, nx=True)
+        return sum(pipe.execute()) if keys else 0
+
     def delete_all_rollouts(self) -> int:
         """Unlink every rollout payload of the run: at teardown, whatever is left never ships."""
         deleted = 0
@@ -238,6 +247,14 @@ class AsyncPayloadStore:
     async def unacknowledged_steps(self) -> list[int]:
         """Steps whose payloads are still retained (some rank has not acknowledged them)."""
         return [int(s) for s in await self.client.zrange(self.keys.retained_payloads, 0, -1)]
+
+    async def expire_run(self, seconds: int = DEFAULT_TTL_SECONDS) -> int:
+        """See `PayloadStore.expire_run`."""
+        keys = [key async for key in self.client.scan_iter(match=self.keys.prefix + "*", count=1000)]
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.expire(key, seconds, nx=True)
+        return sum(await pipe.execute()) if keys else 0
 
     async def delete_all_rollouts(self) -> int:
         """Unlink every rollout payload of the run (see `PayloadStore.delete_all_rollouts`)."""
