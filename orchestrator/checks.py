@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 import redis
 
+from orchestrator.processes import queue_consumers
 from orchestrator.settings import RunSettings, mask_url
 from tasks.ship import RunState
 
@@ -242,17 +243,9 @@ def rank_in_run(rank: int, ranks: int) -> Check:
                  "give --rank from 0 to ranks - 1, and --ranks the run's number of ranks")  # fmt: skip
 
 
-def workers_on_queues(settings: RunSettings, timeout: float = 1.0) -> list[Check]:
+def workers_on_queues(settings: RunSettings) -> list[Check]:
     """Workers answering on the run's queues: any number on `cpu`, exactly one on `ship`."""
-    from celery import Celery
-
-    app = Celery("rlship-doctor", broker=settings.redis_url)
-    app.conf.accept_content = ["msgpack", "json"]
-    replies = app.control.inspect(timeout=timeout).active_queues() or {}
-    consumers = {
-        queue: sorted(worker for worker, queues in replies.items() if queue in {q["name"] for q in queues})
-        for queue in (settings.cpu_queue, settings.ship_queue)
-    }
+    consumers = queue_consumers(settings.redis_url, [settings.cpu_queue, settings.ship_queue])
     checks = []
     wanted = {settings.cpu_queue: "one or more", settings.ship_queue: "exactly one (-c 1)"}
     for queue in wanted:

@@ -155,6 +155,17 @@ def answering_workers(redis_url: str, timeout: float = 0.5) -> set[str]:
     return {name for reply in ping_app.control.ping(timeout=timeout) or [] for name in reply}
 
 
+def queue_consumers(redis_url: str, queues: list[str], timeout: float = 1.0) -> dict[str, list[str]]:
+    """Per queue, the names of the workers that answer and consume it."""
+    from celery import Celery
+
+    inspect_app = Celery("rlship-inspect", broker=redis_url)
+    inspect_app.conf.accept_content = ["msgpack", "json"]
+    replies = inspect_app.control.inspect(timeout=timeout).active_queues() or {}
+    consumed = {worker: {q["name"] for q in worker_queues} for worker, worker_queues in replies.items()}
+    return {queue: sorted(w for w, names in consumed.items() if queue in names) for queue in queues}
+
+
 def wait_for_workers(
     settings: RunSettings, group: ProcessGroup, timeout: float = 60.0
 ) -> None:

@@ -23,8 +23,9 @@ from typing import Any
 import redis
 
 from orchestrator.checks import preflight_client, preflight_run, rank_in_run, require
+from orchestrator.diagnosis import RedisOutOfMemory
 from orchestrator.logs import configure_logging
-from orchestrator.loop import ALIVE_SECONDS, Orchestrator, RunStateLost
+from orchestrator.loop import ALIVE_SECONDS, LeaseLost, Orchestrator, RunStateLost
 from orchestrator.processes import ProcessGroup, ensure_redis, rlship_command, worker_commands
 from orchestrator.progress import REFRESH_SECONDS, ProgressDisplay, StatusReader
 from orchestrator.settings import (
@@ -289,8 +290,19 @@ def orchestrate_main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 130
-    except RunStateLost as exc:
+    except (RunStateLost, RedisOutOfMemory, LeaseLost) as exc:
         print(f"rlship orchestrate: {exc}", file=sys.stderr)
+        return 3
+    except redis.exceptions.OutOfMemoryError as exc:
+        print(
+            f"rlship orchestrate: Redis at {mask_url(settings.redis_url)} is out of memory ({exc}): raise "
+            "its maxmemory or free memory, then start again (the run resumes)",
+            file=sys.stderr,
+        )
+        return 3
+    except redis.ResponseError as exc:
+        shown = mask_url(settings.redis_url)
+        print(f"rlship orchestrate: Redis at {shown} refused a command: {exc}", file=sys.stderr)
         return 3
     except redis.ConnectionError as exc:
         print(

@@ -25,6 +25,7 @@ from typing import Any
 
 import msgpack
 import redis
+import zmq
 from celery import Task
 
 from tasks.app import app, redis_url
@@ -49,6 +50,8 @@ log = logging.getLogger("rlship.tasks")
 
 RETRY_SECONDS = 0.05
 READY_WAIT_SECONDS = 1.0
+BIND_RETRY_SECONDS = 1.0  # a port held by another process may be freed; retried until the run ends
+SHIP_PROBLEM_SECONDS = 10
 # A trainer whose queue stays full this long makes the send fail and retry later, so a
 # stuck rank holds back its own step instead of blocking the ship worker forever.
 SEND_TIMEOUT_SECONDS = 30.0
@@ -91,6 +94,9 @@ class RunState:
         self.tasks_dropped = self.keys.run_key("tasks_dropped")
         # Set when the run shipped all its steps: its id is not reused.
         self.finished = self.keys.run_key("finished")
+        # Why the ship worker cannot send (a port it cannot bind, a rank not announced): read
+        # by the orchestrator when a step makes no progress; short-lived, cleared by a send.
+        self.ship_problem = self.keys.run_key("ship_problem")
 
 
 class StepContext:
@@ -282,10 +288,24 @@ def send(self: Task, run_id: str, step: int, rank: int) -> None:
         log.info("step %d rank %d: acknowledged by the rank already; not sent again", step, rank)
         ctx.client.set(ctx.keys.last_sent(rank), step)
     elif last_sent < step:
-        sender = _sender(manifest.config)
+        config = manifest.config
+        try:
+            sender = _sender(config)
+        except zmq.ZMQError as exc:
+            problem = (
+                f"the ship worker on {socket.gethostname()} cannot bind {config.zmq_host}:{config.zmq_port} "
+                f"and the READY port {config.zmq_port + 1}: {exc} (another process holds it?)"
+            )
+            _report_ship_problem(ctx, problem)
+            raise self.retry(countdown=BIND_RETRY_SECONDS, queue=config.ship_queue) from None
         wait_ready = getattr(sender, "wait_ready", None)
         if wait_ready is not None and not wait_ready(timeout=READY_WAIT_SECONDS, rank=rank):
             log.info("step %d rank %d: waiting for trainer ranks to announce READY", step, rank)
+            _report_ship_problem(
+                ctx,
+                f"trainer rank {rank} has not announced READY to {config.zmq_host}:{config.zmq_port + 1} "
+                "(not started, or pointed at another host or port?)",
+            )
             raise self.retry(countdown=RETRY_SECONDS, queue=manifest.config.ship_queue)
         started = time.perf_counter()
         try:
@@ -298,6 +318,7 @@ def send(self: Task, run_id: str, step: int, rank: int) -> None:
         pipe = ctx.client.pipeline(transaction=True)
         pipe.set(ctx.keys.last_sent(rank), step)
         pipe.hset(ctx.keys.step(step, "times"), f"send:{rank}", seconds)
+        pipe.unlink(ctx.state.ship_problem)
         pipe.execute()
     sent_key = ctx.keys.step(step, "sent")
     pipe = ctx.client.pipeline(transaction=True)
@@ -305,6 +326,12 @@ def send(self: Task, run_id: str, step: int, rank: int) -> None:
     pipe.sadd(ctx.keys.step_keys(step), sent_key)
     pipe.execute()
     _publish_when_complete(ctx)
+
+
+def _report_ship_problem(ctx: StepContext, problem: str) -> None:
+    """Say why sends do not go out, for the orchestrator's diagnosis of a stuck step."""
+    log.info("step %d: %s", ctx.step, problem)
+    ctx.client.set(ctx.state.ship_problem, problem, ex=SHIP_PROBLEM_SECONDS)
 
 
 def _publish_when_complete(ctx: StepContext) -> None:
