@@ -298,10 +298,14 @@ def preflight_run(settings: RunSettings) -> list[Check]:
     return require("run", checks)
 
 
-def preflight_client(command: str, settings: RunSettings) -> redis.Redis:
+def preflight_client(command: str, settings: RunSettings, *, unfinished_run: bool = False) -> redis.Redis:
     """`orchestrate`, `produce`, `trainer`: a Redis that answers (given a few seconds), with
-    the password and database right; returns the probing client (closed by the caller's exit)."""
+    the password and database right, and (`unfinished_run`, for the orchestrator) a run id
+    not used by a finished run; returns the probing client."""
     answer = wait_for_redis(settings.redis_url)
-    require(command, redis_checks(settings, answer))
+    checks = redis_checks(settings, answer)
+    if answer.client is not None and unfinished_run:
+        checks.append(run_id_free(answer.client, settings.run_id))
+    require(command, checks)
     assert answer.client is not None
     return answer.client

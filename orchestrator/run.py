@@ -279,7 +279,7 @@ async def _orchestrate(settings: RunSettings) -> dict[str, Any]:
 def orchestrate_main(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     configure_logging(settings.log_json, logging.WARNING, run_id=settings.run_id)
-    preflight_client("orchestrate", settings).close()
+    preflight_client("orchestrate", settings, unfinished_run=True).close()
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         summary = asyncio.run(_orchestrate(settings))
