@@ -191,10 +191,13 @@ def _summarize(
     summary: dict[str, Any] = {"run_id": settings.run_id}
     if orchestrator_summary.exists():
         summary.update(json.loads(orchestrator_summary.read_text()))
-    last = client.xrevrange(RunKeys(settings.run_id).metrics_stream, count=1)
+    stream = client.xrange(RunKeys(settings.run_id).metrics_stream)  # the last RECORDS_KEPT
+    records = [json.loads(fields[b"record"]) for _, fields in stream]
+    lag_ms = [record.get("event_loop_lag/max_ms", 0.0) for record in records]
     summary.update(
         {
-            "tokens_shipped": int(json.loads(last[0][1][b"record"])["progress/total_tokens"]) if last else 0,
+            "tokens_shipped": int(records[-1]["progress/total_tokens"]) if records else 0,
+            "loop_lag_max_ms": max([summary.get("loop_lag_max_ms", 0.0), *lag_ms]),
             "steps_wanted": settings.steps,
             "steps_shipped": shipped,
             "records_published": shipped,
