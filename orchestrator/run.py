@@ -225,6 +225,8 @@ def print_summary(summary: dict[str, Any]) -> None:
     )
     for rank, received in sorted(summary.get("ranks", {}).items()):
         print(f"  rank {rank}: received steps {received['steps']}")
+    if summary.get("tasks_dropped"):
+        print(f"  tasks dropped after the run ended (not retried): {summary['tasks_dropped']}")
     if summary["stopped"] != "done":
         print(
             f"  stopped: {summary['stopped']}, {summary['steps_wanted'] - summary['steps_shipped']} of "

@@ -105,6 +105,11 @@ class Workers:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        # A stopped worker puts back what it held (a retry waiting for its countdown): the
+        # session's queues are its own, so they go with it.
+        queues = (self.cpu_queue, self.ship_queue)
+        bindings = [f"_kombu.binding{kind}.{queue}" for kind in ("", "_permanent") for queue in queues]
+        redis.Redis.from_url(self.redis_url).delete(*queues, *bindings)
 
 
 @contextlib.contextmanager
