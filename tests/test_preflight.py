@@ -209,3 +209,8 @@ def test_doctor_says_what_is_wrong_one_line_each(start_redis, workers, redis_url
     assert [line.split(":")[0] for line in failed] == ["FAIL eviction", "FAIL ports"], sick.stdout
     assert all(" -> " in line for line in failed), failed
     assert "Traceback" not in sick.stdout + sick.stderr
+
+    # With --allow-eviction the policy is a warning, not a failure.
+    allowed = rlship("doctor", *shared, "--redis-url", f"redis://{address}/0", "--allow-eviction")
+    assert any(line.startswith("warn eviction: Redis evicts keys") for line in allowed.stdout.splitlines())
+    assert not any(line.startswith("FAIL eviction") for line in allowed.stdout.splitlines())

@@ -114,6 +114,32 @@ def test_a_run_stopped_by_sigterm_leaves_nothing_behind_and_resumes(client, redi
         client.delete(key)
 
 
+@pytest.mark.timeout(300)
+def test_a_run_whose_trainer_dies_says_so_and_leaves_nothing_behind(client, redis_url, tmp_path):
+    run_id = f"life-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "REDIS_URL": redis_url}
+    command = run_command(run_id, 40, tmp_path, free_port_pair())
+    process = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        wait_for("a step published", lambda: client.hlen(f"rlship:{run_id}:published") >= 1)
+        children = psutil.Process(process.pid).children()
+        trainer = next(p for p in children if p.cmdline()[-2:] == ["--rank", "1"])
+        trainer.kill()
+        stdout, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    shipped = client.hlen(f"rlship:{run_id}:published")
+    assert process.returncode == 1, stdout[-2000:]
+    assert f"{shipped} steps shipped ({shipped} records)" in stdout
+    assert "stopped: trainer-1 exited with -9 (log in " in stdout, stdout[-2000:]
+    assert processes_of(run_id) == []
+    assert keys_without_expiry(client, run_id) == []
+    for key in client.scan_iter(match=f"rlship:{run_id}:*"):
+        client.delete(key)
+
+
 @pytest.mark.timeout(120)
 def test_a_task_of_a_run_without_a_live_orchestrator_is_dropped_and_counted(client, run_id, workers):
     """A send whose previous step was never sent would retry forever; its run has no live

@@ -18,6 +18,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from orchestrator.diagnosis import redis_out_of_memory
 from orchestrator.loop import Orchestrator
 from orchestrator.producer import RolloutProducer
 from orchestrator.settings import RunSettings
@@ -123,3 +124,13 @@ def test_a_redis_out_of_memory_stops_the_orchestrator_saying_so(start_redis, tmp
     assert done.returncode == 3, done.stderr[-2000:]
     refused(done, f"Redis at redis://{address}/0 is out of memory", "maxmemory")
     assert not Path(tmp_path / "lost.json").exists()
+
+
+def test_the_diagnosis_names_a_redis_that_refused_writes_for_memory(start_redis):  # noqa: F811
+    client = redis.Redis.from_url(f"redis://{start_redis('--maxmemory-policy', 'noeviction')}/0")
+    assert redis_out_of_memory(client) is None
+    client.config_set("maxmemory", client.info("memory")["used_memory"])
+    with pytest.raises(redis.exceptions.OutOfMemoryError):
+        client.set("rlship:oom:rollout:x", b"x" * 100_000)
+    reason = redis_out_of_memory(client)
+    assert reason is not None and reason.startswith("Redis is out of memory") and "1 writes refused" in reason
