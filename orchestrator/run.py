@@ -260,7 +260,11 @@ def main(args: argparse.Namespace) -> int:
     for check in preflight_run(settings):
         if not check.ok:
             log.warning("%s", check.line())
-    summary = run_local(settings, args.summary_json)
+    try:
+        summary = run_local(settings, args.summary_json)
+    except KeyboardInterrupt:
+        print(f"rlship run {settings.run_id}: interrupted while starting; what it started is stopped")
+        return 130
     print_summary(summary)
     return 0 if summary.get("steps_shipped", 0) == settings.steps else 1
 

@@ -89,7 +89,7 @@ class RunState:
         # Written once when the run starts; its absence means Redis lost the run.
         self.run_marker = self.keys.run_key("started_at")
         # Set while an orchestrator of the run lives (with an expiry, so a killed run's ends
-        # too): a task of a run without it is dropped (`run_ended`), counted in `tasks_dropped`.
+        # too): a task of a run without it is dropped (`_skip`), counted in `tasks_dropped`.
         self.alive = self.keys.run_key("alive")
         self.tasks_dropped = self.keys.run_key("tasks_dropped")
         # Set when the run shipped all its steps: its id is not reused.
