@@ -376,10 +376,12 @@ class Orchestrator:
     async def _diagnose(self, step: int, seconds: float) -> None:
         """Say why a step makes no progress (status `stall_reason` and the log); a Redis out
         of memory stops the run, since waiting cannot free it."""
-        reason = await asyncio.get_running_loop().run_in_executor(
+        cause = await asyncio.get_running_loop().run_in_executor(
             self._diagnosis_thread, stall_reason, self._sync_client, self.settings
         )
-        reason = f"step {step} made no progress for {seconds:.0f} s: {reason or 'cause not found'}"
+        if cause is None and seconds < self.settings.stall_seconds:
+            return  # most likely a long stage still running: nothing to say yet
+        reason = f"step {step} made no progress for {seconds:.0f} s: {cause or 'cause not found'}"
         if reason != self._stall_reason:
             log.warning("%s", reason)
         self._stall_reason = reason
