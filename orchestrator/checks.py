@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Iterable
@@ -49,7 +50,8 @@ class ChecksFailed(SystemExit):
     """A run that cannot start: the failed checks' lines, exit status 2."""
 
     def __init__(self, command: str, failed: list[Check]) -> None:
-        print("\n".join(f"rlship {command}: {check.detail}; {check.fix}" for check in failed), flush=True)
+        lines = (f"rlship {command}: {check.detail}; {check.fix}" for check in failed)
+        print("\n".join(lines), file=sys.stderr, flush=True)
         super().__init__(2)
 
 

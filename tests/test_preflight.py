@@ -142,6 +142,13 @@ def test_no_redis_and_no_redis_server_to_start_is_one_line(tmp_path):
     refused(done, f"127.0.0.1:{port}", "redis-server is not on PATH")
 
 
+def test_an_orchestrator_without_redis_gives_up_in_seconds_saying_so():
+    port = free_port()
+    done = rlship("orchestrate", "--redis-url", f"redis://:{SECRET}@127.0.0.1:{port}/0")
+    assert done.returncode == 2
+    refused(done, f"no Redis answers at redis://:***@127.0.0.1:{port}/0")
+
+
 def test_an_unwritable_output_directory_is_named(redis_url, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")

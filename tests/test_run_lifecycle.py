@@ -102,13 +102,13 @@ def test_a_run_stopped_by_sigterm_leaves_nothing_behind_and_resumes(client, redi
         timeout=60,
     )  # fmt: skip
     assert third.returncode == 2
-    assert f"run id '{run_id}' was used by a run that finished ({shipped + 2} records" in third.stdout
+    assert f"run id '{run_id}' was used by a run that finished ({shipped + 2} records" in third.stderr
     # So is an orchestrator alone (a second `honcho start` of a finished run).
     alone = subprocess.run(
         [sys.executable, "-m", "orchestrator.cli", "orchestrate", "--run-id", run_id], env=env, cwd=REPO,
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert alone.returncode == 2 and "was used by a run that finished" in alone.stdout, alone.stdout
+    assert alone.returncode == 2 and "was used by a run that finished" in alone.stderr, alone.stderr
     assert processes_of(run_id) == []
     for key in client.scan_iter(match=f"rlship:{run_id}:*"):
         client.delete(key)
