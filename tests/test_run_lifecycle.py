@@ -54,6 +54,13 @@ def processes_of(run_id: str) -> list[str]:
     return found
 
 
+def forget_run(client, run_id: str) -> None:
+    """The run's keys, its queues and kombu's bindings of them (its queues are its own)."""
+    queues = [f"cpu-{run_id}", f"ship-{run_id}"]
+    bindings = [f"_kombu.binding{kind}.{queue}" for kind in ("", "_permanent") for queue in queues]
+    client.delete(*client.keys(f"rlship:{run_id}:*"), *queues, *bindings)
+
+
 def keys_without_expiry(client, run_id: str) -> list[str]:
     return [k.decode() for k in client.scan_iter(match=f"rlship:{run_id}:*") if client.ttl(k) == -1]
 
@@ -110,8 +117,7 @@ def test_a_run_stopped_by_sigterm_leaves_nothing_behind_and_resumes(client, redi
     )  # fmt: skip
     assert alone.returncode == 2 and "was used by a run that finished" in alone.stderr, alone.stderr
     assert processes_of(run_id) == []
-    for key in client.scan_iter(match=f"rlship:{run_id}:*"):
-        client.delete(key)
+    forget_run(client, run_id)
 
 
 @pytest.mark.timeout(300)
@@ -136,8 +142,7 @@ def test_a_run_whose_trainer_dies_says_so_and_leaves_nothing_behind(client, redi
     assert "stopped: trainer-1 exited with -9 (log in " in stdout, stdout[-2000:]
     assert processes_of(run_id) == []
     assert keys_without_expiry(client, run_id) == []
-    for key in client.scan_iter(match=f"rlship:{run_id}:*"):
-        client.delete(key)
+    forget_run(client, run_id)
 
 
 @pytest.mark.timeout(120)
