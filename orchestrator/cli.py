@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+import redis
+
 # Subcommand -> (module, its argument-adding function, its main function, description).
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "run": ("orchestrator.run", "add_arguments", "main",
@@ -23,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
                     "the effective settings (environment < --config TOML < flags), secrets masked"),
     "chaos": ("orchestrator.chaos", "add_arguments", "main",
               "a seeded run while its workers and orchestrator are killed, against a fault-free one"),
+    "doctor": ("orchestrator.doctor", "add_arguments", "main",
+               "what a run needs (Redis, password, eviction, ports, output dir, workers): one line each"),
     "report": ("orchestrator.report", "add_arguments", "main",
                "report.html and PNG charts of a run from its metrics.jsonl"),
 }  # fmt: skip
@@ -44,7 +48,16 @@ def main(argv: list[str] | None = None) -> int:
             parser = argparse.ArgumentParser(prog=f"rlship {name}", description=help_text)
             module = importlib.import_module(module_name)
             getattr(module, add_arguments)(parser)
-            return int(getattr(module, main_function)(parser.parse_args(argv[len(words) :])) or 0)
+            args = parser.parse_args(argv[len(words) :])
+            try:
+                return int(getattr(module, main_function)(args) or 0)
+            except redis.RedisError as exc:
+                # What the commands' own checks did not foresee: still one line, no traceback.
+                print(f"rlship {name}: Redis: {type(exc).__name__}: {exc}", file=sys.stderr)
+                return 3
+            except OSError as exc:
+                print(f"rlship {name}: {exc}", file=sys.stderr)
+                return 1
     print(usage(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
     return 0 if argv and argv[0] in ("-h", "--help") else 2
 

@@ -28,10 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import redis
 import redis.asyncio as aioredis
 
 from orchestrator.accounting import Accounting, outcome_row
 from orchestrator.checkpoint import Checkpoint
+from orchestrator.diagnosis import DIAGNOSE_SECONDS, RedisOutOfMemory, stall_reason
 from orchestrator.groups import TRAINABLE, GroupBuffer, decide_group
 from orchestrator.lag_probe import LagProbe
 from orchestrator.monitors import Monitors
@@ -53,6 +55,9 @@ LEASE_SECONDS = 5  # a killed orchestrator's successor waits at most this long t
 STALL_REPORT_SECONDS = 2.0  # a policy wait this long is reported, naming the ranks behind it
 STALL_CHECK_SECONDS = 1.0  # how often the stall watchdog looks at the steps in flight
 STALL_BACKOFF_MAX_SECONDS = 600.0
+# The run-alive mark outlives its orchestrator by this much: a restarted one (which waits out
+# the lease) finds its tasks still running; a run killed for good has its tasks dropped after.
+ALIVE_SECONDS = 30
 
 
 class RunStateLost(RuntimeError):
@@ -68,6 +73,10 @@ class RunStateLost(RuntimeError):
         self.report = report
 
 
+class LeaseLost(RuntimeError):
+    """Another orchestrator of the run took the lease: this one stops."""
+
+
 @dataclass
 class StepProgress:
     """What the stall watchdog last saw of a step in flight: its key and sent counts, since
@@ -76,6 +85,7 @@ class StepProgress:
     marks: tuple[int, int]
     since: float
     requeued: int = 0
+    diagnosed: float = 0.0
 
 
 class Orchestrator:
@@ -100,6 +110,8 @@ class Orchestrator:
         self._release_pending: asyncio.Task[None] | None = None
         self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlship-publisher")
         self._monitor_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlship-monitors")
+        self._diagnosis_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlship-diagnosis")
+        self._stall_reason: str | None = None
         self._work = asyncio.Event()
         # Background loops stop at their next turn: cancelling a blocking redis.asyncio
         # read (XREAD BLOCK) can hang the cancellation (redis-py #2028, #2579).
@@ -112,6 +124,17 @@ class Orchestrator:
         self._open_entries: dict[str, str] = {}
         self._resumed_from: Checkpoint | None = None
         self._aborted: Exception | None = None
+
+    @functools.cached_property
+    def _sync_client(self) -> redis.Redis:
+        """For the diagnosis thread only (blocking calls stay off the loop)."""
+        return redis.Redis.from_url(self.settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+
+    def _abort_on_error(self, task: asyncio.Task[Any]) -> None:
+        """A background loop that fails stops the run with its error instead of leaving the
+        others waiting for it (a Redis that refuses a write would otherwise hang the run)."""
+        if not task.cancelled() and task.exception() is not None and self._aborted is None:
+            self._abort(task.exception())  # type: ignore[arg-type]
 
     # -- ingestion ---------------------------------------------------------------------
 
@@ -328,7 +351,11 @@ class Orchestrator:
                 seen = progress.get(step)
                 if seen is None or seen.marks != marks:
                     progress[step] = StepProgress(marks, now)
-                elif now - seen.since >= min(
+                    continue
+                if now - max(seen.since, seen.diagnosed) >= DIAGNOSE_SECONDS:
+                    seen.diagnosed = now
+                    await self._diagnose(step, now - seen.since)
+                if now - seen.since >= min(
                     self.settings.stall_seconds * 2**seen.requeued, STALL_BACKOFF_MAX_SECONDS
                 ):
                     seen.requeued += 1
@@ -342,6 +369,25 @@ class Orchestrator:
                     seen.since = now
             for step in [s for s in progress if s not in steps]:
                 del progress[step]
+            if self._stall_reason and all(seen.diagnosed < seen.since for seen in progress.values()):
+                self._stall_reason = None
+                await self.client.hdel(self.state.status, "stall_reason")
+
+    async def _diagnose(self, step: int, seconds: float) -> None:
+        """Say why a step makes no progress (status `stall_reason` and the log); a Redis out
+        of memory stops the run, since waiting cannot free it."""
+        cause = await asyncio.get_running_loop().run_in_executor(
+            self._diagnosis_thread, stall_reason, self._sync_client, self.settings
+        )
+        if cause is None and seconds < self.settings.stall_seconds:
+            return  # most likely a long stage still running: nothing to say yet
+        reason = f"step {step} made no progress for {seconds:.0f} s: {cause or 'cause not found'}"
+        if reason != self._stall_reason:
+            log.warning("%s", reason)
+        self._stall_reason = reason
+        await self.client.hset(self.state.status, "stall_reason", reason)
+        if "Redis is out of memory" in reason:
+            self._abort(RedisOutOfMemory(reason))
 
     # -- records and release -----------------------------------------------------------
 
@@ -439,6 +485,15 @@ class Orchestrator:
             log.info("released %d unshipped rollouts at shutdown", deleted)
         return deleted
 
+    async def end_run(self) -> None:
+        """The run shipped every step: its tasks still queued are dropped (no alive mark), its
+        id is marked used, and every key it leaves expires (`DEFAULT_TTL_SECONDS`)."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.unlink(self.state.alive)
+        pipe.set(self.state.finished, time.time())
+        await pipe.execute()
+        await self.store.expire_run()
+
     # -- lifecycle ---------------------------------------------------------------------
 
     async def hold_lease(self, acquired: asyncio.Event) -> None:
@@ -449,6 +504,7 @@ class Orchestrator:
         while not acquired.is_set():
             if await self.client.set(self.state.orchestrator_lease, token, nx=True, ex=LEASE_SECONDS):
                 await self.client.set(self.state.run_marker, time.time(), nx=True)
+                await self.client.set(self.state.alive, token, ex=ALIVE_SECONDS)
                 acquired.set()
                 break
             if not waiting_logged:
@@ -460,12 +516,13 @@ class Orchestrator:
             pipe.exists(self.state.run_marker)
             pipe.set(self.state.orchestrator_lease, token, nx=True, ex=LEASE_SECONDS)
             pipe.get(self.state.orchestrator_lease)
-            marker, _, holder = await pipe.execute()
+            pipe.set(self.state.alive, token, ex=ALIVE_SECONDS)
+            marker, _, holder, _ = await pipe.execute()
             if not marker:
                 self._abort(RunStateLost(self.settings.run_id, self.loss_report()))
                 return
             if holder != token.encode():
-                self._abort(RuntimeError(f"run {self.settings.run_id}: another orchestrator took the lease"))
+                self._abort(LeaseLost(f"run {self.settings.run_id}: another orchestrator took the lease"))
                 return
             await self.client.expire(self.state.orchestrator_lease, LEASE_SECONDS)
             with contextlib.suppress(TimeoutError):
@@ -523,7 +580,11 @@ class Orchestrator:
         self.monitors = Monitors(self.settings)
         leased = asyncio.Event()
         lease = asyncio.create_task(self.hold_lease(leased))
-        await leased.wait()
+        acquired = asyncio.create_task(leased.wait())
+        await asyncio.wait({lease, acquired}, return_when=asyncio.FIRST_COMPLETED)
+        if not leased.is_set():
+            acquired.cancel()
+            lease.result()  # the error that kept the lease from being taken (a Redis refusing writes)
         await self.resume()
         probe = asyncio.create_task(self.probe.run())
         loops = [
@@ -532,6 +593,8 @@ class Orchestrator:
             asyncio.create_task(self.dispatch()),
             asyncio.create_task(self.watch_stalled_steps()),
         ]
+        for task in loops:
+            task.add_done_callback(self._abort_on_error)
         try:
             await self.follow_records()
         finally:
@@ -540,6 +603,7 @@ class Orchestrator:
             probe.cancel()
             await asyncio.gather(probe, *loops, return_exceptions=True)
             self._publisher.shutdown(wait=True)
+            self._diagnosis_thread.shutdown(wait=True)
             self._monitor_thread.submit(self.monitors.close).result()
             self._monitor_thread.shutdown(wait=True)
             self.rollout_log.close()
@@ -551,6 +615,7 @@ class Orchestrator:
             raise self._aborted
         unacknowledged = await self.release_acknowledged_payloads()
         await self.release_unshipped()
+        await self.end_run()
         return {
             "steps_unacknowledged": unacknowledged,
             "steps_shipped": self.records_published,

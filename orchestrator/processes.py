@@ -14,7 +14,7 @@ from pathlib import Path
 
 import redis
 
-from orchestrator.settings import RunSettings
+from orchestrator.settings import RunSettings, mask_url
 from transport.keys import RunKeys
 
 
@@ -139,7 +139,8 @@ def ensure_redis(url: str, group: ProcessGroup, data_dir: Path) -> None:
     while not redis_answers(url):
         if time.monotonic() > deadline:
             raise SystemExit(
-                f"rlship: redis_url={url!r}: no Redis answers, and the one started did not come up"
+                f"rlship: redis_url={mask_url(url)!r}: no Redis answers, and the one started did not come up "
+                f"(its log: {group.log_dir / 'redis.log'})"
             )
         time.sleep(0.1)
 
@@ -152,6 +153,17 @@ def answering_workers(redis_url: str, timeout: float = 0.5) -> set[str]:
     ping_app = Celery("rlship-ping", broker=redis_url)
     ping_app.conf.accept_content = ["msgpack", "json"]
     return {name for reply in ping_app.control.ping(timeout=timeout) or [] for name in reply}
+
+
+def queue_consumers(redis_url: str, queues: list[str], timeout: float = 1.0) -> dict[str, list[str]]:
+    """Per queue, the names of the workers that answer and consume it."""
+    from celery import Celery
+
+    inspect_app = Celery("rlship-inspect", broker=redis_url)
+    inspect_app.conf.accept_content = ["msgpack", "json"]
+    replies = inspect_app.control.inspect(timeout=timeout).active_queues() or {}
+    consumed = {worker: {q["name"] for q in worker_queues} for worker, worker_queues in replies.items()}
+    return {queue: sorted(w for w, names in consumed.items() if queue in names) for queue in queues}
 
 
 def wait_for_workers(

@@ -1,7 +1,8 @@
 """Producers: how rollouts enter rlship.
 
 A producer stores a rollout's arrays under its key and appends the small record to the
-rollout stream, in one pipelined round trip (`RolloutProducer`, `AsyncRolloutProducer`).
+rollout stream, in one round trip (`RolloutProducer`, `AsyncRolloutProducer`); an id that is
+stored already is refused, counted, and its record not appended.
 `SyntheticWorkload` makes realistic, seeded rollouts for local runs, tests and benchmarks:
 several envs, long-tailed lengths, multi-turn masks, binary and fractional rewards with
 per-task difficulty (so some groups have zero advantage), errors and truncations.
@@ -10,15 +11,18 @@ per-task difficulty (so some groups have zero advantage), errors and truncations
 from __future__ import annotations
 
 import argparse
+import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any, Self
 
 import numpy as np
 import redis
 import redis.asyncio as aioredis
 
+from orchestrator.checks import preflight_client
 from orchestrator.records import RolloutRecord
 from orchestrator.settings import RunSettings, add_settings_arguments, settings_from_args
 from tasks.stages.finalize import check_rollout_arrays
@@ -27,9 +31,11 @@ from transport.keys import RunKeys
 from transport.schema import EncodedTensor, SchemaError
 from transport.store import DEFAULT_TTL_SECONDS, flat_arrays, pack_arrays
 
+Rollouts = list[tuple[RolloutRecord, Mapping[str, np.ndarray]]]
+
 
 class RolloutRejected(ValueError):
-    """Rollouts whose arrays cannot train; nothing of the batch was written."""
+    """Rollouts that were not written, each with why (naming the field and the value)."""
 
     def __init__(self, problems: dict[str, str]) -> None:
         super().__init__("; ".join(f"rollout {rid!r}: {problem}" for rid, problem in problems.items()))
@@ -37,11 +43,17 @@ class RolloutRejected(ValueError):
 
 
 def check_rollouts(
-    rollouts: list[tuple[RolloutRecord, Mapping[str, np.ndarray]]], max_tokens: int, vocab_size: int
+    rollouts: Rollouts, max_tokens: int, vocab_size: int
 ) -> None:
-    """The workers' own payload checks, run where the bad data is made (the producer)."""
+    """The workers' own payload checks, run where the bad data is made (the producer), and
+    one id given twice in the same call."""
     problems = {}
+    seen: set[str] = set()
     for record, arrays in rollouts:
+        if record.rollout_id in seen:
+            problems[record.rollout_id] = f"rollout_id: {record.rollout_id!r} appears twice in this call"
+            continue
+        seen.add(record.rollout_id)
         try:
             flat = flat_arrays(arrays)
         except SchemaError as exc:
@@ -59,41 +71,76 @@ def check_rollouts(
         raise RolloutRejected(problems)
 
 
-def _queue_rollout(
-    pipe, keys: RunKeys, record: RolloutRecord, arrays: Mapping[str, np.ndarray], ttl: int
-) -> None:
-    pipe.set(keys.rollout(record.rollout_id), pack_arrays(arrays), ex=ttl)
-    pipe.xadd(keys.rollout_stream, {"record": record.model_dump_json()})
-    pipe.incr(keys.run_key("produced"))
+# KEYS: the rollout stream, the produced counter, the refused-writes counter, then one payload
+# key per rollout. ARGV: the TTL, then per rollout its arrays blob and its record. A payload
+# is written only if its key is new (a claim check is written once), and only then is its
+# record appended: a duplicate id can neither replace the original's arrays nor reach the
+# orchestrator. Returns the 1-based positions of the refused rollouts.
+_PRODUCE_LUA = """
+local refused = {}
+for i = 4, #KEYS do
+  local at = 2 + (i - 4) * 2
+  if redis.call('SET', KEYS[i], ARGV[at], 'NX', 'EX', ARGV[1]) then
+    redis.call('XADD', KEYS[1], '*', 'record', ARGV[at + 1])
+    redis.call('INCR', KEYS[2])
+  else
+    redis.call('INCR', KEYS[3])
+    table.insert(refused, i - 3)
+  end
+end
+return refused
+"""
+
+DEFAULT_LIMITS = RunSettings()
+log = logging.getLogger("rlship.producer")
 
 
 class _Producer:
     """What both producer APIs share. Records are validated by their pydantic model; arrays
-    by the workers' checks (`max_tokens` and `vocab_size` as the run's `seq_len` and
-    vocabulary), so a bad rollout fails where it is made, naming its field and value."""
+    by the workers' checks against the run's limits (`max_tokens` as its `seq_len`, and its
+    vocabulary; by default those of a run with default settings), so a bad rollout fails
+    where it is made, naming its field and value."""
 
     def __init__(
         self,
         client: redis.Redis | aioredis.Redis,
         run_id: str,
         ttl_seconds: int = DEFAULT_TTL_SECONDS,
-        max_tokens: int = 1 << 31,
-        vocab_size: int = 1 << 31,
+        max_tokens: int = DEFAULT_LIMITS.seq_len,
+        vocab_size: int = DEFAULT_LIMITS.vocab_size,
     ) -> None:
         self.client = client
         self.keys = RunKeys(run_id)
         self.ttl = ttl_seconds
         self.max_tokens = max_tokens
         self.vocab_size = vocab_size
+        self._produce = client.register_script(_PRODUCE_LUA)
 
-    def _pipeline(self, rollouts: list[tuple[RolloutRecord, Mapping[str, np.ndarray]]]):
-        """Check every rollout (RolloutRejected, nothing written, if any is bad), then queue
-        the arrays before the records: a record never points at a payload not there yet."""
+    @classmethod
+    def for_run(cls, client: Any, settings: RunSettings) -> Self:
+        """A producer checking rollouts against the run's `seq_len` and vocabulary."""
+        return cls(client, settings.run_id, max_tokens=settings.seq_len, vocab_size=settings.vocab_size)
+
+    def _script_arguments(self, rollouts: Rollouts) -> tuple[list[str], list[Any]]:
+        """Check every rollout (RolloutRejected, nothing written, if any is bad), then the
+        script's keys and arguments: arrays before records, so a record never points at a
+        payload not there yet."""
         check_rollouts(rollouts, self.max_tokens, self.vocab_size)
-        pipe = self.client.pipeline(transaction=False)
+        keys = [self.keys.rollout_stream, self.keys.run_key("produced"), self.keys.refused_writes]
+        args: list[Any] = [self.ttl]
         for record, arrays in rollouts:
-            _queue_rollout(pipe, self.keys, record, arrays, self.ttl)
-        return pipe
+            keys.append(self.keys.rollout(record.rollout_id))
+            args += [pack_arrays(arrays), record.model_dump_json()]
+        return keys, args
+
+    @staticmethod
+    def _raise_refused(rollouts: Rollouts, refused: list[int]) -> None:
+        problem = (
+            "rollout_id: already stored for this run; the original is kept and this write was "
+            "refused (the others of the call were written)"
+        )
+        if refused:
+            raise RolloutRejected({rollouts[position - 1][0].rollout_id: problem for position in refused})
 
 
 class RolloutProducer(_Producer):
@@ -101,8 +148,9 @@ class RolloutProducer(_Producer):
 
     client: redis.Redis
 
-    def produce(self, rollouts: list[tuple[RolloutRecord, Mapping[str, np.ndarray]]]) -> None:
-        self._pipeline(rollouts).execute()
+    def produce(self, rollouts: Rollouts) -> None:
+        keys, args = self._script_arguments(rollouts)
+        self._raise_refused(rollouts, self._produce(keys=keys, args=args))
 
     def outstanding(self) -> int:
         """Rollouts appended but not yet accounted for by the orchestrator (shipped or discarded)."""
@@ -115,8 +163,9 @@ class AsyncRolloutProducer(_Producer):
 
     client: aioredis.Redis
 
-    async def produce(self, rollouts: list[tuple[RolloutRecord, Mapping[str, np.ndarray]]]) -> None:
-        await self._pipeline(rollouts).execute()
+    async def produce(self, rollouts: Rollouts) -> None:
+        keys, args = self._script_arguments(rollouts)
+        self._raise_refused(rollouts, await self._produce(keys=keys, args=args))
 
 
 @dataclass
@@ -211,22 +260,26 @@ def run_producer(
     """Produce groups until `groups` are written or `stop` is set (or forever), staying
     within the orchestrator's outstanding-rollout limit and following the policy version."""
     client = connect_redis(settings.redis_url)
-    producer = RolloutProducer(
-        client, settings.run_id, max_tokens=settings.seq_len, vocab_size=settings.vocab_size
-    )
+    producer = RolloutProducer.for_run(client, settings)
     workload = SyntheticWorkload(
         seed=settings.seed,
         group_size=settings.group_size,
         seq_len=settings.seq_len,
         vocab_size=settings.vocab_size,
     )
+    # A resumed run: the groups its earlier start wrote are made again (same seed) and skipped.
+    for _ in range(int(client.get(producer.keys.run_key("produced")) or 0) // settings.group_size):
+        workload.group()
     written = 0
     while (groups is None or written < groups) and not (stop is not None and stop.is_set()):
         if producer.outstanding() + settings.group_size > settings.outstanding_limit:
             time.sleep(poll_seconds)
             continue
         workload.policy_version = int(client.get(producer.keys.policy_version) or 0)
-        producer.produce(workload.group())
+        try:
+            producer.produce(workload.group())
+        except RolloutRejected as exc:
+            log.warning("%s", exc)
         written += 1
     return written
 
@@ -237,5 +290,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    run_producer(settings_from_args(args), groups=args.groups)
+    settings = settings_from_args(args)
+    preflight_client("produce", settings).close()
+    run_producer(settings, groups=args.groups)
     return 0

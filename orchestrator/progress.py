@@ -47,12 +47,15 @@ class Snapshot:
     queued: dict[str, int]  # Celery queue -> messages waiting
     now: float  # unix time of the read
     stalled_ranks: tuple[int, ...] = ()  # ranks the policy gate has waited on for seconds
+    stall_reason: str = ""  # why a step makes no progress, from the orchestrator's watchdog
 
 
 def parse_status(raw: dict[bytes, bytes]) -> tuple[dict[str, float], tuple[int, ...]]:
-    """The status hash: numeric fields, and `stalled_ranks` (a JSON list) apart."""
+    """The status hash: numeric fields, and `stalled_ranks` (a JSON list) apart; the text
+    `stall_reason` is read on its own."""
     fields = {k.decode(): v.decode() for k, v in raw.items()}
     stalled = tuple(json.loads(fields.pop("stalled_ranks", "[]")))
+    fields.pop("stall_reason", None)
     return {k: float(v) for k, v in fields.items()}, stalled
 
 
@@ -110,6 +113,7 @@ def status_lines(
         "in flight " + " ".join(f"{stage} {counts[stage]}" for stage in STAGES) + f" | queued {queued}",
         f"loop lag {status.get('loop_lag_max_ms', 0.0):.1f} ms now, {lag_peak_ms:.1f} ms max "
         f"| status {max(0.0, age):.1f} s old{stalled}",
+        *([f"stuck: {snapshot.stall_reason}"] if snapshot.stall_reason else []),
     ]
 
 
@@ -166,7 +170,8 @@ class StatusReader:
                 )
             )
         queued = dict(zip(self.queues, lengths, strict=True))
-        return Snapshot(status, tuple(marks), queued, time.time(), stalled)
+        reason = raw_status.get(b"stall_reason", b"").decode()
+        return Snapshot(status, tuple(marks), queued, time.time(), stalled, reason)
 
     def new_records(self) -> list[dict[str, float]]:
         """Records published since the previous call."""

@@ -13,6 +13,7 @@ import argparse
 import html
 import json
 import math
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,16 +32,37 @@ BAR_STEPS = 60  # beyond this many steps, stacked areas read better than bars
 
 
 def load_records(path: Path) -> list[Record]:
-    """The records in step order. A torn last line (the run is still writing) is skipped."""
+    """The records in step order. A torn last line (the run is still writing, or stopped
+    mid-write) is left out, and said so on stderr; a record of the wrong shape stops the
+    report naming its line, key and value."""
     lines = [line for line in path.read_text().splitlines() if line.strip()]
     records = []
     for number, line in enumerate(lines, 1):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError as exc:
             if number < len(lines):
                 raise SystemExit(f"rlship report: {path}: record {number} is not JSON: {exc}") from exc
-    return sorted(records, key=lambda record: record.get("step", 0.0))
+            said = f"rlship report: {path}: the last line (record {number}) is cut short; left out"
+            print(said, file=sys.stderr)
+            continue
+        problem = record_problem(record)
+        if problem:
+            raise SystemExit(f"rlship report: {path}: record {number} is not a metrics record: {problem}")
+        records.append(record)
+    return sorted(records, key=lambda record: record["step"])
+
+
+def record_problem(record: object) -> str | None:
+    """Why a parsed line is not a record of numbers with a `step`, or None."""
+    if not isinstance(record, dict):
+        return f"expected a JSON object, got {type(record).__name__}"
+    if "step" not in record:
+        return "it has no 'step'"
+    for key, value in record.items():
+        if not isinstance(value, int | float):
+            return f"{key}: {value!r} is not a number"
+    return None
 
 
 def series(records: Sequence[Record], key: str) -> list[float]:

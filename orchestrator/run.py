@@ -22,8 +22,10 @@ from typing import Any
 
 import redis
 
+from orchestrator.checks import preflight_client, preflight_run, rank_in_run, require
+from orchestrator.diagnosis import RedisOutOfMemory
 from orchestrator.logs import configure_logging
-from orchestrator.loop import Orchestrator, RunStateLost
+from orchestrator.loop import ALIVE_SECONDS, LeaseLost, Orchestrator, RunStateLost
 from orchestrator.processes import ProcessGroup, ensure_redis, rlship_command, worker_commands
 from orchestrator.progress import REFRESH_SECONDS, ProgressDisplay, StatusReader
 from orchestrator.settings import (
@@ -38,13 +40,15 @@ from tasks.ship import RunState
 from transport.connection import OUTAGE_SECONDS, connect_redis, connect_redis_async
 from transport.keys import RunKeys
 from transport.replay import RetainedPayloads
-from transport.store import PayloadStore
+from transport.store import DEFAULT_TTL_SECONDS, PayloadStore
 from transport.trainer import TrainerRank, open_receiver
 
 log = logging.getLogger("rlship.run")
 
 TRAINER_DRAIN_SECONDS = 60.0
 RESTARTABLE = frozenset({"redis", "cpu-worker", "ship-worker"})
+QUEUE_DRAIN_SECONDS = 5.0
+KEYS_KEPT_SECONDS = DEFAULT_TTL_SECONDS
 MAX_RESTARTS = 10
 
 
@@ -74,6 +78,10 @@ def _wait_for_trainers(group: ProcessGroup, ranks: int, timeout: float) -> None:
                 log.warning("trainer rank %d did not finish in time", rank)
 
 
+class ChildFailed(RuntimeError):
+    """A child of the run exited and cannot be started again."""
+
+
 def run_local(settings: RunSettings, summary_path: Path | None) -> dict[str, Any]:
     # The children run in the repository (`ProcessGroup`): a relative path would be theirs.
     settings = settings.model_copy(
@@ -88,9 +96,11 @@ def run_local(settings: RunSettings, summary_path: Path | None) -> dict[str, Any
     started = time.perf_counter()
     orchestrator_summary = output_dir / "orchestrator-summary.json"
     orchestrator_summary.unlink(missing_ok=True)
-    interrupted = False
+    stopped = "done"
     try:
         ensure_redis(settings.redis_url, group, output_dir / "redis")
+        client = redis.Redis.from_url(settings.redis_url, socket_timeout=5)
+        shipped_before = int(client.hlen(RunState(settings.run_id).published))
         for name, command in worker_commands(settings).items():
             group.start(name, command)
         if settings.trainers == "builtin":
@@ -98,12 +108,7 @@ def run_local(settings: RunSettings, summary_path: Path | None) -> dict[str, Any
                 group.start(f"trainer-{rank}", rlship_command("trainer", "--rank", str(rank)))
         group.start("producer", rlship_command("produce"))
         display = ProgressDisplay(
-            StatusReader(
-                redis.Redis.from_url(settings.redis_url, socket_timeout=5),
-                settings.run_id,
-                [settings.cpu_queue, settings.ship_queue],
-                settings.ranks,
-            ),
+            StatusReader(client, settings.run_id, [settings.cpu_queue, settings.ship_queue], settings.ranks),
             sys.stdout,
             settings.steps,
             settings.ranks,
@@ -118,24 +123,43 @@ def run_local(settings: RunSettings, summary_path: Path | None) -> dict[str, Any
                 time.sleep(REFRESH_SECONDS)
             display.update(final=True)
             if orchestrator.returncode != 0:
-                raise SystemExit(
-                    f"rlship: the orchestrator exited with {orchestrator.returncode} "
+                stopped = (
+                    f"the orchestrator exited with {orchestrator.returncode} "
                     f"(log in {group.log_dir / 'orchestrator.log'})"
                 )
-            _wait_for_trainers(group, settings.ranks, TRAINER_DRAIN_SECONDS)
+            else:
+                _wait_for_trainers(group, settings.ranks, TRAINER_DRAIN_SECONDS)
         except KeyboardInterrupt:
-            interrupted = True
+            stopped = "interrupted (Ctrl-C or SIGTERM)"
+        except ChildFailed as exc:
+            stopped = str(exc)
+        group.stop("orchestrator")
+        _end_tasks(client, settings)
         for name in [n for n in reversed(list(group.processes)) if n != "redis"]:
             group.stop(name)
-        summary = _summarize(settings, orchestrator_summary)
-        PayloadStore(redis.Redis.from_url(settings.redis_url), settings.run_id).delete_all_rollouts()
+        summary = _summarize(settings, orchestrator_summary, stopped, shipped_before)
+        store = PayloadStore(client, settings.run_id)
+        if stopped == "done":
+            store.delete_all_rollouts()
+        store.expire_run(KEYS_KEPT_SECONDS)
     finally:
         group.stop_all()
-    summary.update({"wall_seconds": time.perf_counter() - started, "interrupted": interrupted})
+    summary.update({"wall_seconds": time.perf_counter() - started})
     if summary_path is not None:
         summary_path.parent.mkdir(parents=True, exist_ok=True)
         summary_path.write_text(json.dumps(summary, indent=2, sort_keys=True))
     return summary
+
+
+def _end_tasks(client: redis.Redis, settings: RunSettings) -> None:
+    """The orchestrator has stopped: end the run's tasks. Without the alive mark a worker
+    drops each task of the run it takes; give the workers a few seconds to take what is
+    queued (the queues may be shared with other runs, so this wait is bounded)."""
+    client.unlink(RunState(settings.run_id).alive)
+    deadline = time.monotonic() + QUEUE_DRAIN_SECONDS
+    queues = (settings.cpu_queue, settings.ship_queue)
+    while time.monotonic() < deadline and any(client.llen(queue) for queue in queues):
+        time.sleep(0.1)
 
 
 def _restart_or_fail(group: ProcessGroup) -> None:
@@ -152,35 +176,63 @@ def _restart_or_fail(group: ProcessGroup) -> None:
             continue
         restarts = group.restarts.get(name, 0)
         if name not in RESTARTABLE or restarts >= MAX_RESTARTS:
-            raise SystemExit(f"rlship: {name} exited with {code} (logs in {group.log_dir})")
+            raise ChildFailed(f"{name} exited with {code} (log in {group.log_dir / (name + '.log')})")
         log.warning("%s exited with %s; starting it again (restart %d)", name, code, restarts + 1)
         group.restart(name)
 
 
-def _summarize(settings: RunSettings, orchestrator_summary: Path) -> dict[str, Any]:
-    summary: dict[str, Any] = {
-        "run_id": settings.run_id,
-        "steps_shipped": 0,
-        "records_published": 0,
-        "tokens_shipped": 0,
-    }
+def _summarize(
+    settings: RunSettings, orchestrator_summary: Path, stopped: str, shipped_before: int
+) -> dict[str, Any]:
+    """What the run shipped, from Redis (the one source whatever stopped the run): a step is
+    shipped when its record is published, which needs every rank's send first."""
+    client = redis.Redis.from_url(settings.redis_url)
+    shipped = int(client.hlen(RunState(settings.run_id).published))
+    summary: dict[str, Any] = {"run_id": settings.run_id}
     if orchestrator_summary.exists():
         summary.update(json.loads(orchestrator_summary.read_text()))
-    client = redis.Redis.from_url(settings.redis_url)
-    summary["records_published"] = int(client.xlen(RunKeys(settings.run_id).metrics_stream))
-    summary["ranks"] = received_by_rank(client, settings.run_id, settings.ranks)
-    summary["sent_checksums"] = sent_checksums(client, settings.run_id)
+    stream = client.xrange(RunKeys(settings.run_id).metrics_stream)  # the last RECORDS_KEPT
+    records = [json.loads(fields[b"record"]) for _, fields in stream]
+    lag_ms = [record.get("event_loop_lag/max_ms", 0.0) for record in records]
+    summary.update(
+        {
+            "tokens_shipped": int(records[-1]["progress/total_tokens"]) if records else 0,
+            "loop_lag_max_ms": max([summary.get("loop_lag_max_ms", 0.0), *lag_ms]),
+            "steps_wanted": settings.steps,
+            "steps_shipped": shipped,
+            "records_published": shipped,
+            "steps_shipped_before": shipped_before,
+            "stopped": stopped,
+            "interrupted": stopped.startswith("interrupted"),
+            "ranks": received_by_rank(client, settings.run_id, settings.ranks),
+            "sent_checksums": sent_checksums(client, settings.run_id),
+            "tasks_dropped": {
+                k.decode(): int(v) for k, v in client.hgetall(RunState(settings.run_id).tasks_dropped).items()
+            },
+        }
+    )
     return summary
 
 
 def print_summary(summary: dict[str, Any]) -> None:
+    run_id = summary["run_id"]
+    before = summary.get("steps_shipped_before", 0)
+    resumed = f", {before} of them before this start" if before else ""
     print(
-        f"\nrlship run {summary['run_id']}: {summary.get('steps_shipped', 0)} steps shipped, "
-        f"{summary.get('records_published', 0)} records, {summary.get('tokens_shipped', 0):,} tokens "
-        f"in {summary['wall_seconds']:.1f} s; event-loop lag max {summary.get('loop_lag_max_ms', 0.0):.1f} ms"
+        f"\nrlship run {run_id}: {summary['steps_shipped']} steps shipped{resumed} "
+        f"({summary['records_published']} records), {summary.get('tokens_shipped', 0):,} tokens in "
+        f"{summary['wall_seconds']:.1f} s; event-loop lag max {summary.get('loop_lag_max_ms', 0.0):.1f} ms"
     )
     for rank, received in sorted(summary.get("ranks", {}).items()):
         print(f"  rank {rank}: received steps {received['steps']}")
+    if summary.get("tasks_dropped"):
+        print(f"  tasks dropped after the run ended (not retried): {summary['tasks_dropped']}")
+    if summary["stopped"] != "done":
+        print(
+            f"  stopped: {summary['stopped']}, {summary['steps_wanted'] - summary['steps_shipped']} of "
+            f"{summary['steps_wanted']} steps not shipped; the run's keys expire in "
+            f"{KEYS_KEPT_SECONDS // 3600} h: `rlship run --run-id {run_id}` (same settings) resumes it"
+        )
 
 
 # -- rlship run ---------------------------------------------------------------------------
@@ -205,7 +257,14 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     if sources["output_dir"] == "default":
         settings = settings.model_copy(update={"output_dir": Path("runs") / settings.run_id})
-    summary = run_local(settings, args.summary_json)
+    for check in preflight_run(settings):
+        if not check.ok:
+            log.warning("%s", check.line())
+    try:
+        summary = run_local(settings, args.summary_json)
+    except KeyboardInterrupt:
+        print(f"rlship run {settings.run_id}: interrupted while starting; what it started is stopped")
+        return 130
     print_summary(summary)
     return 0 if summary.get("steps_shipped", 0) == settings.steps else 1
 
@@ -229,10 +288,30 @@ async def _orchestrate(settings: RunSettings) -> dict[str, Any]:
 def orchestrate_main(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     configure_logging(settings.log_json, logging.WARNING, run_id=settings.run_id)
+    preflight_client("orchestrate", settings, unfinished_run=True).close()
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         summary = asyncio.run(_orchestrate(settings))
-    except RunStateLost as exc:
+    except KeyboardInterrupt:
+        print(
+            f"rlship orchestrate: run {settings.run_id} interrupted; its tasks are dropped within "
+            f"{ALIVE_SECONDS} s, its keys kept: the same command resumes it",
+            file=sys.stderr,
+        )
+        return 130
+    except (RunStateLost, RedisOutOfMemory, LeaseLost) as exc:
         print(f"rlship orchestrate: {exc}", file=sys.stderr)
+        return 3
+    except redis.exceptions.OutOfMemoryError as exc:
+        print(
+            f"rlship orchestrate: Redis at {mask_url(settings.redis_url)} is out of memory ({exc}): raise "
+            "its maxmemory or free memory, then start again (the run resumes)",
+            file=sys.stderr,
+        )
+        return 3
+    except redis.ResponseError as exc:
+        shown = mask_url(settings.redis_url)
+        print(f"rlship orchestrate: Redis at {shown} refused a command: {exc}", file=sys.stderr)
         return 3
     except redis.ConnectionError as exc:
         print(
@@ -251,7 +330,7 @@ def orchestrate_main(args: argparse.Namespace) -> int:
 
 def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings_arguments(parser)
-    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--rank", type=int, required=True, help="this rank, 0 to ranks - 1")
     parser.add_argument(
         "--idle-timeout", type=float, default=None, help="exit after this long without a step"
     )
@@ -260,6 +339,8 @@ def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
 def trainer_main(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     configure_logging(settings.log_json, logging.INFO, run_id=settings.run_id, rank=args.rank)
+    require("trainer", [rank_in_run(args.rank, settings.ranks)])
+    preflight_client("trainer", settings).close()
     client = connect_redis(settings.redis_url)
     received = client.hkeys(RunKeys(settings.run_id).received(args.rank))
     next_step = max((int(s) + 1 for s in received), default=0)

@@ -74,6 +74,9 @@ class RunSettings(BaseSettings):
     ack_timeout: float = Field(
         default=30.0, ge=0, description="seconds the end of a run waits for ranks to acknowledge"
     )
+    allow_eviction: bool = Field(
+        default=False, description="run on a Redis that may evict keys (warned, not refused)"
+    )
 
     @field_validator("wandb_project", "record_rollouts", "envs", mode="before")
     @classmethod
@@ -87,6 +90,9 @@ class RunSettings(BaseSettings):
         scheme = urlsplit(value).scheme
         if scheme not in REDIS_SCHEMES:
             raise ValueError(f"the scheme must be one of {', '.join(REDIS_SCHEMES)}, not {scheme!r}")
+        database = urlsplit(value).path.strip("/") if scheme != "unix" else ""
+        if database and not database.isdigit():
+            raise ValueError(f"the database after the port must be a number (as /0), not {database!r}")
         return value
 
     @model_validator(mode="after")

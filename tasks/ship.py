@@ -25,6 +25,7 @@ from typing import Any
 
 import msgpack
 import redis
+import zmq
 from celery import Task
 
 from tasks.app import app, redis_url
@@ -49,6 +50,8 @@ log = logging.getLogger("rlship.tasks")
 
 RETRY_SECONDS = 0.05
 READY_WAIT_SECONDS = 1.0
+BIND_RETRY_SECONDS = 1.0  # a port held by another process may be freed; retried until the run ends
+SHIP_PROBLEM_SECONDS = 10
 # A trainer whose queue stays full this long makes the send fail and retry later, so a
 # stuck rank holds back its own step instead of blocking the ship worker forever.
 SEND_TIMEOUT_SECONDS = 30.0
@@ -90,6 +93,15 @@ class RunState:
         self.orchestrator_lease = self.keys.run_key("orchestrator_lease")
         # Written once when the run starts; its absence means Redis lost the run.
         self.run_marker = self.keys.run_key("started_at")
+        # Set while an orchestrator of the run lives (with an expiry, so a killed run's ends
+        # too): a task of a run without it is dropped (`_skip`), counted in `tasks_dropped`.
+        self.alive = self.keys.run_key("alive")
+        self.tasks_dropped = self.keys.run_key("tasks_dropped")
+        # Set when the run shipped all its steps: its id is not reused.
+        self.finished = self.keys.run_key("finished")
+        # Why the ship worker cannot send (a port it cannot bind, a rank not announced): read
+        # by the orchestrator when a step makes no progress; short-lived, cleared by a send.
+        self.ship_problem = self.keys.run_key("ship_problem")
 
 
 class StepContext:
@@ -144,17 +156,30 @@ def _skip_redundant(ctx: StepContext, task: str, done: str) -> None:
     ctx.client.hincrby(ctx.state.redundant, task, 1)
 
 
-def _skip_if_published(ctx: StepContext, task: str) -> bool:
-    if ctx.is_published():
-        _skip_redundant(ctx, task, "published")
+def _skip(ctx: StepContext, task: str) -> bool:
+    """Whether the task has nothing to do: its step is published, or its run has ended (no
+    live orchestrator: finished, failed to start, or killed). A task of an ended run is
+    dropped and counted, never retried: workers serve many runs, and a dead run's retrying
+    sends would otherwise loop forever."""
+    pipe = ctx.client.pipeline(transaction=False)
+    pipe.exists(ctx.state.alive)
+    pipe.hexists(ctx.state.published, ctx.step)
+    alive, published = pipe.execute()
+    if not alive:
+        log.warning("run %s has ended: %s of step %d dropped", ctx.run_id, task, ctx.step)
+        pipe.hincrby(ctx.state.tasks_dropped, task, 1)
+        pipe.expire(ctx.state.tasks_dropped, ctx.store.ttl)
+        pipe.execute()
         return True
-    return False
+    if published:
+        _skip_redundant(ctx, task, "published")
+    return bool(published)
 
 
 @app.task(name="rlship.finalize")
 def finalize(run_id: str, step: int) -> None:
     ctx = StepContext(run_id, step)
-    if _skip_if_published(ctx, "finalize"):
+    if _skip(ctx, "finalize"):
         return
 
     def compute() -> None:
@@ -172,7 +197,7 @@ def finalize(run_id: str, step: int) -> None:
 @app.task(name="rlship.prune")
 def prune(run_id: str, step: int) -> None:
     ctx = StepContext(run_id, step)
-    if _skip_if_published(ctx, "prune"):
+    if _skip(ctx, "prune"):
         return
 
     def compute() -> None:
@@ -190,7 +215,7 @@ def prune(run_id: str, step: int) -> None:
 @app.task(name="rlship.metrics")
 def metrics(run_id: str, step: int) -> None:
     ctx = StepContext(run_id, step)
-    if _skip_if_published(ctx, "metrics"):
+    if _skip(ctx, "metrics"):
         return
 
     def compute() -> None:
@@ -211,7 +236,7 @@ def metrics(run_id: str, step: int) -> None:
 @app.task(name="rlship.pack")
 def pack(run_id: str, step: int) -> None:
     ctx = StepContext(run_id, step)
-    if _skip_if_published(ctx, "pack"):
+    if _skip(ctx, "pack"):
         return
     config = ctx.manifest.config
 
@@ -230,7 +255,7 @@ def pack(run_id: str, step: int) -> None:
 @app.task(name="rlship.encode")
 def encode(run_id: str, step: int, rank: int) -> None:
     ctx = StepContext(run_id, step)
-    if _skip_if_published(ctx, "encode"):
+    if _skip(ctx, "encode"):
         return
 
     def compute() -> None:
@@ -287,7 +312,7 @@ def send(self: Task, run_id: str, step: int, rank: int) -> None:
     window may have been hit.
     """
     ctx = StepContext(run_id, step)
-    if _skip_if_published(ctx, "send"):
+    if _skip(ctx, "send"):
         return
     manifest = ctx.manifest
     last_sent_raw = ctx.client.get(ctx.keys.last_sent(rank))
@@ -300,10 +325,24 @@ def send(self: Task, run_id: str, step: int, rank: int) -> None:
         log.info("step %d rank %d: acknowledged by the rank already; not sent again", step, rank)
         ctx.client.set(ctx.keys.last_sent(rank), step)
     elif last_sent < step:
-        sender = _sender(run_id, manifest.config)
+        config = manifest.config
+        try:
+            sender = _sender(run_id, config)
+        except zmq.ZMQError as exc:
+            problem = (
+                f"the ship worker on {socket.gethostname()} cannot bind {config.zmq_host}:{config.zmq_port} "
+                f"and the READY port {config.zmq_port + 1}: {exc} (another process holds it?)"
+            )
+            _report_ship_problem(ctx, problem)
+            raise self.retry(countdown=BIND_RETRY_SECONDS, queue=config.ship_queue) from None
         wait_ready = getattr(sender, "wait_ready", None)
         if wait_ready is not None and not wait_ready(timeout=READY_WAIT_SECONDS, rank=rank):
             log.info("step %d rank %d: waiting for trainer ranks to announce READY", step, rank)
+            _report_ship_problem(
+                ctx,
+                f"trainer rank {rank} has not announced READY to {config.zmq_host}:{config.zmq_port + 1} "
+                "(not started, or pointed at another host or port?)",
+            )
             raise self.retry(countdown=RETRY_SECONDS, queue=manifest.config.ship_queue)
         _mark_intent(ctx, step, rank)
         ctx.crash_if_armed("sending", rank)  # marked, not sent: the redelivery sends it, once
@@ -318,6 +357,7 @@ def send(self: Task, run_id: str, step: int, rank: int) -> None:
         pipe = ctx.client.pipeline(transaction=True)
         pipe.set(ctx.keys.last_sent(rank), step)
         pipe.hset(ctx.keys.step(step, "times"), f"send:{rank}", seconds)
+        pipe.unlink(ctx.state.ship_problem)
         pipe.execute()
         _intents.discard((run_id, step, rank))
     sent_key = ctx.keys.step(step, "sent")
@@ -347,6 +387,12 @@ def _mark_intent(ctx: StepContext, step: int, rank: int) -> None:
         )
 
 
+def _report_ship_problem(ctx: StepContext, problem: str) -> None:
+    """Say why sends do not go out, for the orchestrator's diagnosis of a stuck step."""
+    log.info("step %d: %s", ctx.step, problem)
+    ctx.client.set(ctx.state.ship_problem, problem, ex=SHIP_PROBLEM_SECONDS)
+
+
 def _publish_when_complete(ctx: StepContext) -> None:
     """Fan-in: whoever sees every rank sent and the metrics done enqueues publish (more than
     one may; publish itself is exactly-once)."""
@@ -371,7 +417,7 @@ def _stage_seconds(times: dict[bytes, bytes]) -> dict[str, float]:
 def publish(self: Task, run_id: str, step: int) -> None:
     """Write the step's one record to the metrics stream, exactly once, in step order."""
     ctx = StepContext(run_id, step)
-    if _skip_if_published(ctx, "publish"):
+    if _skip(ctx, "publish"):
         return
     manifest = ctx.manifest
     if manifest.prev_step >= 0 and not ctx.is_published(manifest.prev_step):

@@ -23,6 +23,7 @@ import redis
 
 from orchestrator.processes import answering_workers, celery_worker_command, redis_answers
 from tasks.app import DEFAULT_REDIS_URL
+from transport.store import PayloadStore
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -66,8 +67,13 @@ def client(redis_url: str) -> redis.Redis:
 
 
 @pytest.fixture()
-def run_id() -> str:
-    return f"test-{uuid.uuid4().hex[:10]}"
+def run_id() -> Iterator[str]:
+    """A fresh run id; whatever keys of it the test leaves get an expiry (an hour)."""
+    run = f"test-{uuid.uuid4().hex[:10]}"
+    yield run
+    url = os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
+    if redis_answers(url):
+        PayloadStore(redis.Redis.from_url(url), run).expire_run(3600)
 
 
 class Workers:
@@ -126,6 +132,11 @@ class Workers:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        # A stopped worker puts back what it held (a retry waiting for its countdown): the
+        # session's queues are its own, so they go with it.
+        queues = (self.cpu_queue, self.ship_queue)
+        bindings = [f"_kombu.binding{kind}.{queue}" for kind in ("", "_permanent") for queue in queues]
+        redis.Redis.from_url(self.redis_url).delete(*queues, *bindings)
 
 
 @contextlib.contextmanager
@@ -163,6 +174,22 @@ def procs() -> Iterator[list[Any]]:
         if proc.is_alive():
             proc.kill()
             proc.join(timeout=5)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """List the keys of test runs (`rlship:test-*`) left in Redis without an expiry: a test
+    must delete what it writes, or leave it to expire."""
+    url = os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
+    if not redis_answers(url):
+        return
+    client = redis.Redis.from_url(url)
+    keys = client.scan_iter(match="rlship:test-*", count=1000)
+    left = sorted(key.decode() for key in keys if client.ttl(key) == -1)
+    if left:
+        terminalreporter.section("rlship keys left without an expiry")
+        terminalreporter.line(f"{len(left)} keys of test runs would stay in Redis forever, e.g.:")
+        for key in left[:20]:
+            terminalreporter.line(f"  {key}")
 
 
 def python_command(*args: str) -> list[str]:

@@ -27,7 +27,7 @@ def produce_mostly_discarded(settings: RunSettings, stop) -> None:
     """Nine groups in ten have equal rewards (zero advantage): discarded on completion."""
     rng = np.random.default_rng(7)
     client = redis.Redis.from_url(settings.redis_url)
-    producer = RolloutProducer(client, settings.run_id)
+    producer = RolloutProducer.for_run(client, settings)
     index = 0
     while not stop.is_set():
         if producer.outstanding() + settings.group_size > settings.outstanding_limit:

@@ -23,14 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.settings import RunSettings
-from tasks.ship import finalize
+from tasks.ship import RunState, finalize
 from tests.conftest import REPO, Workers, require
 from tests.shiprun import ship, ship_settings
 
-CHROMIUM = "/usr/bin/chromium"
+# RLSHIP_CHROMIUM stands in for a machine without the browser (tests/test_browser_skip.py).
+CHROMIUM = os.environ.get("RLSHIP_CHROMIUM", "/usr/bin/chromium")
 STEPS = 2
 RANKS = 2
 # Per step: one task per stage, one encode and one send per rank.
@@ -219,6 +221,7 @@ def test_flower_shows_stage_tasks(
 
     # A failing task (its step has no manifest) shows as failed, with its exception.
     absent = f"absent-{uuid.uuid4().hex[:8]}"
+    redis.Redis.from_url(redis_url).set(RunState(absent).alive, 1, ex=60)  # a live run: not dropped
     finalize.apply_async((absent, 0), queue=workers.cpu_queue)
     failed = wait_for(
         "Flower showing the failed task",

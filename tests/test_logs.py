@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 
 from orchestrator.logs import StaticContext
 from orchestrator.settings import RunSettings, env_name, settings_to_env
@@ -106,9 +107,10 @@ def test_command_logging_setup() -> None:
 def test_celery_worker_logs_json_with_the_task_context(redis_url: str, run_id: str, tmp_path: Path) -> None:
     """A task that fails (its step has no manifest) is logged by the worker as one JSON
     line naming the task, its run id and step."""
-    from tasks.ship import finalize
+    from tasks.ship import RunState, finalize
 
     with running_workers(redis_url, tmp_path, env={LOG_JSON_ENV: "1"}) as workers:
+        redis.Redis.from_url(redis_url).set(RunState(run_id).alive, 1, ex=60)  # a live run: not dropped
         finalize.apply_async((run_id, 7), queue=workers.cpu_queue)
         deadline = time.monotonic() + 60
         failures: list[dict] = []

@@ -18,7 +18,7 @@ from orchestrator.reference import check_advantages, compare, reference_records
 from orchestrator.settings import RunSettings
 from tests.factories import rollout
 from tests.shiprun import run_orchestrator, ship_settings
-from transport.store import PayloadStore
+from transport.store import PayloadStore, pack_arrays
 
 SCENARIOS = 50
 ENVS = ("math", "code", "chat")
@@ -41,7 +41,7 @@ def produce_scenario(seed: int, settings: RunSettings, stop: threading.Event) ->
     written with small pauses so that windows and cuts interleave differently."""
     rng = np.random.default_rng(seed + 1000)
     client = redis.Redis.from_url(settings.redis_url)
-    producer = RolloutProducer(client, settings.run_id)
+    producer = RolloutProducer.for_run(client, settings)
     store = PayloadStore(client, settings.run_id)
     envs = ENVS[: int(rng.integers(1, 4))]
     error_rate, cancel_rate, corrupt_rate = (
@@ -75,7 +75,8 @@ def produce_scenario(seed: int, settings: RunSettings, stop: threading.Event) ->
         producer.produce(group)
         for record, arrays in group:
             if rng.random() < corrupt_rate:  # damaged after the producer's checks: workers must cope
-                store.put_rollouts({record.rollout_id: {**arrays, "input_ids": arrays["input_ids"][:-1]}})
+                damaged = {**arrays, "input_ids": arrays["input_ids"][:-1]}
+                client.set(store.keys.rollout(record.rollout_id), pack_arrays(damaged), keepttl=True)
         if rng.random() < 0.05:
             client.xadd(producer.keys.rollout_stream, {"record": b'{"rollout_id": "bad", "reward": 1}'})
         index += 1

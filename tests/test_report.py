@@ -4,6 +4,8 @@ report.html that shows them; a run still being written, or none, is handled."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -12,7 +14,7 @@ from PIL import Image
 
 from orchestrator.cli import main as rlship
 from orchestrator.report import CHARTS, load_records, stage_names, summary_rows
-from tests.conftest import Workers
+from tests.conftest import REPO, Workers
 from tests.shiprun import ship, ship_settings
 
 
@@ -88,3 +90,27 @@ def test_report_without_records_says_so(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text('{"step": 0.0\n{"step": 1.0}\n')
     with pytest.raises(SystemExit, match="record 1 is not JSON"):
         rlship(["report", str(tmp_path)])
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        ("[1, 2]", "record 2 is not a metrics record: expected a JSON object, got list"),
+        ('{"time/ship": 1.0}', "record 2 is not a metrics record: it has no 'step'"),
+        ('{"step": 1, "time/ship": "slow"}', "record 2 is not a metrics record: time/ship: 'slow' is not a number"),  # noqa: E501
+    ],
+)
+def test_report_names_a_record_of_the_wrong_shape(tmp_path: Path, line: str, problem: str) -> None:
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n' + line + "\n")
+    command = [sys.executable, "-m", "orchestrator.cli", "report", str(tmp_path)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines() == [f"rlship report: {tmp_path / 'metrics.jsonl'}: {problem}"]
+
+
+def test_report_says_a_cut_short_last_line_is_left_out(tmp_path: Path, capsys) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 0, "time/ship": 1.0}\n{"step": 1, "ti')
+    assert [r["step"] for r in load_records(metrics)] == [0]
+    said = capsys.readouterr().err
+    assert said == f"rlship report: {metrics}: the last line (record 2) is cut short; left out\n"

@@ -23,6 +23,12 @@ class RunKeys:
         return f"{self.prefix}rollout:{rollout_id}"
 
     @property
+    def refused_writes(self) -> str:
+        """How many rollout payload writes were refused: the id was stored already (a
+        claim check is written once; the original stays intact)."""
+        return f"{self.prefix}rollout_writes_refused"
+
+    @property
     def rollout_stream(self) -> str:
         """Small rollout records (ids, scalars) that producers append for the orchestrator."""
         return f"{self.prefix}rollouts"

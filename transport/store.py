@@ -3,7 +3,9 @@
 Messages (stream records, Celery tasks) carry keys; the bytes live here. Arrays are kept
 in a compact binary blob (a MessagePack map of name -> [dtype, shape, raw bytes]) that
 decodes into zero-copy numpy views. Every write carries a TTL as a safety net; the ship
-path deletes a step's keys explicitly when the step is released. Every key a step owns is
+path deletes a step's keys explicitly when the step is released. A rollout's payload is
+written once (SET NX): a second write of the same id is refused and counted, so a duplicate
+can never replace the arrays an earlier record points at. Every key a step owns is
 registered in the step's key set, so releasing the step is one call. The per-rank payloads
 are the exception: they are retained until every rank has acknowledged the step (or a
 bound on retained steps evicts them), so a rank that lost a message can replay it.
@@ -93,7 +95,12 @@ def _queue_rollout_writes(
     pipe: Any, keys: RunKeys, rollouts: Mapping[str, Mapping[str, np.ndarray]], ttl: int
 ) -> None:
     for rollout_id, arrays in rollouts.items():
-        pipe.set(keys.rollout(rollout_id), pack_arrays(arrays), ex=ttl)
+        pipe.set(keys.rollout(rollout_id), pack_arrays(arrays), ex=ttl, nx=True)
+
+
+def _refused(rollout_ids: Iterable[str], written: list[Any]) -> list[str]:
+    """The ids whose SET NX found the key there already."""
+    return [rollout_id for rollout_id, ok in zip(rollout_ids, written, strict=True) if not ok]
 
 
 def _decode_rollouts(keys: list[str], values: list[bytes | None]) -> dict[str, dict[str, np.ndarray]]:
@@ -129,11 +136,15 @@ class PayloadStore:
         self.keys = RunKeys(run_id)
         self.ttl = ttl_seconds
 
-    def put_rollouts(self, rollouts: Mapping[str, Mapping[str, np.ndarray]]) -> None:
-        """Store several rollouts' arrays in one round trip."""
+    def put_rollouts(self, rollouts: Mapping[str, Mapping[str, np.ndarray]]) -> list[str]:
+        """Store several rollouts' arrays in one round trip; return the ids refused (and
+        counted) because they were stored already."""
         pipe = self.client.pipeline(transaction=False)
         _queue_rollout_writes(pipe, self.keys, rollouts, self.ttl)
-        pipe.execute()
+        refused = _refused(rollouts, pipe.execute())
+        if refused:
+            self.client.incrby(self.keys.refused_writes, len(refused))
+        return refused
 
     def get_rollouts(self, rollout_ids: Iterable[str]) -> dict[str, dict[str, np.ndarray]]:
         """Fetch several rollouts in one round trip; a missing one raises PayloadMissingError."""
@@ -194,6 +205,15 @@ class PayloadStore:
             for key in self.client.scan_iter(match=self.keys.prefix + pattern, count=1000)
         )
 
+    def expire_run(self, seconds: int = DEFAULT_TTL_SECONDS) -> int:
+        """Give every key of the run that has no expiry one (`seconds`): an ended run leaves
+        nothing in Redis forever. Returns how many keys got one."""
+        keys = list(self.client.scan_iter(match=self.keys.prefix + "*", count=1000))
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.expire(key, seconds, nx=True)
+        return sum(pipe.execute()) if keys else 0
+
     def delete_all_rollouts(self) -> int:
         """Unlink every rollout payload of the run: at teardown, whatever is left never ships."""
         deleted = 0
@@ -215,10 +235,14 @@ class AsyncPayloadStore:
         self.keys = RunKeys(run_id)
         self.ttl = ttl_seconds
 
-    async def put_rollouts(self, rollouts: Mapping[str, Mapping[str, np.ndarray]]) -> None:
+    async def put_rollouts(self, rollouts: Mapping[str, Mapping[str, np.ndarray]]) -> list[str]:
+        """See `PayloadStore.put_rollouts`."""
         pipe = self.client.pipeline(transaction=False)
         _queue_rollout_writes(pipe, self.keys, rollouts, self.ttl)
-        await pipe.execute()
+        refused = _refused(rollouts, await pipe.execute())
+        if refused:
+            await self.client.incrby(self.keys.refused_writes, len(refused))
+        return refused
 
     async def get_rollouts(self, rollout_ids: Iterable[str]) -> dict[str, dict[str, np.ndarray]]:
         keys = [self.keys.rollout(r) for r in rollout_ids]
@@ -249,6 +273,14 @@ class AsyncPayloadStore:
     async def unacknowledged_steps(self) -> list[int]:
         """Steps whose payloads are still retained (some rank has not acknowledged them)."""
         return [int(s) for s in await self.client.zrange(self.keys.retained_payloads, 0, -1)]
+
+    async def expire_run(self, seconds: int = DEFAULT_TTL_SECONDS) -> int:
+        """See `PayloadStore.expire_run`."""
+        keys = [key async for key in self.client.scan_iter(match=self.keys.prefix + "*", count=1000)]
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.expire(key, seconds, nx=True)
+        return sum(await pipe.execute()) if keys else 0
 
     async def delete_all_rollouts(self) -> int:
         """Unlink every rollout payload of the run (see `PayloadStore.delete_all_rollouts`)."""

@@ -1,0 +1,313 @@
+"""What a run needs before it starts, checked in seconds: shared by `rlship run` (and the
+other commands, each for what applies to it) and `rlship doctor`.
+
+Each check returns a `Check`: one line naming what was found, and for a failure what to do.
+An operator mistake (a wrong password, a port in use, a database that does not exist, an
+unwritable directory) must stop a run at once with that line, not hang it or end it in a
+traceback; secrets never appear (every URL is shown through `mask_url`).
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import redis
+
+from orchestrator.processes import queue_consumers
+from orchestrator.settings import RunSettings, mask_url
+from tasks.ship import RunState
+
+REDIS_TIMEOUT_SECONDS = 2.0
+# The commands a supervisor starts together with Redis (honcho, compose) wait this long for it.
+REDIS_WAIT_SECONDS = 10.0
+CHROMIUM = "/usr/bin/chromium"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One finding. `fix` says what to do when it failed; a failed `fatal` check stops a run."""
+
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    fatal: bool = True
+
+    def line(self) -> str:
+        mark = "ok  " if self.ok else ("FAIL" if self.fatal else "warn")
+        return f"{mark} {self.name}: {self.detail}" + ("" if self.ok or not self.fix else f" -> {self.fix}")
+
+
+class ChecksFailed(SystemExit):
+    """A run that cannot start: the failed checks' lines, exit status 2."""
+
+    def __init__(self, command: str, failed: list[Check]) -> None:
+        lines = (f"rlship {command}: {check.detail}; {check.fix}" for check in failed)
+        print("\n".join(lines), file=sys.stderr, flush=True)
+        super().__init__(2)
+
+
+def require(command: str, checks: Iterable[Check]) -> list[Check]:
+    """The checks, or ChecksFailed naming every fatal failure among them."""
+    checks = list(checks)
+    failed = [check for check in checks if not check.ok and check.fatal]
+    if failed:
+        raise ChecksFailed(command, failed)
+    return checks
+
+
+# -- Redis --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RedisAnswer:
+    """How the Redis at a URL answered: `client` when it did, else why not (`unreachable`,
+    `auth`, `database`) in `check`."""
+
+    check: Check
+    reason: str
+    client: redis.Redis | None = None
+
+
+def probe_redis(url: str) -> RedisAnswer:
+    """One ping with short timeouts and no retries: reachable, authenticated, database selected."""
+    shown = mask_url(url)
+    client = redis.Redis.from_url(
+        url, socket_connect_timeout=REDIS_TIMEOUT_SECONDS, socket_timeout=REDIS_TIMEOUT_SECONDS, retry=None
+    )
+    try:
+        client.ping()
+    except redis.AuthenticationError as exc:
+        return RedisAnswer(_auth_failed(shown, exc), "auth")
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        fix = "start Redis there (or let `rlship run` start one) or correct REDIS_URL / --redis-url"
+        return RedisAnswer(Check("redis", False, f"no Redis answers at {shown} ({exc})", fix), "unreachable")
+    except redis.ResponseError as exc:
+        message = str(exc)
+        if "NOAUTH" in message or "WRONGPASS" in message or "password" in message.lower():
+            return RedisAnswer(_auth_failed(shown, exc), "auth")
+        if "DB index" in message:
+            database = client.connection_pool.connection_kwargs.get("db", 0)
+            detail = f"redis_url={shown}: database {database} does not exist on that server ({message})"
+            fix = "use a database number the server has (0 to `databases` - 1)"
+            return RedisAnswer(Check("redis", False, detail, fix), "database")
+        return RedisAnswer(Check("redis", False, f"Redis at {shown} refused a ping: {message}", ""), "error")
+    version = client.info("server").get("redis_version", "?")
+    ok = Check("redis", True, f"Redis {version} answers at {shown}, authenticated")
+    return RedisAnswer(ok, "ok", client)
+
+
+def _auth_failed(shown: str, exc: Exception) -> Check:
+    return Check(
+        "redis",
+        False,
+        f"Redis at {shown} refused the credentials ({exc})",
+        "put the right password in REDIS_URL (redis://:PASSWORD@host:port/db)",
+    )
+
+
+def wait_for_redis(url: str, seconds: float = REDIS_WAIT_SECONDS) -> RedisAnswer:
+    """Like `probe_redis`, but an unreachable Redis is given `seconds` to come up (a supervisor
+    may start it beside this process); a refused password or database fails at once."""
+    deadline = time.monotonic() + seconds
+    while True:
+        answer = probe_redis(url)
+        if answer.reason != "unreachable" or time.monotonic() >= deadline:
+            return answer
+        time.sleep(0.5)
+
+
+def redis_can_be_started(url: str) -> Check:
+    """`rlship run` starts a Redis when none answers: on a local TCP URL, with redis-server."""
+    host = urlsplit(url).hostname or "127.0.0.1"
+    local = urlsplit(url).scheme == "redis" and host in ("127.0.0.1", "localhost", "::1")
+    path = shutil.which("redis-server")
+    if path and local:
+        return Check("redis-server", True, f"none answers at {mask_url(url)}; {path} will start one")
+    if not local:
+        detail = f"no Redis answers at {mask_url(url)}, and rlship starts one only on 127.0.0.1"
+        return Check("redis-server", False, detail, "start Redis on that host, or correct REDIS_URL")
+    return Check(
+        "redis-server",
+        False,
+        f"no Redis answers at {mask_url(url)}, and redis-server is not on PATH to start one",
+        "install it (`apt-get install redis-server`) or point REDIS_URL at a running Redis",
+    )
+
+
+def redis_keeps_data(client: redis.Redis, allow_eviction: bool) -> list[Check]:
+    """Eviction (payloads and queued tasks could vanish) and persistence (a restart loses the run)."""
+    memory = client.info("memory")
+    policy = str(memory.get("maxmemory_policy", "noeviction"))
+    limit = int(memory.get("maxmemory", 0))
+    limit_text = f"maxmemory {limit // 2**20} MiB" if limit else "no maxmemory"
+    if policy == "noeviction":
+        eviction = Check("eviction", True, f"maxmemory-policy noeviction ({limit_text})")
+    else:
+        eviction = Check(
+            "eviction",
+            False,
+            f"Redis evicts keys (maxmemory-policy {policy}, {limit_text}): payloads and tasks could vanish",
+            "`CONFIG SET maxmemory-policy noeviction` (or --allow-eviction to run anyway)",
+            fatal=not allow_eviction,
+        )
+    persistence = client.info("persistence")
+    if int(persistence.get("aof_enabled", 0)):
+        kept = Check("persistence", True, "append-only file on: a restarted Redis keeps the run")
+    else:
+        kept = Check(
+            "persistence",
+            False,
+            "no append-only file: a Redis restart loses the run in flight (rlship exits 3 naming it)",
+            "`CONFIG SET appendonly yes` for runs that must survive a Redis restart",
+            fatal=False,
+        )
+    return [eviction, kept]
+
+
+def run_id_free(client: redis.Redis, run_id: str) -> Check:
+    """A run id already used: finished runs are refused, interrupted ones resumed (and said so)."""
+    state = RunState(run_id)
+    finished, next_step = client.mget(state.finished, state.next_step)
+    records = client.hlen(state.published)
+    if finished is not None:
+        return Check(
+            "run id",
+            False,
+            f"run id {run_id!r} was used by a run that finished ({records} records; its keys expire)",
+            "choose another --run-id (or leave it out for a fresh one)",
+        )
+    if next_step is not None or records:
+        return Check("run id", True, f"run {run_id!r} exists unfinished ({records} records): it resumes")
+    return Check("run id", True, f"run id {run_id!r} is new")
+
+
+# -- this machine -------------------------------------------------------------------------
+
+
+def port_pair_free(host: str, port: int) -> Check:
+    """The ZMQ sender binds `port` and `port + 1` (READY): both must be free on `host`."""
+    for candidate in (port, port + 1):
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, candidate))
+            except OSError as exc:
+                role = "zmq_port" if candidate == port else "zmq_port + 1 (trainers' READY)"
+                return Check(
+                    "ports",
+                    False,
+                    f"{role} {host}:{candidate} cannot be bound ({exc.strerror or exc})",
+                    "stop what holds it or choose another --zmq-port (it needs the port after it too)",
+                )
+    return Check("ports", True, f"{host}:{port} and {port + 1} are free for the ZMQ sender")
+
+
+def output_dir_writable(path: Path) -> Check:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".rlship-check-"):
+            pass
+    except OSError as exc:
+        return Check(
+            "output dir",
+            False,
+            f"output_dir={str(path)!r} is not writable ({exc.strerror or exc})",
+            "choose another --output-dir or fix its permissions",
+        )
+    return Check("output dir", True, f"{path} is writable")
+
+
+def browser_available() -> Check:
+    if Path(CHROMIUM).exists():
+        return Check("chromium", True, f"{CHROMIUM} for the Flower browser test")
+    return Check(
+        "chromium",
+        False,
+        f"{CHROMIUM} is missing: the Flower browser test skips",
+        "`apt-get install chromium` to run it",
+        fatal=False,
+    )
+
+
+def rank_in_run(rank: int, ranks: int) -> Check:
+    if 0 <= rank < ranks:
+        return Check("rank", True, f"rank {rank} of {ranks}")
+    return Check("rank", False, f"--rank {rank} is not a rank of this run (ranks={ranks}: 0 to {ranks - 1})",
+                 "give --rank from 0 to ranks - 1, and --ranks the run's number of ranks")  # fmt: skip
+
+
+def workers_on_queues(settings: RunSettings) -> list[Check]:
+    """Workers answering on the run's queues: any number on `cpu`, exactly one on `ship`."""
+    consumers = queue_consumers(settings.redis_url, [settings.cpu_queue, settings.ship_queue])
+    checks = []
+    wanted = {settings.cpu_queue: "one or more", settings.ship_queue: "exactly one (-c 1)"}
+    for queue in wanted:
+        workers = consumers[queue]
+        ok = bool(workers) and (queue == settings.cpu_queue or len(workers) == 1)
+        detail = f"queue {queue!r}: {len(workers)} worker(s) answering {workers if workers else ''}".rstrip()
+        fix = f"start {wanted[queue]}: celery -A tasks worker -Q {queue}"
+        checks.append(Check("workers", ok, detail, fix + " (`rlship run` starts its own)", fatal=False))
+    return checks
+
+
+def doctor_checks(settings: RunSettings) -> list[Check]:
+    """Everything `rlship doctor` looks at, fatal for a run or not."""
+    answer = probe_redis(settings.redis_url)
+    checks = [answer.check]
+    if answer.reason == "unreachable":
+        checks.append(redis_can_be_started(settings.redis_url))
+    elif answer.client is not None:
+        checks += redis_keeps_data(answer.client, settings.allow_eviction)
+    if settings.transport == "zmq":
+        checks.append(port_pair_free(settings.zmq_host, settings.zmq_port))
+    checks.append(output_dir_writable(Path(settings.output_dir)))
+    checks.append(browser_available())
+    if answer.client is not None:
+        checks += workers_on_queues(settings)
+    return checks
+
+
+# -- what each command needs ----------------------------------------------------------------
+
+
+def redis_checks(settings: RunSettings, answer: RedisAnswer) -> list[Check]:
+    if answer.client is None:
+        return [answer.check]
+    return [answer.check, *redis_keeps_data(answer.client, settings.allow_eviction)]
+
+
+def preflight_run(settings: RunSettings) -> list[Check]:
+    """`rlship run`: everything it will need on this machine, before it starts anything."""
+    answer = probe_redis(settings.redis_url)
+    checks = [output_dir_writable(Path(settings.output_dir))]
+    if answer.reason == "unreachable":
+        checks.append(redis_can_be_started(settings.redis_url))
+    else:
+        checks += redis_checks(settings, answer)
+    if answer.client is not None:
+        checks.append(run_id_free(answer.client, settings.run_id))
+    if settings.transport == "zmq":
+        checks.append(port_pair_free(settings.zmq_host, settings.zmq_port))
+    return require("run", checks)
+
+
+def preflight_client(command: str, settings: RunSettings, *, unfinished_run: bool = False) -> redis.Redis:
+    """`orchestrate`, `produce`, `trainer`: a Redis that answers (given a few seconds), with
+    the password and database right, and (`unfinished_run`, for the orchestrator) a run id
+    not used by a finished run; returns the probing client."""
+    answer = wait_for_redis(settings.redis_url)
+    checks = redis_checks(settings, answer)
+    if answer.client is not None and unfinished_run:
+        checks.append(run_id_free(answer.client, settings.run_id))
+    require(command, checks)
+    assert answer.client is not None
+    return answer.client

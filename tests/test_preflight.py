@@ -1,0 +1,223 @@
+"""Operator mistakes stop a command at once, in one or two lines that name the cause (no
+traceback, no secret), with a non-zero exit, and leave nothing running. Each case runs the
+real `rlship` command against real Redis servers; a command that hangs fails the test at
+the subprocess deadline."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import redis
+
+from orchestrator.settings import RunSettings
+from tests.conftest import REPO
+from tests.test_compose import compose, procfile
+from transport.zmq import free_port_pair
+
+DEADLINE_SECONDS = 30
+SECRET = "hunter2-not-this-one"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def start_redis(tmp_path: Path) -> Iterator:
+    """redis-server processes on free ports with the given options, stopped by PID."""
+    started: list[subprocess.Popen] = []
+
+    def start(*options: str) -> str:
+        port = free_port()
+        process = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(tmp_path), *options],
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        started.append(process)
+        client = redis.Redis(port=port, socket_connect_timeout=1)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                client.ping()
+                break
+            except redis.AuthenticationError:
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        return f"127.0.0.1:{port}"
+
+    yield start
+    for process in started:
+        process.terminate()
+        process.wait(10)
+
+
+def rlship(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The command's result; one still running at the deadline fails the test, and it and
+    everything it started are ended by PID."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        env={**os.environ, **(env or {})},
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=DEADLINE_SECONDS)
+    except subprocess.TimeoutExpired:
+        tree = [*psutil.Process(process.pid).children(recursive=True), psutil.Process(process.pid)]
+        for member in tree:
+            member.kill()
+        psutil.wait_procs(tree, timeout=10)
+        pytest.fail(f"rlship {' '.join(args)} still running after {DEADLINE_SECONDS} s")
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def refused(done: subprocess.CompletedProcess, *names: str) -> str:
+    """The command failed in at most two lines naming each of `names`, without a traceback
+    or the secret; nothing it started is still running."""
+    output = (done.stdout + done.stderr).strip()
+    assert done.returncode != 0, output
+    assert "Traceback" not in output and SECRET not in output, output
+    assert 1 <= len(output.splitlines()) <= 2, output
+    for name in names:
+        assert name in output, (name, output)
+    return output
+
+
+def left_running(marker: str) -> list[str]:
+    return [
+        " ".join(p.info["cmdline"] or [])
+        for p in psutil.process_iter(["cmdline"])
+        if any(marker in part for part in p.info["cmdline"] or [])
+    ]
+
+
+def test_a_wrong_password_is_named_at_once_by_every_command(start_redis, tmp_path):
+    address = start_redis("--requirepass", "the-right-one")
+    url = f"redis://:{SECRET}@{address}/0"
+    run_id = f"pre-{uuid.uuid4().hex[:8]}"
+    commands = [
+        ["run", "--steps", "1", "--output-dir", str(tmp_path / "run")],
+        ["orchestrate"],
+        ["produce", "--groups", "1"],
+        ["trainer", "--rank", "0"],
+    ]
+    for command in commands:
+        done = rlship(*command, "--run-id", run_id, "--redis-url", url)
+        assert done.returncode == 2
+        refused(done, "refused the credentials", "redis://:***@" + address)
+    assert left_running(run_id) == []
+
+
+def test_a_database_that_is_not_a_number_or_not_there_is_refused(redis_url, tmp_path):
+    base = redis_url.rsplit("/", 1)[0]
+    done = rlship("run", "--steps", "1", "--output-dir", str(tmp_path), "--redis-url", f"{base}/notadb")
+    refused(done, "redis_url", "'notadb'")
+    for command in (["produce", "--groups", "1"], ["orchestrate"]):
+        refused(rlship(*command, "--redis-url", f"{base}/99"), "database 99 does not exist")
+
+
+def test_no_redis_and_no_redis_server_to_start_is_one_line(tmp_path):
+    port = free_port()
+    bin_dir = Path(sys.executable).parent  # python and celery, but no redis-server
+    done = rlship(
+        "run", "--steps", "1", "--output-dir", str(tmp_path), "--redis-url", f"redis://127.0.0.1:{port}/0",
+        env={"PATH": str(bin_dir)},
+    )  # fmt: skip
+    assert done.returncode == 2
+    refused(done, f"127.0.0.1:{port}", "redis-server is not on PATH")
+
+
+def test_an_orchestrator_without_redis_gives_up_in_seconds_saying_so():
+    port = free_port()
+    done = rlship("orchestrate", "--redis-url", f"redis://:{SECRET}@127.0.0.1:{port}/0")
+    assert done.returncode == 2
+    refused(done, f"no Redis answers at redis://:***@127.0.0.1:{port}/0")
+
+
+def test_an_unwritable_output_directory_is_named(redis_url, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    done = rlship("run", "--steps", "1", "--output-dir", str(blocker / "run"))
+    assert done.returncode == 2
+    refused(done, f"output_dir='{blocker / 'run'}'", "not writable")
+
+
+@pytest.mark.parametrize("rank", ["2", "-1"])
+def test_a_trainer_rank_outside_the_run_is_refused(rank):
+    done = rlship("trainer", "--rank", rank, "--ranks", "2", "--run-id", f"pre-{uuid.uuid4().hex[:8]}")
+    assert done.returncode == 2
+    refused(done, f"--rank {rank} is not a rank of this run", "ranks=2")
+
+
+def test_a_zmq_port_in_use_stops_the_run_before_it_starts(redis_url, tmp_path):
+    port = free_port_pair()
+    run_id = f"pre-{uuid.uuid4().hex[:8]}"
+    for held in (port, port + 1):
+        with socket.socket() as holder:
+            holder.bind(("127.0.0.1", held))
+            holder.listen()
+            done = rlship("run", "--steps", "1", "--run-id", run_id, "--zmq-port", str(port),
+                          "--output-dir", str(tmp_path))  # fmt: skip
+        assert done.returncode == 2
+        refused(done, f"127.0.0.1:{held}", "--zmq-port")
+    assert left_running(run_id) == []
+    assert redis.Redis.from_url(redis_url).keys(f"rlship:{run_id}:*") == []
+
+
+def test_a_redis_that_evicts_keys_is_refused(start_redis, tmp_path):
+    address = start_redis("--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru")
+    done = rlship("run", "--steps", "1", "--output-dir", str(tmp_path), "--redis-url", f"redis://{address}/0")
+    assert done.returncode == 2
+    refused(done, "maxmemory-policy allkeys-lru", "--allow-eviction")
+
+
+def test_default_ports_never_collide():
+    """Flower's port is neither the ZMQ port nor the READY port after it, in either file."""
+    zmq_port = RunSettings.model_fields["zmq_port"].default
+    taken = {zmq_port, zmq_port + 1}
+    flower_port = [t for t in procfile()["flower"] if t.startswith("--port=")]
+    assert flower_port and int(flower_port[0].split("=")[1]) not in taken
+    compose_flower = [t for t in compose()["services"]["flower"]["command"] if t.startswith("--port=")]
+    assert compose_flower and int(compose_flower[0].split("=")[1]) not in taken
+
+
+def test_doctor_says_what_is_wrong_one_line_each(start_redis, workers, redis_url, tmp_path):
+    shared = ["--cpu-queue", workers.cpu_queue, "--ship-queue", workers.ship_queue]
+    shared += ["--output-dir", str(tmp_path)]
+    healthy = rlship("doctor", *shared, "--zmq-port", str(free_port_pair()))
+    assert healthy.returncode == 0, healthy.stdout
+    lines = healthy.stdout.splitlines()
+    assert any(line.startswith("ok   redis: ") for line in lines), lines
+    assert sum(line.startswith("ok   workers: ") for line in lines) == 2, lines
+
+    address = start_redis("--maxmemory", "64mb", "--maxmemory-policy", "volatile-lru")
+    port = free_port_pair()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port + 1))
+        holder.listen()
+        sick = rlship("doctor", *shared, "--zmq-port", str(port), "--redis-url", f"redis://{address}/0")
+    assert sick.returncode == 1, sick.stdout
+    failed = [line for line in sick.stdout.splitlines() if line.startswith("FAIL")]
+    assert [line.split(":")[0] for line in failed] == ["FAIL eviction", "FAIL ports"], sick.stdout
+    assert all(" -> " in line for line in failed), failed
+    assert "Traceback" not in sick.stdout + sick.stderr
+
+    # With --allow-eviction the policy is a warning, not a failure.
+    allowed = rlship("doctor", *shared, "--redis-url", f"redis://{address}/0", "--allow-eviction")
+    assert any(line.startswith("warn eviction: Redis evicts keys") for line in allowed.stdout.splitlines())
+    assert not any(line.startswith("FAIL eviction") for line in allowed.stdout.splitlines())
