@@ -140,3 +140,11 @@ def test_input_ids_of_any_integer_dtype_ship_as_their_values(dtype: type) -> Non
     arrays = {**ARRAYS, "z": {**ARRAYS["z"], "input_ids": np.array([0, 65535], dtype=dtype)}}
     [batch] = _decode(encode_rank([MicroBatchPlan(samples=[2], tokens=2)], _samples(), arrays))
     assert batch[0] == [0, 65535]
+
+
+def test_one_sample_with_routed_experts_and_padding() -> None:
+    """The padding's expert rows take the shape and dtype of the only sample's."""
+    [batch] = _decode(encode_rank([MicroBatchPlan(samples=[1], tokens=2, padding=2)], _samples(), ARRAYS))
+    experts = np.array([[7, 8], [9, 10], [0, 0], [0, 0]], dtype=np.int16)
+    assert batch[10] == [experts.tobytes(), [4, 2], "int16"]
+    assert batch[9] == [-3.0, -5.0, 0.0, 0.0]

@@ -53,15 +53,14 @@ def _column(cohort: Cohort, name: str) -> np.ndarray:
 
 
 def _group_solved_shares(cohort: Cohort) -> dict[str, float]:
-    """Share of groups in which none, some or all rollouts solved the task."""
+    """Share of groups in which none, some or all rollouts solved the task (of a non-empty
+    cohort: `subset_metrics` reports only `count` for an empty one)."""
     solved_by_group: dict[tuple[str, str], list[bool]] = {}
     for env, group, reward in zip(
         cohort.labels["env"], cohort.labels["group_id"], cohort.numeric["reward"], strict=True
     ):
         solved_by_group.setdefault((env, group), []).append(bool(reward >= SOLVED_REWARD))
     groups = len(solved_by_group)
-    if not groups:
-        return {"num_groups": 0.0}
     none = sum(not any(s) for s in solved_by_group.values())
     every = sum(all(s) for s in solved_by_group.values())
     return {
