@@ -8,6 +8,7 @@ import logging
 
 import pytest
 
+from tasks.ship import _stage_seconds
 from tasks.stages.publish import build_record, conservation_error, running_totals
 from transport.checksum import payload_checksum
 
@@ -138,3 +139,9 @@ def test_checksum_is_sha256_of_the_whole_payload(size: int) -> None:
     if size:
         changed_last = payload[:-1] + bytes([payload[-1] ^ 1])
         assert payload_checksum(changed_last) != expected, "every byte counts, the last one too"
+
+
+def test_stage_seconds_take_the_slowest_rank() -> None:
+    times = {b"encode:0": b"0.5", b"encode:1": b"1.5", b"encode:2": b"1", b"pack": b"0.25", b"send:1": b"0"}
+    assert _stage_seconds(times) == {"encode": 1.5, "pack": 0.25, "send": 0.0}
+    assert _stage_seconds({}) == {}
