@@ -66,6 +66,7 @@ def test_lengths() -> None:
 def test_token_ids_and_dtypes() -> None:
     assert check(arrays(input_ids=np.array([1.0, 2, 3, 4]))) == "input_ids: dtype float64, expected integers"
     assert check(arrays(input_ids=np.array([1, 100, 3, 4]))) == "input_ids: token id 100 outside [0, 100)"
+    assert check(arrays(input_ids=np.array([0, 100, 3, 4]))) == "input_ids: token id 100 outside [0, 100)"
     assert check(arrays(input_ids=np.array([0, -1, 3, 4]))) == "input_ids: token id -1 outside [0, 100)"
     assert check(arrays(input_ids=np.array([-2, 500, 3, 4]))) == "input_ids: token id -2 outside [0, 100)"
     assert check(arrays(loss_mask=np.array([0, 1, 1, 1]))) == "loss_mask: dtype int64, expected bool"
