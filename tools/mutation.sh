@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Mutation testing of the core modules against the fast tests (no Celery worker, no Redis):
+# Mutation testing of the core modules against the fast tests (no Celery worker; the in-process
+# ship test needs the Redis at REDIS_URL):
 # the modules and tests are listed under [tool.mutmut] in pyproject.toml. Slow (tens of
 # minutes on two cores), so not part of CI; see TESTING.md.
 #   tools/mutation.sh                          every core module
