@@ -50,7 +50,8 @@ def _column(cohort: Cohort, name: str) -> np.ndarray:
 
 
 def _group_solved_shares(cohort: Cohort) -> dict[str, float]:
-    """Share of groups in which none, some or all rollouts solved the task."""
+    """Share of groups in which none, some or all rollouts solved the task (NaN for an
+    empty cohort, whose record keeps the same keys)."""
     solved_by_group: dict[tuple[str, str], list[bool]] = {}
     for env, group, reward in zip(
         cohort.labels["env"], cohort.labels["group_id"], cohort.numeric["reward"], strict=True
