@@ -8,6 +8,7 @@ Lower, higher, nearest or midpoint interpolation would give other numbers.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -162,8 +163,12 @@ def test_subset_effective_has_no_error_or_group_statistics() -> None:
     names = {key.split("/")[0] for key in got}
     expected = "count reward advantage num_total_tokens num_input_tokens num_output_tokens num_turns metric"
     assert names == {*expected.split(), "is_truncated", "is_trainable"}, "no error or group statistics"
-    assert subset_metrics(WINDOW.take([]), "all") == {"count": 0.0}
-    assert subset_metrics(WINDOW.take([]), "effective") == {"count": 0.0}
+    for subset in ("all", "effective"):
+        empty = subset_metrics(WINDOW.take([]), subset)
+        assert empty.pop("count") == 0.0
+        assert empty.pop("num_groups", 0.0) == 0.0
+        assert empty and all(math.isnan(value) for value in empty.values()), "an empty subset: NaN, same keys"
+        assert "reward/p90" in empty and "is_trainable/mean" in empty
 
 
 def test_all_rates_and_group_shares_when_nothing_is_solved_or_truncated() -> None:

@@ -55,6 +55,7 @@ def shipped_step(
                 "accounting/rejected": 0.0, "accounting/discarded": 0.0}  # fmt: skip
     manifest = StepManifest(run_id, 0, -1, 0.0, config, cohort, cohort, counters=counters)
     store.put_step_value(0, "manifest", manifest.to_bytes())
+    client.set(ship.RunState(run_id).alive, 1, ex=60)  # a live run: its tasks are not dropped
     try:
         yield store, config
     finally:
