@@ -32,6 +32,9 @@ class RunSettings(BaseSettings):
     run_id: str = Field(default="default", pattern=r"^[A-Za-z0-9_.\-]+$")
     redis_url: str = Field(default=DEFAULT_REDIS_URL, validation_alias=AliasChoices("REDIS_URL", "redis_url"))
     steps: int = Field(default=5, ge=1)
+    first_step: int = Field(
+        default=0, ge=0, le=1, description="the number of a run's first training step (prime-rl: 1)"
+    )
     ranks: int = Field(default=2, ge=1)
     transport: Literal["zmq", "fs"] = "zmq"
     zmq_host: str = "127.0.0.1"
