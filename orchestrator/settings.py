@@ -19,6 +19,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tasks.app import DEFAULT_REDIS_URL
 from tasks.manifest import ShipConfig
+from transport.numbering import PRIME_RL_FIRST_STEP
 
 CONFIG_ENV = "RLSHIP_CONFIG"
 REDIS_SCHEMES = ("redis", "rediss", "unix")
@@ -32,8 +33,18 @@ class RunSettings(BaseSettings):
     run_id: str = Field(default="default", pattern=r"^[A-Za-z0-9_.\-]+$")
     redis_url: str = Field(default=DEFAULT_REDIS_URL, validation_alias=AliasChoices("REDIS_URL", "redis_url"))
     steps: int = Field(default=5, ge=1)
-    first_step: int = Field(
-        default=0, ge=0, le=1, description="the number of a run's first training step (prime-rl: 1)"
+    first_step: int | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="the number of a training run's first step, 0 or 1 (unset: 1 with external "
+        "trainers, as prime-rl numbers them; 0 with the builtin trainer)",
+    )
+    start_step: int | None = Field(
+        default=None,
+        ge=0,
+        description="the step the trainers expect next: a trainer resumed from a checkpoint "
+        "expects its resume step (unset: first_step)",
     )
     ranks: int = Field(default=2, ge=1)
     transport: Literal["zmq", "fs"] = "zmq"
@@ -81,7 +92,7 @@ class RunSettings(BaseSettings):
         default=False, description="run on a Redis that may evict keys (warned, not refused)"
     )
 
-    @field_validator("wandb_project", "record_rollouts", "envs", mode="before")
+    @field_validator("wandb_project", "record_rollouts", "envs", "first_step", "start_step", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
         """An empty variable means unset, which is how `settings_to_env` passes None on."""
@@ -99,6 +110,25 @@ class RunSettings(BaseSettings):
         return value
 
     @model_validator(mode="after")
+    def _resolve_step_numbers(self) -> RunSettings:
+        """Unset numbering follows the trainers: prime-rl's (external) count from 1, the
+        builtin trainer's run directories and checkpoints from 0. Resolved here, so every
+        consumer sees ints; a copy that changes `trainers`, `first_step` or `start_step`
+        must be made by `with_changes` (`model_copy` does not validate)."""
+        if self.first_step is None:
+            self.first_step = PRIME_RL_FIRST_STEP if self.trainers == "external" else 0
+            self.__pydantic_fields_set__.discard("first_step")  # derived, not set
+        if self.start_step is None:
+            self.start_step = self.first_step
+            self.__pydantic_fields_set__.discard("start_step")
+        if self.start_step < self.first_step:
+            raise ValueError(
+                f"start_step: {self.start_step} must be >= first_step ({self.first_step}): "
+                "the run cannot start before its first step"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _replay_covers_async_steps(self) -> RunSettings:
         """The policy gate lets max_async_level + 2 steps be unacknowledged at once; a rank
         that restarts must be able to replay all of them."""
@@ -108,6 +138,16 @@ class RunSettings(BaseSettings):
                 f"({self.max_async_level + 2}), or a restarted rank could miss a step"
             )
         return self
+
+    def _derived_numbering(self) -> set[str]:
+        """The numbering settings `_resolve_step_numbers` derived rather than was given."""
+        return {"first_step", "start_step"} - self.model_fields_set
+
+    def with_changes(self, **changes: Any) -> RunSettings:
+        """A copy with `changes`, validated again (`model_copy(update=...)` is not), the
+        numbering that was derived (not set) derived afresh from the new values."""
+        values = self.model_dump(exclude=self._derived_numbering() - changes.keys())
+        return type(self).model_validate({**values, **changes})
 
     def ship_config(self) -> ShipConfig:
         return ShipConfig(
@@ -124,6 +164,12 @@ class RunSettings(BaseSettings):
             samples_per_step=self.samples_per_step,
             replay_steps=self.replay_steps,
         )
+
+    @property
+    def step_numbers(self) -> range:
+        """The steps this run ships: `steps` of them from `start_step`."""
+        assert self.start_step is not None  # resolved by _resolve_step_numbers
+        return range(self.start_step, self.start_step + self.steps)
 
     @property
     def outstanding_limit(self) -> int:
@@ -218,7 +264,11 @@ def resolve_settings(args: argparse.Namespace) -> ResolvedSettings:
     except ValidationError as exc:
         problems = []
         for error in exc.errors():
-            name = str(error["loc"][0]) if error["loc"] else ""
+            if not error["loc"]:  # a check across settings: its message starts with the name
+                message = error["msg"].removeprefix("Value error, ")
+                problems.append(f"{message} (from {sources.get(message.split(':', 1)[0], 'input')})")
+                continue
+            name = str(error["loc"][0])
             name = name if name in sources else name.lower()
             value = shown_value(name, error.get("input"))
             problems.append(f"{name}={value!r} (from {sources.get(name, 'input')}): {error['msg']}")
@@ -233,10 +283,12 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
 def settings_to_env(settings: RunSettings) -> dict[str, str]:
     """The settings as environment variables, for child processes. None travels as an empty
     value, lists as JSON, and `RLSHIP_CONFIG` is emptied: the values are already resolved, and a child that
-    read the file again would let it override the parent's flags."""
+    read the file again would let it override the parent's flags. Derived step numbering travels
+    unset too: the child derives the same values, and knows them as derived."""
+    values = {**settings.model_dump(mode="json"), **dict.fromkeys(settings._derived_numbering())}
     env = {
         env_name(name): "" if value is None else json.dumps(value) if isinstance(value, list) else str(value)
-        for name, value in settings.model_dump(mode="json").items()
+        for name, value in values.items()
     }
     env[CONFIG_ENV] = ""
     return env

@@ -22,3 +22,10 @@ def required_version(step: int, first_step: int, max_async_level: int) -> int:
     """The lowest policy version with which `step` may ship: the step prime-rl numbers
     s = `version_after(step)` waits for version s - 1 - max_async_level."""
     return version_after(step, first_step) - 1 - max_async_level
+
+
+def staleness(step: int, policy_version: int, first_step: int) -> int:
+    """How many steps off-policy a rollout generated with `policy_version` is when trained
+    at `step`: prime-rl's (s - 1 - v) for its step s = `version_after(step)`. With
+    first_step 0 this is `step - policy_version`."""
+    return version_after(step, first_step) - 1 - policy_version
