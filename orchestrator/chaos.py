@@ -159,7 +159,12 @@ def write_workload(settings: RunSettings) -> int:
     while trainable < needed:
         group = workload.group()
         producer.produce(group)
-        outcomes = decide_group([record for record, _ in group], 0, settings.max_off_policy_steps)
+        outcomes = decide_group(
+            [record for record, _ in group],
+            settings.start_step,
+            settings.max_off_policy_steps,
+            first_step=settings.first_step,
+        )
         trainable += sum(outcome.fate == TRAINABLE for outcome in outcomes)
         written += len(group)
     return written

@@ -12,6 +12,7 @@ import numpy as np
 
 from orchestrator.records import RecordRejected, RolloutRecord
 from tasks.stages.prune import has_training_signal
+from transport.numbering import staleness
 
 TRAINABLE = "trainable"
 
@@ -35,10 +36,15 @@ def group_advantages(rewards: np.ndarray, normalize: bool = False) -> np.ndarray
 
 
 def decide_group(
-    records: list[RolloutRecord], next_step: int, max_off_policy_steps: int, normalize: bool = False
+    records: list[RolloutRecord],
+    next_step: int,
+    max_off_policy_steps: int,
+    normalize: bool = False,
+    first_step: int = 0,
 ) -> list[Outcome]:
-    """The fate of every rollout of a completed group. Errored and cancelled rollouts take
-    no part in the advantage baseline."""
+    """The fate of every rollout of a completed group, stale meaning more than
+    `max_off_policy_steps` off-policy if trained at `next_step` (numbered from `first_step`).
+    Errored and cancelled rollouts take no part in the advantage baseline."""
     scored = [r for r in records if r.error is None and not r.cancelled]
     advantages = dict(
         zip(
@@ -54,7 +60,7 @@ def decide_group(
             fate = "error"
         elif record.cancelled:
             fate = "cancelled"
-        elif next_step - record.policy_version > max_off_policy_steps:
+        elif staleness(next_step, record.policy_version, first_step) > max_off_policy_steps:
             fate = "stale"
         elif not has_training_signal(advantage, record.num_output_tokens):
             fate = "zero_advantage"

@@ -43,6 +43,7 @@ from orchestrator.settings import RunSettings
 from tasks.cohort import CohortBuilder
 from tasks.manifest import StepManifest
 from tasks.ship import RunState, finalize, release
+from transport.numbering import required_version, staleness
 from transport.store import AsyncPayloadStore
 
 log = logging.getLogger("rlship.orchestrator")
@@ -190,7 +191,11 @@ class Orchestrator:
             self._open_entries.pop(member.rollout_id, None)
         released = []
         for outcome in decide_group(
-            group, self.next_step, self.settings.max_off_policy_steps, self.settings.normalize_advantages
+            group,
+            self.next_step,
+            self.settings.max_off_policy_steps,
+            self.settings.normalize_advantages,
+            self.settings.first_step,
         ):
             self.window.append(*outcome_row(outcome))
             self.rollout_log.finalized(outcome)
@@ -220,7 +225,7 @@ class Orchestrator:
         add the time waited to the run's policy-wait total (the finalizer consumes it)."""
         if self.settings.trainers == "external":
             return 0.0
-        needed = step - 1 - self.settings.max_async_level
+        needed = required_version(step, self.settings.first_step, self.settings.max_async_level)
         if int(await self.client.get(self.keys.policy_version) or 0) >= needed:
             return 0.0
         started = time.perf_counter()
@@ -254,7 +259,8 @@ class Orchestrator:
 
     def _drop_stale_pending(self, step: int) -> list[str]:
         """Pending rollouts that went stale while waiting are discarded at the cut."""
-        stale = step - self.pending.column("policy_version") > self.settings.max_off_policy_steps
+        versions = self.pending.column("policy_version")
+        stale = staleness(step, versions, self.settings.first_step) > self.settings.max_off_policy_steps
         if not stale.any():
             return []
         removed = self.pending.remove(stale)

@@ -208,10 +208,11 @@ def balance(reported: Mapping[str, float], own: Mapping[str, float]) -> float:
 
 
 def reference_records(
-    lines: Iterable[dict], published: Iterable[Mapping[str, float]]
+    lines: Iterable[dict], published: Iterable[Mapping[str, float]], *, first_step: int
 ) -> dict[int, dict[str, float]]:
     """The reproducible part of each published step's record, its balance checked with the
-    terms the reference counts itself."""
+    terms the reference counts itself. Staleness is prime-rl's: its step s (this run's step
+    less `first_step`, plus 1) trains a rollout of version v s - 1 - v steps off-policy."""
     lines = list(lines)
     reported = {int(record["step"]): record for record in published}
     totals: Counter[str] = Counter()
@@ -244,7 +245,8 @@ def reference_records(
         for name, x in totals.items():
             record[f"progress/total_{name}"] = float(x)
         if shipped:
-            staleness = [step - line["policy_version"] for line in shipped]
+            prime_rl_step = step - first_step + 1
+            staleness = [prime_rl_step - 1 - line["policy_version"] for line in shipped]
             record["off_policy/staleness/mean"] = sum(staleness) / len(staleness)
             record["off_policy/staleness/max"] = float(max(staleness))
             for env, count in Counter(line["env"] for line in shipped).items():

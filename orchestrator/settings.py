@@ -163,6 +163,7 @@ class RunSettings(BaseSettings):
             ship_queue=self.ship_queue,
             samples_per_step=self.samples_per_step,
             replay_steps=self.replay_steps,
+            first_step=self.first_step,
         )
 
     @property

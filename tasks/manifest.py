@@ -31,6 +31,7 @@ class ShipConfig:
     ship_queue: str = "ship"
     samples_per_step: int = 0
     replay_steps: int = 8
+    first_step: int = 0  # the run's numbering, for the off-policy staleness of what ships
 
     @property
     def output_path(self) -> Path:

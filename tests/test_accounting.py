@@ -72,7 +72,7 @@ def reported(step: int, arrived: float) -> dict[str, float]:
 
 
 def test_the_reference_counts_pending_and_checks_the_balance_itself():
-    expected = reference_records(LOG, [reported(0, 6), reported(1, 6)])
+    expected = reference_records(LOG, [reported(0, 6), reported(1, 6)], first_step=0)
     assert expected[0]["accounting/pending"] == 1 and expected[1]["accounting/pending"] == 0
     assert expected[0]["accounting/discarded"] == 2 and expected[1]["accounting/shipped"] == 2
     assert expected[0]["accounting/balanced"] == expected[1]["accounting/balanced"] == 1.0
@@ -80,10 +80,10 @@ def test_the_reference_counts_pending_and_checks_the_balance_itself():
 
 @pytest.mark.parametrize("arrived", [5, 7])
 def test_the_reference_flags_a_record_unbalanced_either_way(arrived):
-    expected = reference_records(LOG, [reported(0, arrived)])
+    expected = reference_records(LOG, [reported(0, arrived)], first_step=0)
     assert expected[0]["accounting/balanced"] == 0.0
 
 
 def test_the_reference_flags_a_record_that_hides_its_open_groups():
-    expected = reference_records(LOG, [{**reported(0, 6), "accounting/in_open_groups": 0}])
+    expected = reference_records(LOG, [{**reported(0, 6), "accounting/in_open_groups": 0}], first_step=0)
     assert expected[0]["accounting/balanced"] == 0.0

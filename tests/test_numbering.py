@@ -15,7 +15,9 @@ import os
 
 import pytest
 
+from orchestrator.groups import TRAINABLE, decide_group
 from orchestrator.settings import RunSettings, add_settings_arguments, settings_from_args, settings_to_env
+from tests.factories import group
 from transport.numbering import required_version, staleness, version_after
 
 # (prime-rl step s, policy version v the trainers announced, max_async_level) ->
@@ -119,3 +121,19 @@ def test_children_derive_the_numbering_the_parent_derived():
     env = settings_to_env(RunSettings(trainers="external"))
     assert (env["RLSHIP_FIRST_STEP"], env["RLSHIP_START_STEP"]) == ("", "")
     assert settings_to_env(RunSettings(start_step=4))["RLSHIP_START_STEP"] == "4"
+
+
+@pytest.mark.parametrize(
+    ("first_step", "next_step", "version", "fate"),
+    [
+        # prime-rl's step 5 (first_step 1) trains version 1 three steps off-policy: stale at 2
+        (1, 5, 1, "stale"),
+        (1, 5, 2, TRAINABLE),  # two steps off-policy: kept
+        (0, 4, 1, "stale"),  # the same step numbered from 0
+        (0, 4, 2, TRAINABLE),
+    ],
+)
+def test_a_group_goes_stale_by_prime_rl_staleness(first_step, next_step, version, fate):
+    rollouts = [r for r, _ in group("g", [1.0, 0.0], policy_version=version)]
+    outcomes = decide_group(rollouts, next_step, max_off_policy_steps=2, first_step=first_step)
+    assert {o.fate for o in outcomes} == {fate}

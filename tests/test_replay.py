@@ -102,7 +102,7 @@ def test_records_equal_the_reference(seed, client, redis_url, run_id, workers, t
     assert len({line["rollout_id"] for line in lines}) == len(lines), "one line per rollout"
     steps = [int(r["step"]) for r in result.records]
     assert steps == list(range(settings.steps)), "one record per step, contiguous"
-    expected = reference_records(lines, result.records)
+    expected = reference_records(lines, result.records, first_step=settings.first_step)
     for record in result.records:
         assert expected[int(record["step"])]["accounting/balanced"] == 1.0, "the reference's own balance"
         assert compare(record, expected[int(record["step"])]) == []

@@ -10,6 +10,13 @@ start-up. The policy gate ships a step once the trainers' version has reached
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+import numpy as np
+
+# A policy version, or an array of them (a cohort's column).
+Version = TypeVar("Version", int, np.ndarray)
+
 PRIME_RL_FIRST_STEP = 1
 
 
@@ -24,7 +31,7 @@ def required_version(step: int, first_step: int, max_async_level: int) -> int:
     return version_after(step, first_step) - 1 - max_async_level
 
 
-def staleness(step: int, policy_version: int, first_step: int) -> int:
+def staleness(step: int, policy_version: Version, first_step: int) -> Version:
     """How many steps off-policy a rollout generated with `policy_version` is when trained
     at `step`: prime-rl's (s - 1 - v) for its step s = `version_after(step)`. With
     first_step 0 this is `step - policy_version`."""

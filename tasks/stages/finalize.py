@@ -14,6 +14,7 @@ import numpy as np
 from tasks.cohort import Cohort
 from tasks.manifest import StepManifest
 from tasks.stages.prune import count_trainable_tokens
+from transport.numbering import staleness
 from transport.schema import MM_KWARGS_PREFIX, EncodedTensor
 
 REQUIRED_ARRAYS: tuple[str, ...] = ("input_ids", "loss_mask", "inference_logprobs")
@@ -103,7 +104,7 @@ def finalize_step(
         trainable[i] = count_trainable_tokens(arrays["loss_mask"], float(cohort.numeric["advantage"][i]))
     annotated = cohort.with_numeric(
         step=np.full(len(cohort), float(manifest.step)),
-        staleness=manifest.step - cohort.numeric["policy_version"],
+        staleness=staleness(manifest.step, cohort.numeric["policy_version"], manifest.config.first_step),
         num_tokens=num_tokens,
         trainable_tokens=trainable,
     )
