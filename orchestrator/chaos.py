@@ -139,7 +139,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"rlship chaos: the same with a kill every {args.kill_every:g} s ({chaos.run_id})", flush=True)
     rng = random.Random(args.seed)
     observed = run_system(chaos, args.kill_every, rng, args.timeout, args.receivers, plan)
-    report = compare(args, expected, observed)
+    report = compare(args, chaos.step_numbers, expected, observed)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))
     print_report(report, args.json)
@@ -183,7 +183,7 @@ def trainer_command(settings: RunSettings, rank: int, receivers: str) -> list[st
         sys.executable, "-m", "tests.stock_peers", "zmq", "--rank", str(rank),
         "--record", str(stock_record(settings, rank)), "--output-dir", str(settings.output_dir),
         "--host", settings.zmq_host, "--port", str(settings.zmq_port),
-        "--start-step", "0", "--steps", str(settings.steps),
+        "--start-step", str(settings.start_step), "--steps", str(settings.steps),
     ]  # fmt: skip
 
 
@@ -292,8 +292,8 @@ def kill_one(
             return None
         rng.choice(children).kill()
         return Kill(seconds, "cpu-worker-child")
-    step = int(client.get(RunState(settings.run_id).next_step) or 0)
-    if step >= settings.steps:
+    step = int(client.get(RunState(settings.run_id).next_step) or settings.start_step)
+    if step >= settings.step_numbers.stop:
         return None
     stage = rng.choice(plan.stages)
     rank = rng.randrange(settings.ranks) if stage in PER_RANK_STAGES else None
@@ -346,8 +346,10 @@ def observe_stock(settings: RunSettings, client: redis.Redis) -> dict[str, Any]:
     }
 
 
-def compare(args: argparse.Namespace, expected: dict[str, Any], observed: dict[str, Any]) -> dict[str, Any]:
-    steps = [str(s) for s in range(args.steps)]
+def compare(
+    args: argparse.Namespace, step_numbers: range, expected: dict[str, Any], observed: dict[str, Any]
+) -> dict[str, Any]:
+    steps = [str(s) for s in step_numbers]
     delivered, duplicates, out_of_order, mismatches = {}, 0, 0, 0
     for rank, got in observed["ranks"].items():
         want = expected["ranks"][rank]["checksums"]

@@ -102,8 +102,11 @@ class Orchestrator:
         self.pending = CohortBuilder()  # trainable rows, in completion order, cut from the front
         self.accounting = Accounting()
         self.probe = LagProbe()
-        self.next_step = 0
-        self.last_published = -1
+        # The run's steps are settings.step_numbers: from start_step (see transport.numbering).
+        self.start_step: int = settings.step_numbers.start
+        self.end_step: int = settings.step_numbers.stop
+        self.next_step = self.start_step
+        self.last_published = self.start_step - 1
         # The most recent records (the stream holds them all): bounded on a run of any length.
         self.records: deque[dict[str, float]] = deque(maxlen=RECENT_RECORDS)
         self.records_published = 0
@@ -212,6 +215,7 @@ class Orchestrator:
             "arrived": self.accounting.arrived,
             "pending": len(self.pending),
             "in_open_groups": len(self.groups),
+            "start_step": self.start_step,
             "next_step": self.next_step,
             "last_published": self.last_published,
             "loop_lag_max_ms": round(self.probe.take_recent_max(), 3),
@@ -283,7 +287,7 @@ class Orchestrator:
         manifest = StepManifest(
             run_id=self.settings.run_id,
             step=step,
-            prev_step=step - 1,
+            prev_step=step - 1 if step > self.start_step else -1,  # -1: no step before it
             cut_time=time.time(),
             config=self.config,
             effective=batch,
@@ -321,7 +325,7 @@ class Orchestrator:
 
     async def dispatch(self) -> None:
         """Cut steps while there are steps to ship, enough pending rollouts, and room in flight."""
-        while self.next_step < self.settings.steps and not self._stopping.is_set():
+        while self.next_step < self.end_step and not self._stopping.is_set():
             in_flight = self.next_step - 1 - self.last_published
             if len(self.pending) < self.settings.batch_size or in_flight > self.settings.max_async_level:
                 self._work.clear()
@@ -401,7 +405,7 @@ class Orchestrator:
         """Mirror published records to metrics.jsonl, print a line each, release each step."""
         cursor = "0-0"
         loop = asyncio.get_running_loop()
-        while self.last_published < self.settings.steps - 1 and not self._stopping.is_set():
+        while self.last_published < self.end_step - 1 and not self._stopping.is_set():
             response = await self.client.xread(
                 {self.keys.metrics_stream: cursor}, count=16, block=READ_BLOCK_MS
             )
@@ -554,8 +558,8 @@ class Orchestrator:
         """Pick up the run where a previous orchestrator left it (orchestrator.checkpoint):
         its counters and held rollouts, and the cut steps not yet published (their first
         task is enqueued again; the stages are idempotent)."""
-        self.next_step = int(await self.client.get(self.state.next_step) or 0)
-        self.last_published = int(await self.client.get(self.state.followed) or -1)
+        self.next_step = int(await self.client.get(self.state.next_step) or self.start_step)
+        self.last_published = int(await self.client.get(self.state.followed) or self.start_step - 1)
         raw = await self.client.get(self.state.checkpoint)
         if raw is None:
             return

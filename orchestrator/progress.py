@@ -96,7 +96,8 @@ def status_lines(
     status = snapshot.status
     if not status:
         return [f"steps 0/{total_steps} | {elapsed:.1f} s | waiting for the orchestrator's first status"]
-    shipped = int(status.get("last_published", -1)) + 1
+    start = int(status.get("start_step", 0))  # the run's steps are numbered from here
+    shipped = int(status.get("last_published", start - 1)) + 1 - start
     pending = int(status.get("pending", 0))
     in_groups = int(status.get("in_open_groups", 0))
     counts = in_flight(snapshot.steps, ranks)
@@ -107,7 +108,7 @@ def status_lines(
         stalled = f" | policy gate waits on rank(s) {list(snapshot.stalled_ranks)}"
     return [
         f"steps {progress_bar(shipped, total_steps)} {shipped}/{total_steps} shipped, "
-        f"{int(status.get('next_step', 0))} cut | {elapsed:.1f} s",
+        f"{int(status.get('next_step', start)) - start} cut | {elapsed:.1f} s",
         f"rollouts buffered {pending + in_groups} (pending {pending}, in open groups {in_groups}) "
         f"of {int(status.get('arrived', 0))} arrived",
         "in flight " + " ".join(f"{stage} {counts[stage]}" for stage in STAGES) + f" | queued {queued}",

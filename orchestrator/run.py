@@ -343,7 +343,7 @@ def trainer_main(args: argparse.Namespace) -> int:
     preflight_client("trainer", settings).close()
     client = connect_redis(settings.redis_url)
     received = client.hkeys(RunKeys(settings.run_id).received(args.rank))
-    next_step = max((int(s) + 1 for s in received), default=0)
+    next_step = max((int(s) + 1 for s in received), default=settings.start_step)
     receiver = open_receiver(
         settings.transport,
         args.rank,
@@ -355,8 +355,8 @@ def trainer_main(args: argparse.Namespace) -> int:
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        TrainerRank(receiver, client, settings.run_id, settings.ranks).run(
-            steps=settings.steps - next_step, idle_timeout=args.idle_timeout
+        TrainerRank(receiver, client, settings.run_id, settings.ranks, settings.first_step).run(
+            steps=settings.step_numbers.stop - next_step, idle_timeout=args.idle_timeout
         )
     finally:
         receiver.close()

@@ -105,6 +105,7 @@ def test_stage_tasks_enqueued_again_for_a_done_step_change_nothing(
     settings = ship_settings(
         run_id, redis_url, workers, tmp_path, steps=STEPS, ranks=RANKS, batch_size=8, group_size=4,
         trainers="external", max_async_level=0, max_off_policy_steps=100, samples_per_step=0,
+        first_step=0,  # the steps below are numbered from 0
     )  # fmt: skip
     producer = RolloutProducer(client, run_id)
     for index in range(STEPS * 2):

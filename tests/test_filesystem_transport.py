@@ -78,7 +78,7 @@ def watcher_main(output_dir: str, steps: int, ranks: int, writer_done: Any, queu
 
 
 def receiver_main(output_dir: str, rank: int, steps: int, queue: Any) -> None:
-    with FileReceiver(output_dir, rank, poll_interval=0.005) as receiver:
+    with FileReceiver(output_dir, rank, poll_interval=0.005, next_step=0) as receiver:
         for _ in range(steps):
             got = receiver.receive(WAIT)
             if got is None:
@@ -132,7 +132,7 @@ def test_receivers_in_other_processes_get_every_step_in_order(tmp_path: Path, pr
 
 
 def test_layout_and_round_trip(tmp_path: Path) -> None:
-    with FileSender(tmp_path) as sender, FileReceiver(tmp_path, 1) as receiver:
+    with FileSender(tmp_path) as sender, FileReceiver(tmp_path, 1, next_step=0) as receiver:
         assert isinstance(sender, StepSender)
         assert isinstance(receiver, StepReceiver)
         for kind in (bytes, bytearray, memoryview):

@@ -214,6 +214,7 @@ def test_what_a_trainer_decodes_is_what_the_rollouts_said(
         batch_size=BATCH, group_size=GROUP, seq_len=SEQ_LEN, pad_to_multiple=PAD,
         max_off_policy_steps=100, envs=["math", "code"], samples_per_step=0,
         trainers="external" if transport == "zmq" else "builtin",
+        first_step=0,  # the steps below are numbered from 0
     )  # fmt: skip
     sent = write_workload(client, run_id)
     keys = RunKeys(run_id)

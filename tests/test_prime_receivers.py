@@ -106,4 +106,4 @@ def test_filesystem_receiver_and_prime_rl_decoding(redis_url, run_id, store, tmp
 def test_a_missing_setting_is_named(redis_url, monkeypatch, tmp_path):
     monkeypatch.delenv("RLSHIP_RUN_ID", raising=False)
     with pytest.raises(ValueError, match="RLSHIP_RUN_ID: not set"):
-        FileSystemMicroBatchReceiver(tmp_path, 0, redis_url=redis_url, ranks=1)
+        FileSystemMicroBatchReceiver(tmp_path, 0, 1, redis_url=redis_url, ranks=1)

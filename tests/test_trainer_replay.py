@@ -48,7 +48,7 @@ def test_lost_and_missed_steps_are_replayed_in_order(client, run_id):
     port = free_port_pair()
     replay = RetainedPayloads(client, run_id)
     with ZMQSender(HOST, port, 1) as sender, ZMQReceiver(
-        HOST, port, 0, announce_interval=0.05, replay=replay, replay_after=0.3
+        HOST, port, 0, announce_interval=0.05, replay=replay, replay_after=0.3, next_step=0
     ) as receiver:
         assert sender.wait_ready(10)
         handed_to_transport(store, 0, 0)
@@ -77,7 +77,7 @@ def test_a_step_no_longer_retained_is_reported_as_a_gap(client, run_id):
     store = PayloadStore(client, run_id)
     port = free_port_pair()
     with ZMQSender(HOST, port, 1) as sender, ZMQReceiver(
-        HOST, port, 0, announce_interval=0.05, replay=RetainedPayloads(client, run_id)
+        HOST, port, 0, announce_interval=0.05, replay=RetainedPayloads(client, run_id), next_step=0
     ) as receiver:
         assert sender.wait_ready(10)
         client.set(store.keys.last_sent(0), 0)  # step 0 went out and was released

@@ -30,9 +30,9 @@ class Retained:
 
 def test_argument_errors_name_the_value() -> None:
     with pytest.raises(ValueError, match=r"^rank must be >= 0, got -1$"):
-        ZMQReceiver(HOST, free_port_pair(), -1)
+        ZMQReceiver(HOST, free_port_pair(), -1, next_step=0)
     with pytest.raises(ValueError, match=r"^announce_interval must be > 0, got 0$"):
-        ZMQReceiver(HOST, free_port_pair(), 0, announce_interval=0)
+        ZMQReceiver(HOST, free_port_pair(), 0, announce_interval=0, next_step=0)
     with pytest.raises(ValueError, match=r"^ranks must be >= 1, got 0$"):
         ZMQSender(HOST, free_port_pair(), 0)
     with (
@@ -43,7 +43,7 @@ def test_argument_errors_name_the_value() -> None:
 
 
 def test_a_closed_receiver_says_so() -> None:
-    receiver = ZMQReceiver(HOST, free_port_pair(), 0)
+    receiver = ZMQReceiver(HOST, free_port_pair(), 0, next_step=0)
     receiver.close()
     receiver.close()
     with pytest.raises(RuntimeError, match=r"^ZMQReceiver is closed$"):
@@ -68,7 +68,7 @@ def test_malformed_messages_are_dropped_and_logged(caplog: pytest.LogCaptureFixt
     publisher.bind(f"tcp://{HOST}:{port}")
     caplog.set_level(logging.ERROR, logger="rlship.transport")
     try:
-        with ZMQReceiver(HOST, port, 1) as receiver:
+        with ZMQReceiver(HOST, port, 1, next_step=0) as receiver:
             assert publisher.poll(int(WAIT * 1000)) and publisher.recv() == b"\x01data_rank|1|"
             publisher.send_multipart([topic(0, 1)])
             publisher.send_multipart([b"data_rank|1|x", b"payload"])
@@ -91,7 +91,7 @@ def test_steps_the_transport_lost_are_replayed_when_nothing_arrives(caplog: pyte
     """No sender at all: the retained payloads up to the last sent step are the steps."""
     caplog.set_level(logging.WARNING, logger="rlship.transport")
     source = Retained({0: b"zero", 1: b"one", 2: b"two"}, last_sent=1)
-    with ZMQReceiver(HOST, free_port_pair(), 0, replay=source, replay_after=0.05) as receiver:
+    with ZMQReceiver(HOST, free_port_pair(), 0, replay=source, replay_after=0.05, next_step=0) as receiver:
         got = [receiver.receive(WAIT), receiver.receive(WAIT)]
         assert [(g.step, bytes(g.payload)) for g in got if g is not None] == [(0, b"zero"), (1, b"one")]
         assert receiver.receive(0.2) is None, "step 2 was not sent yet"
@@ -107,7 +107,7 @@ def test_steps_the_transport_lost_are_replayed_when_nothing_arrives(caplog: pyte
 def test_a_step_no_longer_retained_stops_the_replay(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.ERROR, logger="rlship.transport")
     with ZMQReceiver(
-        HOST, free_port_pair(), 0, replay=Retained({0: b"zero"}, 3), replay_after=0.05
+        HOST, free_port_pair(), 0, replay=Retained({0: b"zero"}, 3), replay_after=0.05, next_step=0
     ) as receiver:
         got = receiver.receive(WAIT)
         assert got is not None and got.step == 0
@@ -121,7 +121,7 @@ def test_a_later_step_on_the_wire_pulls_the_missing_ones_from_replay() -> None:
     source = Retained({0: b"zero", 1: b"one"}, last_sent=-1)
     with (
         ZMQSender(HOST, port, 1) as sender,
-        ZMQReceiver(HOST, port, 0, replay=source, replay_after=60) as receiver,
+        ZMQReceiver(HOST, port, 0, replay=source, replay_after=60, next_step=0) as receiver,
     ):
         assert sender.wait_ready(WAIT)
         sender.send(2, 0, b"two")

@@ -38,7 +38,7 @@ def digest(payload: bytes | memoryview) -> str:
 
 def receiver_main(port: int, rank: int, steps: int, queue: Any, timeout: float) -> None:
     """Child process: receive `steps` steps and report (step, size, sha256) of each."""
-    with ZMQReceiver(HOST, port, rank, announce_interval=0.2) as receiver:
+    with ZMQReceiver(HOST, port, rank, announce_interval=0.2, next_step=0) as receiver:
         queue.put(("started", rank))
         for _ in range(steps):
             got = receiver.receive(timeout)
@@ -87,7 +87,7 @@ def collect(queue: Any, kind: str, count: int) -> list[tuple[Any, ...]]:
 def in_process_pair(ranks: int = 1, **sender_kwargs: Any) -> tuple[ZMQSender, list[ZMQReceiver]]:
     port = free_port_pair()
     sender = ZMQSender(HOST, port, ranks, **sender_kwargs)
-    receivers = [ZMQReceiver(HOST, port, rank, announce_interval=0.2) for rank in range(ranks)]
+    receivers = [ZMQReceiver(HOST, port, rank, announce_interval=0.2, next_step=0) for rank in range(ranks)]
     assert sender.wait_ready(WAIT)
     return sender, receivers
 
@@ -197,7 +197,7 @@ def test_ready_needs_the_subscription_not_only_the_announcement() -> None:
 @pytest.mark.timeout(60)
 def test_wait_ready_times_out_while_a_rank_is_missing() -> None:
     port = free_port_pair()
-    with ZMQSender(HOST, port, 2) as sender, ZMQReceiver(HOST, port, 0):
+    with ZMQSender(HOST, port, 2) as sender, ZMQReceiver(HOST, port, 0, next_step=0):
         start_time = time.monotonic()
         assert not sender.wait_ready(1.0)
         assert time.monotonic() - start_time < 5
@@ -302,7 +302,7 @@ def test_close_is_prompt_without_a_peer() -> None:
     sender.close()  # idempotent
     assert time.monotonic() - start_time < 2.5
 
-    receiver = ZMQReceiver(HOST, free_port_pair(), 0, announce_interval=0.05)
+    receiver = ZMQReceiver(HOST, free_port_pair(), 0, announce_interval=0.05, next_step=0)
     assert receiver.receive(0.3) is None
     start_time = time.monotonic()
     receiver.close()
@@ -398,7 +398,7 @@ def test_a_replacement_sender_reaches_a_rank_while_another_has_left() -> None:
     """A ship worker started again after rank 1 finished (and left) still sends to rank 0."""
     port = free_port_pair()
     with (
-        ZMQReceiver(HOST, port, 0, announce_interval=0.05) as rank0,
+        ZMQReceiver(HOST, port, 0, announce_interval=0.05, next_step=0) as rank0,
         ZMQSender(HOST, port, 2, send_timeout=WAIT) as sender,
     ):
         assert not sender.wait_ready(0.3), "rank 1 never came"

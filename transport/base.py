@@ -87,7 +87,7 @@ class StepSequencer:
 
     _MAX_WARNED = 4096  # bound on remembered duplicate steps, so a long run cannot grow it
 
-    def __init__(self, rank: int, next_step: int = 0) -> None:
+    def __init__(self, rank: int, next_step: int) -> None:
         if next_step < 0:
             raise ValueError(f"next_step must be >= 0, got {next_step}")
         self.rank = rank

@@ -74,7 +74,7 @@ class FileReceiver(SequencedReceiver):
         output_dir: str | os.PathLike[str],
         rank: int,
         *,
-        next_step: int = 0,
+        next_step: int,
         poll_interval: float = 0.01,
     ) -> None:
         if rank < 0:

@@ -17,9 +17,11 @@ acknowledged in the run's Redis, as rlship's own trainer does (the ship path the
 releases its retained payloads, and the policy version moves when every rank has it).
 
 The run is named by arguments or by the environment rlship's processes share:
-`RLSHIP_RUN_ID`, `REDIS_URL`, `RLSHIP_RANKS`. `receive()` returns what `decode` makes of
-the payload: prime-rl's own `MicroBatch` structs when prime-rl is installed (its msgspec
-decoder, as its receivers do), rlship's `MicroBatch` list otherwise.
+`RLSHIP_RUN_ID`, `REDIS_URL`, `RLSHIP_RANKS`, and `RLSHIP_FIRST_STEP` (default 1: prime-rl
+numbers its steps from 1, and the policy version acknowledged after step s is s).
+`receive()` returns what `decode` makes of the payload: prime-rl's own `MicroBatch`
+structs when prime-rl is installed (its msgspec decoder, as its receivers do), rlship's
+`MicroBatch` list otherwise.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from transport.base import ReceivedStep, StepReceiver
 from transport.codec import decode_microbatches
 from transport.connection import connect_redis
 from transport.filesystem import FileReceiver
+from transport.numbering import PRIME_RL_FIRST_STEP
 from transport.replay import RetainedPayloads
 from transport.trainer import Acknowledgements
 from transport.zmq import ZMQReceiver
@@ -53,7 +56,7 @@ def default_decode() -> Decode:
 def _setting(value: Any, env: str, default: Any = None) -> Any:
     if value is not None:
         return value
-    if env in os.environ:
+    if os.environ.get(env):  # rlship passes an unset setting on as an empty variable
         return os.environ[env]
     if default is None:
         raise ValueError(f"{env}: not set; pass it as an argument or set the environment variable")
@@ -72,6 +75,7 @@ class ExactlyOnceReceiver:
         redis_url: str | None,
         ranks: int | None,
         decode: Decode | None,
+        first_step: int | None,
     ) -> None:
         self.data_rank = data_rank
         self._receiver = receiver
@@ -79,7 +83,10 @@ class ExactlyOnceReceiver:
         self.client = connect_redis(_setting(redis_url, "REDIS_URL", "redis://127.0.0.1:6379/0"))
         self.run_id = str(_setting(run_id, "RLSHIP_RUN_ID"))
         self._acknowledgements = Acknowledgements(
-            self.client, self.run_id, int(_setting(ranks, "RLSHIP_RANKS"))
+            self.client,
+            self.run_id,
+            int(_setting(ranks, "RLSHIP_RANKS")),
+            int(_setting(first_step, "RLSHIP_FIRST_STEP", PRIME_RL_FIRST_STEP)),
         )
         self._pending: ReceivedStep | None = None
 
@@ -135,6 +142,7 @@ class ZMQMicroBatchReceiver(ExactlyOnceReceiver):
         redis_url: str | None = None,
         ranks: int | None = None,
         decode: Decode | None = None,
+        first_step: int | None = None,
         replay_after: float = 1.0,
     ) -> None:
         self.output_dir = Path(output_dir)
@@ -148,7 +156,13 @@ class ZMQMicroBatchReceiver(ExactlyOnceReceiver):
         )
         try:
             super().__init__(
-                receiver, data_rank, run_id=run_id, redis_url=redis_url, ranks=ranks, decode=decode
+                receiver,
+                data_rank,
+                run_id=run_id,
+                redis_url=redis_url,
+                ranks=ranks,
+                decode=decode,
+                first_step=first_step,
             )
         except BaseException:
             receiver.close()
@@ -165,14 +179,23 @@ class FileSystemMicroBatchReceiver(ExactlyOnceReceiver):
         self,
         output_dir: Path,
         data_rank: int,
-        current_step: int = 0,
+        current_step: int,
         *,
         run_id: str | None = None,
         redis_url: str | None = None,
         ranks: int | None = None,
         decode: Decode | None = None,
+        first_step: int | None = None,
         poll_interval: float = 0.05,
     ) -> None:
         self.output_dir = Path(output_dir)
         receiver = FileReceiver(output_dir, data_rank, next_step=current_step, poll_interval=poll_interval)
-        super().__init__(receiver, data_rank, run_id=run_id, redis_url=redis_url, ranks=ranks, decode=decode)
+        super().__init__(
+            receiver,
+            data_rank,
+            run_id=run_id,
+            redis_url=redis_url,
+            ranks=ranks,
+            decode=decode,
+            first_step=first_step,
+        )

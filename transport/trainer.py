@@ -19,13 +19,14 @@ from transport.base import ReceivedStep, ReplaySource, StepReceiver
 from transport.checksum import payload_checksum
 from transport.codec import decode_microbatches
 from transport.keys import RunKeys
+from transport.numbering import version_after
 
 log = logging.getLogger("rlship.trainer")
 
 # Record that `rank` trained `step` (and count deliveries and log their order, so a
 # duplicate or a step out of order that reached the trainer would show); the rank that
-# completes the step raises the policy version to step + 1 (never lowers it, so a
-# replayed step cannot move it back).
+# completes the step raises the policy version to ARGV[5], the version after the step
+# (never lowers it, so a replayed step cannot move it back).
 _MARK_TRAINED_LUA = """
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
 redis.call('HINCRBY', KEYS[5], ARGV[1], 1)
@@ -35,7 +36,7 @@ redis.call('SADD', KEYS[2], ARGV[2])
 redis.call('EXPIRE', KEYS[2], 86400)
 if redis.call('SCARD', KEYS[2]) >= tonumber(ARGV[4]) then
   local version = tonumber(redis.call('GET', KEYS[3]) or '0')
-  local trained = tonumber(ARGV[1]) + 1
+  local trained = tonumber(ARGV[5])
   if trained > version then
     redis.call('SET', KEYS[3], trained)
     redis.call('PUBLISH', KEYS[4], trained)
@@ -51,9 +52,10 @@ class Acknowledgements:
     retained payloads of a step every rank has are released, and the rank completing a
     step raises the policy version."""
 
-    def __init__(self, client: redis.Redis, run_id: str, ranks: int) -> None:
+    def __init__(self, client: redis.Redis, run_id: str, ranks: int, first_step: int) -> None:
         self.keys = RunKeys(run_id)
         self.ranks = ranks
+        self.first_step = first_step
         self._mark_trained = client.register_script(_MARK_TRAINED_LUA)
 
     def acknowledge(self, message: ReceivedStep) -> str:
@@ -68,7 +70,13 @@ class Acknowledgements:
                 self.keys.deliveries(message.rank),
                 self.keys.delivery_order(message.rank),
             ],
-            args=[message.step, message.rank, checksum, self.ranks],
+            args=[
+                message.step,
+                message.rank,
+                checksum,
+                self.ranks,
+                version_after(message.step, self.first_step),
+            ],
         )
         return checksum
 
@@ -81,10 +89,11 @@ class TrainerRank:
     client: redis.Redis
     run_id: str
     ranks: int
+    first_step: int
     received: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.acknowledgements = Acknowledgements(self.client, self.run_id, self.ranks)
+        self.acknowledgements = Acknowledgements(self.client, self.run_id, self.ranks, self.first_step)
 
     def handle(self, message: ReceivedStep) -> None:
         """Decode and check one step (raises on any violation), then acknowledge it."""
@@ -123,7 +132,7 @@ def open_receiver(
     host: str,
     port: int,
     output_dir: Path,
-    next_step: int = 0,
+    next_step: int,
     replay: ReplaySource | None = None,
 ) -> StepReceiver:
     """The rank's receiver for the configured transport (files need no replay: they stay)."""

@@ -321,7 +321,7 @@ class ZMQReceiver(SequencedReceiver):
         port: int,
         rank: int,
         *,
-        next_step: int = 0,
+        next_step: int,
         hwm: int = 64,
         announce_interval: float = 1.0,
         replay: ReplaySource | None = None,
