@@ -1,5 +1,6 @@
 """rlship against trainer ranks that receive as prime-rl's stock ones do (tests/stock_peers.py):
-READY once, no duplicate check, no replay, their own step count.
+READY once, no duplicate check, no replay, their own step count from 1 (prime-rl's
+numbering, the default with `trainers = "external"`), or from a resumed trainer's step.
 
 - A replacement sender reaches a rank that announced READY only to its predecessor
   (the announcement is kept in Redis).
@@ -11,6 +12,7 @@ READY once, no duplicate check, no replay, their own step count.
 - The window that remains, at its two edges: killed after the `sending` mark and before
   the message left, the step is sent again and arrives once; killed after it left and
   before `last_sent` (the `send` fault point), it arrives twice. Both are counted.
+- A trainer resumed at step 5: the run's first topic, file and record are step 5.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -27,7 +30,7 @@ from orchestrator.processes import delete_run_keys
 from tasks.faults import arm, faults_key
 from tasks.ship import RunState
 from tests.conftest import running_workers
-from tests.shiprun import deterministic_run, run_orchestrator, ship
+from tests.shiprun import deterministic_run, metrics_lines, run_orchestrator, ship
 from tests.stock_peers import read_record, start_stock_peer
 from tests.test_stock_peers import payload, wait_for
 from transport.announcements import RedisAnnouncements
@@ -54,24 +57,24 @@ def stock_socket(context: zmq.Context, port: int, rank: int) -> zmq.Socket:
 def test_a_replacement_sender_reaches_a_rank_that_announced_once(client, run_id, tmp_path):
     port = free_port_pair()
     record = tmp_path / "rank0.jsonl"
-    peer = start_stock_peer("zmq", 0, record, output_dir=tmp_path, port=port, start_step=0, steps=2)
+    peer = start_stock_peer("zmq", 0, record, output_dir=tmp_path, port=port, start_step=1, steps=2)
     try:
         with ZMQSender(HOST, port, 1, announcements=RedisAnnouncements(client, run_id)) as first:
             assert first.wait_ready(20)
-            first.send(0, 0, payload(0))
+            first.send(1, 0, payload(1))
         wait_for(lambda: len(read_record(record)) == 1)
 
         with ZMQSender(HOST, port, 1) as forgetful:  # what a replacement knew before
             assert not forgetful.wait_ready(1.5), "no READY comes again"
         with ZMQSender(HOST, port, 1, announcements=RedisAnnouncements(client, run_id)) as second:
             assert second.wait_ready(20), "announced to the first sender, subscribed to this one"
-            second.send(1, 0, payload(1))
+            second.send(2, 0, payload(2))
             assert peer.wait(20) == 0
     finally:
         peer.kill()
         ttl = client.ttl(RunKeys(run_id).announced_ranks)
         client.delete(RunKeys(run_id).announced_ranks)
-    assert [r["topic_step"] for r in read_record(record)] == [0, 1]
+    assert [r["topic_step"] for r in read_record(record)] == [1, 2]
     assert ttl > 0, "the announcements expire with an abandoned run"
 
 
@@ -119,9 +122,10 @@ def test_ship_worker_killed_five_times_stock_ranks_get_every_step_once(
 ):
     (tmp_path / "worker-logs").mkdir()
     with running_workers(redis_url, tmp_path / "worker-logs") as workers:
-        settings = deterministic_run(client, run_id, redis_url, workers, tmp_path, STEPS).model_copy(
-            update={"trainers": "external", "stall_seconds": 3.0, "transport": transport}
+        settings = deterministic_run(client, run_id, redis_url, workers, tmp_path, STEPS).with_changes(
+            trainers="external", stall_seconds=3.0, transport=transport
         )
+        assert settings.step_numbers == range(1, STEPS + 1), "numbered as prime-rl numbers them"
         records = [tmp_path / f"stock-rank-{rank}.jsonl" for rank in range(settings.ranks)]
         peers = [
             start_stock_peer(
@@ -130,7 +134,7 @@ def test_ship_worker_killed_five_times_stock_ranks_get_every_step_once(
                 record,
                 output_dir=tmp_path,
                 port=settings.zmq_port,
-                start_step=0,
+                start_step=settings.start_step,
                 steps=STEPS,
             )
             for rank, record in enumerate(records)
@@ -163,13 +167,17 @@ def test_ship_worker_killed_five_times_stock_ranks_get_every_step_once(
         assert kills == KILLS, "every kill landed mid-run"
         checksums = client.hgetall(RunState(run_id).sent_checksums)
         encoded = {key.decode(): value.decode() for key, value in checksums.items()}
+        steps = list(range(1, STEPS + 1))
         for rank, record in enumerate(records):
             got = read_record(record)
-            assert [r["step"] for r in got] == list(range(STEPS)), f"rank {rank}: once each, in order"
+            assert [r["step"] for r in got] == steps, f"rank {rank}: once each, in order"
             if transport == "zmq":
-                assert [r["topic_step"] for r in got] == list(range(STEPS)), "its own count matches ours"
+                assert [r["topic_step"] for r in got] == steps, "its own count matches ours"
             for entry in got:
                 assert entry["sha256"][:32] == encoded[f"{entry['step']}:{rank}"], "byte for byte"
+        assert [int(r["step"]) for r in metrics_lines(settings)] == steps, "records numbered alike"
+        if transport == "fs":
+            assert step_dirs(tmp_path) == steps
         interrupted = client.hgetall(RunState(run_id).interrupted_sends)
         print(f"ship worker killed {kills} times; sends interrupted and resent: {interrupted}")
     delete_run_keys(settings)
@@ -177,20 +185,20 @@ def test_ship_worker_killed_five_times_stock_ranks_get_every_step_once(
 
 @pytest.mark.parametrize(
     ("fault", "order"),
-    [("sending", [0, 1, 2]), ("send", [0, 1, 1, 2])],
+    [("sending", [1, 2, 3]), ("send", [1, 2, 2, 3])],
     ids=["killed-before-it-left", "killed-after-it-left"],
 )
 def test_the_window_left_by_a_killed_send(fault, order, client, redis_url, run_id, tmp_path):
     (tmp_path / "worker-logs").mkdir()
     with running_workers(redis_url, tmp_path / "worker-logs", env={"RLSHIP_FAULTS": "1"}) as workers:
-        settings = deterministic_run(client, run_id, redis_url, workers, tmp_path, 3).model_copy(
-            update={"trainers": "external", "stall_seconds": 3.0}
+        settings = deterministic_run(client, run_id, redis_url, workers, tmp_path, 3).with_changes(
+            trainers="external", stall_seconds=3.0
         )
-        arm(client, run_id, fault, step=1, rank=1)
+        arm(client, run_id, fault, step=2, rank=1)
         records = [tmp_path / f"stock-rank-{rank}.jsonl" for rank in range(settings.ranks)]
         peers = [
             start_stock_peer(
-                "zmq", rank, records[rank], output_dir=tmp_path, port=settings.zmq_port, start_step=0,
+                "zmq", rank, records[rank], output_dir=tmp_path, port=settings.zmq_port, start_step=1,
                 steps=len(order) if rank == 1 else 3,
             )
             for rank in range(settings.ranks)
@@ -202,8 +210,46 @@ def test_the_window_left_by_a_killed_send(fault, order, client, redis_url, run_i
             for peer in peers:
                 peer.kill()
     assert client.hlen(faults_key(run_id)) == 0, "the armed fault fired"
-    assert [r["topic_step"] for r in read_record(records[0])] == [0, 1, 2]
+    assert [r["topic_step"] for r in read_record(records[0])] == [1, 2, 3]
     assert [r["topic_step"] for r in read_record(records[1])] == order
     interrupted = client.hgetall(RunState(run_id).interrupted_sends)
-    assert interrupted == {b"1:1": b"1"}, "the resend is counted either way"
+    assert interrupted == {b"2:1": b"1"}, "the resend is counted either way"
+    delete_run_keys(settings)
+
+
+def step_dirs(output_dir: Path) -> list[int]:
+    """The steps the run wrote files for, in order."""
+    return sorted(int(path.name.removeprefix("step_")) for path in (output_dir / "rollouts").glob("step_*"))
+
+
+@pytest.mark.parametrize("transport", ["zmq", "fs"])
+def test_a_trainer_resumed_at_step_5_gets_step_5_first(transport, client, redis_url, run_id, tmp_path):
+    """prime-rl's trainer resumed from its step-5 checkpoint expects step 5 next: rlship's
+    first topic, file and record are step 5, then 6 and 7."""
+    (tmp_path / "worker-logs").mkdir()
+    with running_workers(redis_url, tmp_path / "worker-logs") as workers:
+        settings = deterministic_run(client, run_id, redis_url, workers, tmp_path, 3).with_changes(
+            trainers="external", transport=transport, start_step=5
+        )
+        records = [tmp_path / f"stock-rank-{rank}.jsonl" for rank in range(settings.ranks)]
+        peers = [
+            start_stock_peer(
+                transport, rank, record, output_dir=tmp_path, port=settings.zmq_port, start_step=5, steps=3
+            )
+            for rank, record in enumerate(records)
+        ]
+        try:
+            ship(settings, trainers=False, produce=False)
+            assert [peer.wait(60) for peer in peers] == [0, 0]
+        finally:
+            for peer in peers:
+                peer.kill()
+    for record in records:
+        got = read_record(record)
+        assert [r["step"] for r in got] == [5, 6, 7]
+        if transport == "zmq":
+            assert [r["topic_step"] for r in got] == [5, 6, 7], "the first topic is data_rank|r|5"
+    if transport == "fs":
+        assert step_dirs(tmp_path) == [5, 6, 7], "the first file is rollouts/step_5/rank_r.bin"
+    assert [int(r["step"]) for r in metrics_lines(settings)] == [5, 6, 7]
     delete_run_keys(settings)
