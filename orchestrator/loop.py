@@ -43,7 +43,7 @@ from orchestrator.settings import RunSettings
 from tasks.cohort import CohortBuilder
 from tasks.manifest import StepManifest
 from tasks.ship import RunState, finalize, release
-from transport.numbering import required_version, staleness
+from transport.numbering import required_version, staleness, version_after
 from transport.store import AsyncPayloadStore
 
 log = logging.getLogger("rlship.orchestrator")
@@ -560,6 +560,9 @@ class Orchestrator:
         task is enqueued again; the stages are idempotent)."""
         self.next_step = int(await self.client.get(self.state.next_step) or self.start_step)
         self.last_published = int(await self.client.get(self.state.followed) or self.start_step - 1)
+        resumed_version = version_after(self.start_step - 1, self.settings.first_step)
+        if resumed_version > 0:  # trainers resumed at start_step hold the steps before it
+            await self.client.set(self.keys.policy_version, resumed_version, nx=True)
         raw = await self.client.get(self.state.checkpoint)
         if raw is None:
             return

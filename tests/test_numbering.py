@@ -18,6 +18,8 @@ import pytest
 from orchestrator.groups import TRAINABLE, decide_group
 from orchestrator.settings import RunSettings, add_settings_arguments, settings_from_args, settings_to_env
 from tests.factories import group
+from tests.shiprun import delivered, ship, ship_settings
+from transport.keys import RunKeys
 from transport.numbering import required_version, staleness, version_after
 
 # (prime-rl step s, policy version v the trainers announced, max_async_level) ->
@@ -137,3 +139,28 @@ def test_a_group_goes_stale_by_prime_rl_staleness(first_step, next_step, version
     rollouts = [r for r, _ in group("g", [1.0, 0.0], policy_version=version)]
     outcomes = decide_group(rollouts, next_step, max_off_policy_steps=2, first_step=first_step)
     assert {o.fate for o in outcomes} == {fate}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("first_step", "start_step", "steps", "version"),
+    [(1, 1, [1, 2], 2), (0, 3, [3, 4], 5)],
+    ids=["prime-rl-numbering", "resumed-at-3"],
+)
+def test_rlship_trainers_receive_and_acknowledge_the_runs_numbers(
+    first_step, start_step, steps, version, client, redis_url, run_id, workers, tmp_path
+):
+    """End to end with `rlship trainer` ranks: they expect the run's first step, the records
+    carry its numbers, and the policy version after the last step is the number of steps
+    trained (a run resumed at step 3 of a 0-numbered run starts at version 3; with
+    max_async_level 0 its gate would hold forever otherwise)."""
+    settings = ship_settings(
+        run_id, redis_url, workers, tmp_path, steps=2, first_step=first_step, start_step=start_step,
+        max_async_level=0,
+    )  # fmt: skip
+    result = ship(settings)
+    assert [int(r["step"]) for r in result.records] == steps
+    checksums, counts = delivered(client, run_id, settings.ranks)
+    for rank in range(settings.ranks):
+        assert sorted(checksums[rank]) == steps and set(counts[rank].values()) == {1}
+    assert int(client.get(RunKeys(run_id).policy_version)) == version
