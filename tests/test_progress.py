@@ -78,6 +78,13 @@ def test_status_lines() -> None:
     assert waiting == ["steps 0/8 | 0.5 s | waiting for the orchestrator's first status"]
 
 
+def test_status_lines_count_steps_from_the_runs_start_step() -> None:
+    """A run resumed at step 5 that has published 5 and 6 and cut 7: 2 shipped, 3 cut."""
+    status = {**STATUS, "start_step": 5.0, "last_published": 6.0, "next_step": 8.0}
+    lines = status_lines(Snapshot(status, (), {}, now=1000.0), 8, 2, 1.0, 0.0)
+    assert lines[0] == "steps [#####---------------] 2/8 shipped, 3 cut | 1.0 s"
+
+
 def test_progress_bar_and_parse_status() -> None:
     assert progress_bar(0, 4, width=4) == "[----]"
     assert progress_bar(3, 4, width=4) == "[###-]"
