@@ -24,6 +24,7 @@ import redis
 import redis.asyncio as aioredis
 
 from orchestrator.checks import preflight_client
+from orchestrator.logs import configure_logging
 from orchestrator.policy import NO_VERSION
 from orchestrator.records import RolloutRecord
 from orchestrator.settings import RunSettings, add_settings_arguments, settings_from_args
@@ -477,6 +478,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
+    configure_logging(settings.log_json, logging.INFO, run_id=settings.run_id)
     preflight_client("produce", settings).close()
     run_producer(settings, groups=args.groups)
     return 0
