@@ -130,10 +130,13 @@ class Admission:
 
     def gate_room(self, version: int, next_step: int) -> int:
         """The backlog the gate leaves room for: a batch for each step it lets the run cut
-        from `next_step` on at policy `version`, and one call more, so that the next step to
-        open finds its batch ready. While the gate holds, that is one call's worth."""
+        from `next_step` on at policy `version`, and one more, so that the next step to open
+        finds its batch ready; and one call less a rollout on top, so that a batch one short
+        (some rollouts of a group are discarded) can always be completed. While the gate
+        holds, nothing more is admitted once a batch is pending."""
         required = required_version(next_step, self.first_step, self.max_async_level)
-        return max(0, version - required + 1) * self.batch_size + self.largest_call
+        steps = max(0, version - required + 1)
+        return (steps + 1) * self.batch_size + self.largest_call - 1
 
     def oldest_fresh_version(self, next_step: int) -> int:
         """The oldest policy version that is not stale at `next_step`, the earliest step a

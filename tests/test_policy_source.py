@@ -146,22 +146,25 @@ def test_gate_held_stale_and_too_large_are_named(client, redis_url, run_id):
     keys = RunKeys(run_id)
     producer = RolloutProducer.for_run(client, settings)
     # The trainers hold version 0; step 5 needs version 4 (max_async_level 1): the gate
-    # leaves room for one batch beyond what is pending, and no more.
+    # leaves room for the step's batch and a call less one rollout (8 + 8 - 1), no more.
     client.set(keys.run_key("next_step"), 5)
     client.set(keys.known_policy_version, 0)
-    producer.produce(group("a", [1.0, 0.0, 1.0, 0.0], policy_version=4))
-    producer.produce(group("b", [1.0, 0.0, 1.0, 0.0], policy_version=4))
-    with pytest.raises(AdmissionRefused, match=r"gate_held.*policy version is 0.*step 5 needs version 4"):
-        producer.produce(group("c", [1.0, 0.0, 1.0, 0.0], policy_version=4))
+    for name in "abc":
+        producer.produce(group(name, [1.0, 0.0, 1.0, 0.0], policy_version=4))
+    with pytest.raises(
+        AdmissionRefused,
+        match=r"gate_held.*12 rollouts.*the 15 .*policy version is 0.*step 5 needs version 4",
+    ):
+        producer.produce(group("d", [1.0, 0.0, 1.0, 0.0], policy_version=4))
     client.set(keys.known_policy_version, 4)  # step 5 may be cut now: a batch more fits
-    producer.produce(group("c", [1.0, 0.0, 1.0, 0.0], policy_version=4))
+    producer.produce(group("d", [1.0, 0.0, 1.0, 0.0], policy_version=4))
     with pytest.raises(AdmissionRefused, match=r"would_be_stale.*version 1, older than 2.*step 5") as stale:
-        producer.produce(group("d", [1.0, 0.0, 1.0, 0.0], policy_version=1), timeout=30)
+        producer.produce(group("e", [1.0, 0.0, 1.0, 0.0], policy_version=1), timeout=30)
     assert stale.value.reason == "would_be_stale"
     with pytest.raises(AdmissionRefused, match=r"too_large.*9 rollouts.*at most 8") as large:
-        producer.produce(group("e", [1.0, 0.0] * 4 + [1.0], policy_version=4), timeout=30)
+        producer.produce(group("f", [1.0, 0.0] * 4 + [1.0], policy_version=4), timeout=30)
     assert large.value.reason == "too_large"
-    assert client.xlen(keys.rollout_stream) == 12
+    assert client.xlen(keys.rollout_stream) == 16
     PayloadStore(client, run_id).delete_all_rollouts()
 
 
