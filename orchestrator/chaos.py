@@ -152,7 +152,7 @@ def write_workload(settings: RunSettings) -> int:
     """Write whole groups until they hold enough trainable rollouts for every step (plus
     one batch); the fates are decided here exactly as the orchestrator will decide them."""
     client = redis.Redis.from_url(settings.redis_url)
-    producer = RolloutProducer.for_run(client, settings)
+    producer = RolloutProducer.for_run(client, settings, admitted=False)  # written up front
     workload = SyntheticWorkload(seed=settings.seed, group_size=settings.group_size, seq_len=settings.seq_len)
     needed = (settings.steps + 1) * settings.batch_size
     trainable = written = 0

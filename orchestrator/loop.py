@@ -37,6 +37,7 @@ from orchestrator.diagnosis import DIAGNOSE_SECONDS, RedisOutOfMemory, stall_rea
 from orchestrator.groups import TRAINABLE, GroupBuffer, decide_group
 from orchestrator.lag_probe import LagProbe
 from orchestrator.monitors import Monitors
+from orchestrator.policy import NO_VERSION, PolicyVersion
 from orchestrator.records import IDENTIFIER, RecordRejected, parse_record
 from orchestrator.rollout_log import RolloutLog
 from orchestrator.settings import RunSettings
@@ -53,7 +54,8 @@ READ_BLOCK_MS = 100
 POLL_SECONDS = 0.01
 RECENT_RECORDS = 8
 LEASE_SECONDS = 5  # a killed orchestrator's successor waits at most this long to start
-STALL_REPORT_SECONDS = 2.0  # a policy wait this long is reported, naming the ranks behind it
+STALL_REPORT_SECONDS = 2.0  # a policy wait this long is reported, naming what it waits for
+POLICY_REPORT_SECONDS = 5.0  # and again this often while it lasts
 STALL_CHECK_SECONDS = 1.0  # how often the stall watchdog looks at the steps in flight
 STALL_BACKOFF_MAX_SECONDS = 600.0
 # The run-alive mark outlives its orchestrator by this much: a restarted one (which waits out
@@ -97,6 +99,7 @@ class Orchestrator:
         self.keys = self.store.keys
         self.state = RunState(settings.run_id)
         self.config = settings.ship_config()
+        self.policy = PolicyVersion(settings, client)
         self.groups = GroupBuffer(settings.group_size, memory=settings.dedupe_horizon)
         self.window = CohortBuilder()
         self.pending = CohortBuilder()  # trainable rows, in completion order, cut from the front
@@ -225,41 +228,46 @@ class Orchestrator:
     # -- cutting and dispatch ----------------------------------------------------------
 
     async def wait_for_policy(self, step: int) -> float:
-        """Hold step `step` until the trainer's policy version is >= step - 1 - max_async_level;
-        add the time waited to the run's policy-wait total (the finalizer consumes it)."""
-        if self.settings.trainers == "external":
-            return 0.0
+        """Hold step `step` until the trainers' policy version (from the run's policy source)
+        reaches `required_version`; add the time waited to the run's policy-wait total (the
+        finalizer consumes it). While held, say every few seconds what it waits for."""
         needed = required_version(step, self.settings.first_step, self.settings.max_async_level)
-        if int(await self.client.get(self.keys.policy_version) or 0) >= needed:
+        if self.policy.version >= needed:
             return 0.0
         started = time.perf_counter()
         next_report = started + STALL_REPORT_SECONDS
-        while int(await self.client.get(self.keys.policy_version) or 0) < needed:
+        reported = False
+        while self.policy.version < needed:
             if self._stopping.is_set():
                 return 0.0
             if time.perf_counter() >= next_report:
-                await self._report_stalled_ranks(step, needed - 1, time.perf_counter() - started)
-                next_report += STALL_REPORT_SECONDS * 10
-            await asyncio.sleep(POLL_SECONDS)
-        if next_report > started + STALL_REPORT_SECONDS:
-            await self.client.hdel(self.state.status, "stalled_ranks")
+                await self._report_policy_wait(step, needed, time.perf_counter() - started)
+                next_report = time.perf_counter() + POLICY_REPORT_SECONDS
+                reported = True
+            await self.policy.moved(min(1.0, max(POLL_SECONDS, next_report - time.perf_counter())))
+        if reported:
+            await self.client.hdel(self.state.status, "stalled_ranks", "policy_gate")
             log.warning("step %d: the policy gate opened after %.1f s", step, time.perf_counter() - started)
         waited = time.perf_counter() - started
         await self.client.incrbyfloat(self.state.policy_wait, waited)
         return waited
 
-    async def _report_stalled_ranks(self, step: int, awaited_step: int, seconds: float) -> None:
-        """Name the ranks that hold the gate shut (a trainer that stopped reading, or died)."""
-        acknowledged = {int(r) for r in await self.client.smembers(self.keys.trained(awaited_step))}
-        stalled = sorted(set(range(self.settings.ranks)) - acknowledged)
-        await self.client.hset(self.state.status, "stalled_ranks", json.dumps(stalled))
-        log.warning(
-            "step %d waits for the policy: rank(s) %s have not acknowledged step %d for %.0f s",
-            step,
-            stalled,
-            awaited_step,
-            seconds,
+    async def _report_policy_wait(self, step: int, needed: int, seconds: float) -> None:
+        """Name the source and version the gate waits for and, with rlship's trainers, the
+        ranks that have not acknowledged the step that raises it (one stopped reading, or died)."""
+        have = "none" if self.policy.version == NO_VERSION else self.policy.version
+        held = (
+            f"step {step} held by the policy gate: waiting for version {needed} from "
+            f"{self.policy.describe()} (have {have}) for {seconds:.1f} s"
         )
+        if self.settings.trainers == "builtin" and self.policy.source != "broadcasts":
+            awaited_step = needed - 1  # rlship's trainer raises the version to step + 1
+            acknowledged = {int(r) for r in await self.client.smembers(self.keys.trained(awaited_step))}
+            stalled = sorted(set(range(self.settings.ranks)) - acknowledged)
+            await self.client.hset(self.state.status, "stalled_ranks", json.dumps(stalled))
+            held += f"; rank(s) {stalled} have not acknowledged step {awaited_step}"
+        await self.client.hset(self.state.status, "policy_gate", held)
+        log.warning("%s", held)
 
     def _drop_stale_pending(self, step: int) -> list[str]:
         """Pending rollouts that went stale while waiting are discarded at the cut."""
@@ -599,9 +607,11 @@ class Orchestrator:
             acquired.cancel()
             lease.result()  # the error that kept the lease from being taken (a Redis refusing writes)
         await self.resume()
+        await self.policy.update()  # the first gate decision needs no wait for the follower
         probe = asyncio.create_task(self.probe.run())
         loops = [
             lease,
+            asyncio.create_task(self.policy.follow(self._stopping)),
             asyncio.create_task(self.ingest()),
             asyncio.create_task(self.dispatch()),
             asyncio.create_task(self.watch_stalled_steps()),

@@ -11,6 +11,7 @@ per-task difficulty (so some groups have zero advantage), errors and truncations
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import threading
 import time
@@ -23,11 +24,14 @@ import redis
 import redis.asyncio as aioredis
 
 from orchestrator.checks import preflight_client
+from orchestrator.logs import configure_logging
+from orchestrator.policy import NO_VERSION
 from orchestrator.records import RolloutRecord
 from orchestrator.settings import RunSettings, add_settings_arguments, settings_from_args
 from tasks.stages.finalize import check_rollout_arrays
 from transport.connection import connect_redis
 from transport.keys import RunKeys
+from transport.numbering import required_version
 from transport.schema import EncodedTensor, SchemaError
 from transport.store import DEFAULT_TTL_SECONDS, flat_arrays, pack_arrays
 
@@ -42,9 +46,114 @@ class RolloutRejected(ValueError):
         self.problems = problems
 
 
-def check_rollouts(
-    rollouts: Rollouts, max_tokens: int, vocab_size: int
-) -> None:
+# KEYS: the rollout stream, the produced and accounted counters, the refused-writes counter,
+# then one payload key per rollout. ARGV: the TTL, the backlog limit (-1: not admitted), the
+# room the policy gate leaves, then per rollout its arrays blob and its record. The call is
+# admitted whole or not at all, in the same step as the writes, so concurrent producers cannot
+# overshoot: the backlog (produced, not yet accounted by the orchestrator: in the stream, in
+# open groups or pending) plus this call must fit both bounds. A payload is written only if
+# its key is new (a claim check is written once), and only then is its record appended: a
+# duplicate id can neither replace the original's arrays nor reach the orchestrator.
+# Returns the verdict, the backlog, then the 1-based positions of the refused rollouts.
+_PRODUCE_LUA = """
+local limit = tonumber(ARGV[2])
+if limit >= 0 then
+  local calls = #KEYS - 4
+  local backlog = tonumber(redis.call('GET', KEYS[2]) or '0') - tonumber(redis.call('GET', KEYS[3]) or '0')
+  if backlog + calls > limit then
+    return {'backlog', backlog}
+  end
+  if backlog + calls > tonumber(ARGV[3]) then
+    return {'gate_held', backlog}
+  end
+end
+local reply = {'ok', 0}
+for i = 5, #KEYS do
+  local at = 4 + (i - 5) * 2
+  if redis.call('SET', KEYS[i], ARGV[at], 'NX', 'EX', ARGV[1]) then
+    redis.call('XADD', KEYS[1], '*', 'record', ARGV[at + 1])
+    redis.call('INCR', KEYS[2])
+  else
+    redis.call('INCR', KEYS[4])
+    table.insert(reply, i - 4)
+  end
+end
+return reply
+"""
+
+DEFAULT_LIMITS = RunSettings()
+ADMISSION_POLL_SECONDS = 0.05
+WAIT_REPORT_SECONDS = 5.0  # `rlship produce` says why it waits this often
+log = logging.getLogger("rlship.producer")
+
+
+class AdmissionRefused(RuntimeError):
+    """A call the run does not admit; nothing of it was written. `reason`: backlog or
+    gate_held (it passes: `produce(..., timeout=...)` waits), would_be_stale or too_large
+    (it never passes)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"produce refused ({reason}): {message}")
+        self.reason = reason
+
+
+PASSING_REFUSALS = frozenset({"backlog", "gate_held"})
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What a run admits from its producers: no more outstanding rollouts than its limit,
+    none beyond what the policy gate lets it train soon, and none already stale."""
+
+    limit: int
+    batch_size: int
+    group_size: int
+    first_step: int
+    max_async_level: int
+    max_off_policy_steps: int
+
+    @classmethod
+    def for_run(cls, settings: RunSettings) -> Admission:
+        return cls(
+            limit=settings.outstanding_limit,
+            batch_size=settings.batch_size,
+            group_size=settings.group_size,
+            first_step=settings.first_step,
+            max_async_level=settings.max_async_level,
+            max_off_policy_steps=settings.max_off_policy_steps,
+        )
+
+    @property
+    def largest_call(self) -> int:
+        """Rollouts one call may hold: a batch (or a group, if larger), within the limit."""
+        return min(self.limit, max(self.batch_size, self.group_size))
+
+    def gate_room(self, version: int, next_step: int) -> int:
+        """The backlog the gate leaves room for: a batch for each step it lets the run cut
+        from `next_step` on at policy `version`, and one more, so that the next step to open
+        finds its batch ready; and one call less a rollout on top, so that a batch one short
+        (some rollouts of a group are discarded) can always be completed. While the gate
+        holds, nothing more is admitted once a batch is pending."""
+        required = required_version(next_step, self.first_step, self.max_async_level)
+        steps = max(0, version - required + 1)
+        return (steps + 1) * self.batch_size + self.largest_call - 1
+
+    def oldest_fresh_version(self, next_step: int) -> int:
+        """The oldest policy version that is not stale at `next_step`, the earliest step a
+        rollout produced now can ship in (the orchestrator's rule, orchestrator.groups)."""
+        return next_step - self.max_off_policy_steps
+
+
+@dataclass(frozen=True)
+class _Gate:
+    """What a producer read of the run before its call: admission's arguments."""
+
+    version: int
+    next_step: int
+    room: int
+
+
+def check_rollouts(rollouts: Rollouts, max_tokens: int, vocab_size: int) -> None:
     """The workers' own payload checks, run where the bad data is made (the producer), and
     one id given twice in the same call."""
     problems = {}
@@ -71,35 +180,13 @@ def check_rollouts(
         raise RolloutRejected(problems)
 
 
-# KEYS: the rollout stream, the produced counter, the refused-writes counter, then one payload
-# key per rollout. ARGV: the TTL, then per rollout its arrays blob and its record. A payload
-# is written only if its key is new (a claim check is written once), and only then is its
-# record appended: a duplicate id can neither replace the original's arrays nor reach the
-# orchestrator. Returns the 1-based positions of the refused rollouts.
-_PRODUCE_LUA = """
-local refused = {}
-for i = 4, #KEYS do
-  local at = 2 + (i - 4) * 2
-  if redis.call('SET', KEYS[i], ARGV[at], 'NX', 'EX', ARGV[1]) then
-    redis.call('XADD', KEYS[1], '*', 'record', ARGV[at + 1])
-    redis.call('INCR', KEYS[2])
-  else
-    redis.call('INCR', KEYS[3])
-    table.insert(refused, i - 3)
-  end
-end
-return refused
-"""
-
-DEFAULT_LIMITS = RunSettings()
-log = logging.getLogger("rlship.producer")
-
-
 class _Producer:
     """What both producer APIs share. Records are validated by their pydantic model; arrays
     by the workers' checks against the run's limits (`max_tokens` as its `seq_len`, and its
     vocabulary; by default those of a run with default settings), so a bad rollout fails
-    where it is made, naming its field and value."""
+    where it is made, naming its field and value. With an `Admission` (`for_run`), a call
+    is written only if the run admits it (`AdmissionRefused`); without one (a workload
+    written up front, as tests do), every call is written."""
 
     def __init__(
         self,
@@ -108,38 +195,102 @@ class _Producer:
         ttl_seconds: int = DEFAULT_TTL_SECONDS,
         max_tokens: int = DEFAULT_LIMITS.seq_len,
         vocab_size: int = DEFAULT_LIMITS.vocab_size,
+        admission: Admission | None = None,
     ) -> None:
         self.client = client
         self.keys = RunKeys(run_id)
         self.ttl = ttl_seconds
         self.max_tokens = max_tokens
         self.vocab_size = vocab_size
+        self.admission = admission
         self._produce = client.register_script(_PRODUCE_LUA)
+        self._gate_keys = [self.keys.known_policy_version, self.keys.run_key("next_step")]
 
     @classmethod
-    def for_run(cls, client: Any, settings: RunSettings) -> Self:
-        """A producer checking rollouts against the run's `seq_len` and vocabulary."""
-        return cls(client, settings.run_id, max_tokens=settings.seq_len, vocab_size=settings.vocab_size)
+    def for_run(cls, client: Any, settings: RunSettings, admitted: bool = True) -> Self:
+        """A producer checking rollouts against the run's `seq_len` and vocabulary and, unless
+        `admitted` is False, admitted by the run's limits."""
+        return cls(
+            client,
+            settings.run_id,
+            max_tokens=settings.seq_len,
+            vocab_size=settings.vocab_size,
+            admission=Admission.for_run(settings) if admitted else None,
+        )
 
     def _script_arguments(self, rollouts: Rollouts) -> tuple[list[str], list[Any]]:
         """Check every rollout (RolloutRejected, nothing written, if any is bad), then the
-        script's keys and arguments: arrays before records, so a record never points at a
-        payload not there yet."""
+        script's keys and per-rollout arguments: arrays before records, so a record never
+        points at a payload not there yet."""
         check_rollouts(rollouts, self.max_tokens, self.vocab_size)
-        keys = [self.keys.rollout_stream, self.keys.run_key("produced"), self.keys.refused_writes]
-        args: list[Any] = [self.ttl]
+        keys = [
+            self.keys.rollout_stream,
+            self.keys.run_key("produced"),
+            self.keys.run_key("accounted"),
+            self.keys.refused_writes,
+        ]
+        args: list[Any] = []
         for record, arrays in rollouts:
             keys.append(self.keys.rollout(record.rollout_id))
             args += [pack_arrays(arrays), record.model_dump_json()]
         return keys, args
 
-    @staticmethod
-    def _raise_refused(rollouts: Rollouts, refused: list[int]) -> None:
-        problem = (
-            "rollout_id: already stored for this run; the original is kept and this write was "
-            "refused (the others of the call were written)"
-        )
+    def _gate(self, rollouts: Rollouts, known: bytes | None, next_step: bytes | None) -> _Gate:
+        """Admission's view of the run (the orchestrator's policy version and next step, both
+        only ever rising, so a read that is late errs on the safe side); refuses at once what
+        waiting cannot cure."""
+        assert self.admission is not None
+        if len(rollouts) > self.admission.largest_call:
+            raise AdmissionRefused(
+                "too_large",
+                f"{len(rollouts)} rollouts in one call; the run admits at most "
+                f"{self.admission.largest_call} at once (a batch, or a group if larger)",
+            )
+        version = int(known if known is not None else NO_VERSION)
+        step = int(next_step or 0)
+        oldest = self.admission.oldest_fresh_version(step)
+        for record, _ in rollouts:
+            if record.policy_version < oldest:
+                raise AdmissionRefused(
+                    "would_be_stale",
+                    f"rollout {record.rollout_id!r} has policy version {record.policy_version}, older "
+                    f"than {oldest}, the oldest the run's next step {step} may train "
+                    f"(max_off_policy_steps {self.admission.max_off_policy_steps})",
+                )
+        return _Gate(version, step, self.admission.gate_room(version, step))
+
+    def _call_arguments(self, gate: _Gate | None, data: list[Any]) -> list[Any]:
+        if gate is None or self.admission is None:
+            return [self.ttl, -1, -1, *data]
+        return [self.ttl, self.admission.limit, gate.room, *data]
+
+    def _verdict(self, rollouts: Rollouts, gate: _Gate | None, reply: list[Any]) -> None:
+        """Raise what the script refused: the whole call (admission), or some of its ids."""
+        verdict, backlog, *refused = reply
+        if verdict == b"backlog":
+            assert self.admission is not None
+            raise AdmissionRefused(
+                "backlog",
+                f"{backlog} rollouts outstanding (in the stream, in open groups or pending, not yet "
+                f"cut) and {len(rollouts)} more exceed the run's limit of {self.admission.limit} "
+                "(max_outstanding_rollouts)",
+            )
+        if verdict == b"gate_held":
+            assert self.admission is not None and gate is not None
+            required = required_version(
+                gate.next_step, self.admission.first_step, self.admission.max_async_level
+            )
+            raise AdmissionRefused(
+                "gate_held",
+                f"{backlog} rollouts outstanding and {len(rollouts)} more exceed the {gate.room} the "
+                f"policy gate leaves room for: the trainers' policy version is {gate.version} and "
+                f"the run's next step {gate.next_step} needs version {required}",
+            )
         if refused:
+            problem = (
+                "rollout_id: already stored for this run; the original is kept and this write was "
+                "refused (the others of the call were written)"
+            )
             raise RolloutRejected({rollouts[position - 1][0].rollout_id: problem for position in refused})
 
 
@@ -148,14 +299,31 @@ class RolloutProducer(_Producer):
 
     client: redis.Redis
 
-    def produce(self, rollouts: Rollouts) -> None:
-        keys, args = self._script_arguments(rollouts)
-        self._raise_refused(rollouts, self._produce(keys=keys, args=args))
+    def produce(self, rollouts: Rollouts, timeout: float | None = None) -> None:
+        """Write the rollouts, or raise: RolloutRejected (bad data, a duplicate id), or
+        AdmissionRefused; a refusal that passes (backlog, gate held) is waited out for up
+        to `timeout` seconds, if given."""
+        keys, data = self._script_arguments(rollouts)
+        deadline = time.monotonic() + (timeout or 0.0)
+        while True:
+            try:
+                gate = self._gate(rollouts, *self.client.mget(self._gate_keys)) if self.admission else None
+                reply = self._produce(keys=keys, args=self._call_arguments(gate, data))
+                return self._verdict(rollouts, gate, reply)
+            except AdmissionRefused as exc:
+                if exc.reason not in PASSING_REFUSALS or time.monotonic() >= deadline:
+                    raise
+            time.sleep(ADMISSION_POLL_SECONDS)
 
     def outstanding(self) -> int:
         """Rollouts appended but not yet accounted for by the orchestrator (shipped or discarded)."""
         produced, accounted = self.client.mget(self.keys.run_key("produced"), self.keys.run_key("accounted"))
         return int(produced or 0) - int(accounted or 0)
+
+    def policy_version(self) -> int:
+        """The trainers' policy version as the orchestrator knows it (0 before it knows one):
+        the version to stamp on rollouts sampled now."""
+        return max(0, int(self.client.get(self.keys.known_policy_version) or 0))
 
 
 class AsyncRolloutProducer(_Producer):
@@ -163,9 +331,19 @@ class AsyncRolloutProducer(_Producer):
 
     client: aioredis.Redis
 
-    async def produce(self, rollouts: Rollouts) -> None:
-        keys, args = self._script_arguments(rollouts)
-        self._raise_refused(rollouts, await self._produce(keys=keys, args=args))
+    async def produce(self, rollouts: Rollouts, timeout: float | None = None) -> None:
+        keys, data = self._script_arguments(rollouts)
+        deadline = time.monotonic() + (timeout or 0.0)
+        while True:
+            try:
+                known = await self.client.mget(self._gate_keys) if self.admission else None
+                gate = self._gate(rollouts, *known) if known is not None else None
+                reply = await self._produce(keys=keys, args=self._call_arguments(gate, data))
+                return self._verdict(rollouts, gate, reply)
+            except AdmissionRefused as exc:
+                if exc.reason not in PASSING_REFUSALS or time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(ADMISSION_POLL_SECONDS)
 
 
 @dataclass
@@ -255,10 +433,12 @@ def run_producer(
     settings: RunSettings,
     groups: int | None = None,
     stop: threading.Event | None = None,
-    poll_seconds: float = 0.02,
+    poll_seconds: float = 0.5,
 ) -> int:
-    """Produce groups until `groups` are written or `stop` is set (or forever), staying
-    within the orchestrator's outstanding-rollout limit and following the policy version."""
+    """Produce groups until `groups` are written or `stop` is set (or forever), each as the
+    run admits it, stamped with the trainers' policy version at the time. While the run
+    refuses (backlog, gate held), wait, saying why every few seconds; a group the run can
+    never take is skipped with a warning."""
     client = connect_redis(settings.redis_url)
     producer = RolloutProducer.for_run(client, settings)
     workload = SyntheticWorkload(
@@ -270,16 +450,26 @@ def run_producer(
     # A resumed run: the groups its earlier start wrote are made again (same seed) and skipped.
     for _ in range(int(client.get(producer.keys.run_key("produced")) or 0) // settings.group_size):
         workload.group()
+    stopped = stop.is_set if stop is not None else lambda: False
     written = 0
-    while (groups is None or written < groups) and not (stop is not None and stop.is_set()):
-        if producer.outstanding() + settings.group_size > settings.outstanding_limit:
-            time.sleep(poll_seconds)
-            continue
-        workload.policy_version = int(client.get(producer.keys.policy_version) or 0)
-        try:
-            producer.produce(workload.group())
-        except RolloutRejected as exc:
-            log.warning("%s", exc)
+    reported = 0.0
+    while (groups is None or written < groups) and not stopped():
+        group = workload.group()
+        while not stopped():
+            version = producer.policy_version()
+            stamped = [(r.model_copy(update={"policy_version": version}), a) for r, a in group]
+            try:
+                producer.produce(stamped, timeout=poll_seconds)
+            except AdmissionRefused as exc:
+                if exc.reason in PASSING_REFUSALS:
+                    if time.monotonic() - reported >= WAIT_REPORT_SECONDS:
+                        log.warning("producer waits: %s", exc)
+                        reported = time.monotonic()
+                    continue
+                log.warning("%s; group skipped", exc)
+            except RolloutRejected as exc:
+                log.warning("%s", exc)
+            break
         written += 1
     return written
 
@@ -291,6 +481,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
+    configure_logging(settings.log_json, logging.INFO, run_id=settings.run_id)
     preflight_client("produce", settings).close()
     run_producer(settings, groups=args.groups)
     return 0

@@ -48,14 +48,16 @@ class Snapshot:
     now: float  # unix time of the read
     stalled_ranks: tuple[int, ...] = ()  # ranks the policy gate has waited on for seconds
     stall_reason: str = ""  # why a step makes no progress, from the orchestrator's watchdog
+    policy_gate: str = ""  # what the policy gate holds a step for (source, version)
 
 
 def parse_status(raw: dict[bytes, bytes]) -> tuple[dict[str, float], tuple[int, ...]]:
     """The status hash: numeric fields, and `stalled_ranks` (a JSON list) apart; the text
-    `stall_reason` is read on its own."""
+    `stall_reason` and `policy_gate` are read on their own."""
     fields = {k.decode(): v.decode() for k, v in raw.items()}
     stalled = tuple(json.loads(fields.pop("stalled_ranks", "[]")))
     fields.pop("stall_reason", None)
+    fields.pop("policy_gate", None)
     return {k: float(v) for k, v in fields.items()}, stalled
 
 
@@ -115,6 +117,7 @@ def status_lines(
         f"loop lag {status.get('loop_lag_max_ms', 0.0):.1f} ms now, {lag_peak_ms:.1f} ms max "
         f"| status {max(0.0, age):.1f} s old{stalled}",
         *([f"stuck: {snapshot.stall_reason}"] if snapshot.stall_reason else []),
+        *([f"held: {snapshot.policy_gate}"] if snapshot.policy_gate else []),
     ]
 
 
@@ -172,7 +175,8 @@ class StatusReader:
             )
         queued = dict(zip(self.queues, lengths, strict=True))
         reason = raw_status.get(b"stall_reason", b"").decode()
-        return Snapshot(status, tuple(marks), queued, time.time(), stalled, reason)
+        held = raw_status.get(b"policy_gate", b"").decode()
+        return Snapshot(status, tuple(marks), queued, time.time(), stalled, reason, held)
 
     def new_records(self) -> list[dict[str, float]]:
         """Records published since the previous call."""

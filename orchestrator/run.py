@@ -88,6 +88,7 @@ def run_local(settings: RunSettings, summary_path: Path | None) -> dict[str, Any
         update={
             "output_dir": Path(settings.output_dir).resolve(),
             "record_rollouts": settings.record_rollouts and Path(settings.record_rollouts).resolve(),
+            "broadcast_dir": settings.broadcast_dir and Path(settings.broadcast_dir).resolve(),
         }
     )
     output_dir = Path(settings.output_dir)

@@ -62,6 +62,15 @@ class RunSettings(BaseSettings):
     max_off_policy_steps: int = Field(default=8, ge=0)
     normalize_advantages: bool = False
     trainers: Literal["builtin", "external"] = "builtin"
+    policy_source: Literal["redis", "broadcasts", "both"] | None = Field(
+        default=None,
+        description="where the policy gate reads the trainers' version: redis (rlship trainer), "
+        "broadcasts (prime-rl's broadcast_dir/step_N/STABLE) or both; unset: redis for builtin "
+        "trainers, broadcasts for external",
+    )
+    broadcast_dir: Path | None = Field(
+        default=None, description="prime-rl's weight-broadcast directory; unset: output_dir/broadcasts"
+    )
     cpu_workers: int = Field(default=2, ge=1)
     cpu_worker_max_memory_mib: int = Field(
         default=2048, ge=64, description="a cpu pool process grown past this is replaced after its task"
@@ -92,7 +101,16 @@ class RunSettings(BaseSettings):
         default=False, description="run on a Redis that may evict keys (warned, not refused)"
     )
 
-    @field_validator("wandb_project", "record_rollouts", "envs", "first_step", "start_step", mode="before")
+    @field_validator(
+        "wandb_project",
+        "record_rollouts",
+        "envs",
+        "policy_source",
+        "broadcast_dir",
+        "first_step",
+        "start_step",
+        mode="before",
+    )
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
         """An empty variable means unset, which is how `settings_to_env` passes None on."""

@@ -17,6 +17,7 @@ import redis
 import redis.asyncio as aioredis
 
 from orchestrator.loop import Orchestrator
+from orchestrator.policy import broadcast_dir
 from orchestrator.producer import RolloutProducer, run_producer
 from orchestrator.settings import RunSettings, settings_to_env
 from tests.conftest import REPO, Workers, python_command
@@ -44,6 +45,16 @@ def ship_settings(
     }
     values.update(overrides)
     return RunSettings(**values)
+
+
+def open_policy_gate(settings: RunSettings) -> None:
+    """Announce, as a prime-rl trainer does (`{broadcast_dir}/step_{n}/STABLE`), a policy
+    version no step of the run waits beyond: for tests whose external trainers announce
+    nothing (no one reads, or the test reads the files afterwards) and that do not test
+    the gate."""
+    stable = broadcast_dir(settings) / f"step_{settings.steps}" / "STABLE"
+    stable.parent.mkdir(parents=True, exist_ok=True)
+    stable.touch()
 
 
 def start_trainers(settings: RunSettings, ranks: list[int] | None = None) -> list[subprocess.Popen]:

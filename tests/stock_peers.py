@@ -31,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,19 +86,28 @@ class Announcer:
         self.enabled = enabled
         self.announced = -1
         self.trained = -1
+        self._lock = threading.Lock()
 
     def trained_through(self, version: int) -> None:
         self.trained = max(self.trained, version)
         self.flush()
 
     def flush(self) -> None:
-        if not self.enabled or self.pause_file.exists():
-            return
-        while self.announced < self.trained:
-            self.announced += 1
-            directory = self.output_dir / "broadcasts" / f"step_{self.announced}"
-            directory.mkdir(parents=True, exist_ok=True)
-            (directory / "STABLE").touch()
+        with self._lock:
+            if not self.enabled or self.pause_file.exists():
+                return
+            while self.announced < self.trained:
+                self.announced += 1
+                directory = self.output_dir / "broadcasts" / f"step_{self.announced}"
+                directory.mkdir(parents=True, exist_ok=True)
+                (directory / "STABLE").touch()
+
+    def keep_flushing(self) -> None:
+        """Announce what a pause held back as soon as it ends, with no step arriving: a
+        trainer's policy gate sends none until it hears of progress."""
+        while True:
+            time.sleep(0.1)
+            self.flush()
 
 
 def run(args: argparse.Namespace) -> None:
@@ -107,6 +117,7 @@ def run(args: argparse.Namespace) -> None:
         Path(args.output_dir), pause_file_of(record), enabled=args.rank == 0 and args.announce
     )
     announcer.trained_through(args.start_step - 1)  # the weights it starts from
+    threading.Thread(target=announcer.keep_flushing, daemon=True).start()
     if args.transport == "zmq":
         messages = zmq_messages(args.host, args.port, args.rank)
     else:

@@ -5,6 +5,7 @@ with the number of rollouts seen."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import tracemalloc
 
@@ -13,10 +14,10 @@ import psutil
 import pytest
 import redis
 
-from orchestrator.producer import RolloutProducer
+from orchestrator.producer import AdmissionRefused, RolloutProducer
 from orchestrator.settings import RunSettings
 from tests.factories import group
-from tests.shiprun import run_orchestrator, ship_settings
+from tests.shiprun import open_policy_gate, run_orchestrator, ship_settings
 from transport.keys import RunKeys
 from transport.store import PayloadStore
 
@@ -35,10 +36,10 @@ def produce_mostly_discarded(settings: RunSettings, stop) -> None:
             continue
         rewards = [1.0, 0.0, 1.0, 0.0] if rng.random() < 0.1 else [float(rng.integers(0, 2))] * 4
         policy = int(client.get(producer.keys.run_key("next_step")) or 0)  # on-policy: never stale
-        producer.produce(
-            group(f"b{index}", rewards, num_output_tokens=int(rng.integers(20, 200)), policy_version=policy)
-        )
-        index += 1
+        with contextlib.suppress(AdmissionRefused):  # another turn of this loop waits
+            tokens = int(rng.integers(20, 200))
+            producer.produce(group(f"b{index}", rewards, num_output_tokens=tokens, policy_version=policy))
+            index += 1
 
 
 def run_bytes(client: redis.Redis, keys: RunKeys) -> int:
@@ -57,6 +58,7 @@ def test_memory_stays_flat_while_most_groups_are_discarded(client, redis_url, ru
         run_id, redis_url, workers, tmp_path, transport="fs", trainers="external", ranks=1, steps=STEPS,
         batch_size=8, group_size=4, samples_per_step=0, dedupe_horizon=256, max_outstanding_rollouts=64,
     )  # fmt: skip
+    open_policy_gate(settings)  # no trainer reads the files, nor announces a policy
     store = PayloadStore(client, run_id)
     samples: list[tuple[int, int, int, int, int]] = []  # arrived, rollout keys, redis bytes, traced, rss
 

@@ -19,7 +19,7 @@ from orchestrator.producer import RolloutProducer
 from orchestrator.settings import RunSettings
 from tasks.ship import RunState, encode, finalize, metrics, pack, prune, publish, release, send
 from tests.factories import group
-from tests.shiprun import ship_settings
+from tests.shiprun import open_policy_gate, ship_settings
 from tests.test_ship_path import leftover_keys
 from tests.wire_trainer import WireTrainer
 from transport.keys import RunKeys
@@ -107,6 +107,7 @@ def test_stage_tasks_enqueued_again_for_a_done_step_change_nothing(
         trainers="external", max_async_level=0, max_off_policy_steps=100, samples_per_step=0,
         first_step=0,  # the steps below are numbered from 0
     )  # fmt: skip
+    open_policy_gate(settings)  # the plain-socket trainer announces no policy
     producer = RolloutProducer(client, run_id)
     for index in range(STEPS * 2):
         producer.produce(group(f"x{index}", [1.0, 0.0, 1.0, 0.0]))

@@ -14,7 +14,7 @@ import pytest
 from orchestrator.bench.encode import WireEncodedTensor, WireMicroBatch
 from orchestrator.producer import RolloutProducer, RolloutRejected
 from tests.factories import rollout
-from tests.shiprun import ship, ship_settings
+from tests.shiprun import open_policy_gate, ship, ship_settings
 from transport.schema import EncodedTensor
 
 pytestmark = pytest.mark.timeout(180)
@@ -46,6 +46,7 @@ def test_every_optional_stream_reaches_the_wire_as_msgspec_reads_it(
         run_id, redis_url, workers, tmp_path, steps=STEPS, transport="fs", trainers="external",
         batch_size=8, group_size=4, max_off_policy_steps=100,
     )  # fmt: skip
+    open_policy_gate(settings)  # the files are read afterwards: no trainer announces a policy
     producer = RolloutProducer(client, run_id)
     produced = {}
     for g in range(STEPS * 2 + 2):

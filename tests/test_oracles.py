@@ -18,7 +18,7 @@ import pytest
 from orchestrator.producer import RolloutProducer
 from orchestrator.records import RolloutRecord
 from tasks.ship import RunState
-from tests.shiprun import run_orchestrator, ship, ship_settings
+from tests.shiprun import open_policy_gate, run_orchestrator, ship, ship_settings
 from tests.wire_trainer import WireTrainer
 from transport.filesystem import payload_path
 from transport.keys import RunKeys
@@ -219,6 +219,7 @@ def test_what_a_trainer_decodes_is_what_the_rollouts_said(
     sent = write_workload(client, run_id)
     keys = RunKeys(run_id)
     if transport == "zmq":
+        open_policy_gate(settings)  # the plain-socket trainer announces no policy
         # An independent trainer: plain sockets, every message kept as it arrived.
         with WireTrainer("127.0.0.1", settings.zmq_port, RANKS) as trainer:
             asyncio.run(run_orchestrator(settings))

@@ -17,7 +17,7 @@ from orchestrator.producer import RolloutProducer
 from orchestrator.reference import check_advantages, compare, reference_records
 from orchestrator.settings import RunSettings
 from tests.factories import rollout
-from tests.shiprun import run_orchestrator, ship_settings
+from tests.shiprun import open_policy_gate, run_orchestrator, ship_settings
 from transport.store import PayloadStore, pack_arrays
 
 SCENARIOS = 50
@@ -41,7 +41,7 @@ def produce_scenario(seed: int, settings: RunSettings, stop: threading.Event) ->
     written with small pauses so that windows and cuts interleave differently."""
     rng = np.random.default_rng(seed + 1000)
     client = redis.Redis.from_url(settings.redis_url)
-    producer = RolloutProducer.for_run(client, settings)
+    producer = RolloutProducer.for_run(client, settings, admitted=False)  # stale ones on purpose
     store = PayloadStore(client, settings.run_id)
     envs = ENVS[: int(rng.integers(1, 4))]
     error_rate, cancel_rate, corrupt_rate = (
@@ -88,6 +88,7 @@ def produce_scenario(seed: int, settings: RunSettings, stop: threading.Event) ->
 @pytest.mark.parametrize("seed", range(SCENARIOS))
 def test_records_equal_the_reference(seed, client, redis_url, run_id, workers, tmp_path):
     settings = scenario_settings(seed, run_id, redis_url, workers, tmp_path)
+    open_policy_gate(settings)  # the files are read by no trainer, which announces no policy
     stop = threading.Event()
     producer = threading.Thread(target=produce_scenario, args=(seed, settings, stop))
     producer.start()

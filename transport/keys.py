@@ -59,6 +59,12 @@ class RunKeys:
         return f"{self.prefix}policy_version"
 
     @property
+    def known_policy_version(self) -> str:
+        """The version the orchestrator's gate knows from its policy source, mirrored for
+        producers (an external trainer may announce it outside Redis)."""
+        return f"{self.prefix}known_policy_version"
+
+    @property
     def policy_channel(self) -> str:
         return f"{self.prefix}policy"
 

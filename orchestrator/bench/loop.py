@@ -295,7 +295,7 @@ def feed(settings: RunSettings, batches: list[StepBatch], group: ProcessGroup, d
     """The producer of the celery placement: step k's rollouts go to Redis once step k - 1 is
     published, so they are ingested before the cut, as the in-process placements hold theirs."""
     client = redis.Redis.from_url(settings.redis_url)
-    producer = RolloutProducer.for_run(client, settings)
+    producer = RolloutProducer.for_run(client, settings, admitted=False)  # a step's batch in one call
     published = RunState(settings.run_id).published
     for batch in batches:
         while batch.step and not client.hexists(published, batch.step - 1):
