@@ -734,11 +734,15 @@ def _rollout_id_of(raw: bytes) -> str | None:
     return value if isinstance(value, str) and IDENTIFIER.fullmatch(value) else None
 
 
+# Record times that are not a stage's (wait_for_ckpt: prime-rl's name of the policy wait).
+NOT_STAGES = ("time/ship", "time/wait_for_policy", "time/wait_for_ckpt")
+
+
 def format_step_line(record: dict[str, float]) -> str:
     stages = " ".join(
         f"{name.split('/', 1)[1]} {seconds:.2f}s"
         for name, seconds in sorted(record.items())
-        if name.startswith("time/") and name not in ("time/ship", "time/wait_for_policy")
+        if name.startswith("time/") and name not in NOT_STAGES
     )
     return (
         f"step {int(record['step'])} | rollouts {int(record.get('progress/rollouts', 0))} | "
