@@ -10,6 +10,8 @@ from typing import Any
 from orchestrator.groups import TRAINABLE, Outcome
 from orchestrator.records import RolloutRecord
 
+EMPTY_STEP = "empty_step"  # the discard reason of the rollouts of a cut the workers emptied
+
 
 def outcome_row(outcome: Outcome) -> tuple[dict[str, float], dict[str, str], dict[str, float]]:
     """A rollout's scalar observations: numeric columns, labels, custom metrics."""
@@ -49,11 +51,23 @@ class Accounting:
     rejected: Counter[str] = field(default_factory=Counter)
     discarded: Counter[str] = field(default_factory=Counter)
     stale_in_window: int = 0
+    # Cuts whose every rollout the workers dropped (the step number is cut again): in the
+    # whole run, and in a row since the last cut that shipped.
+    empty_steps: int = 0
+    empty_in_a_row: int = 0
 
     def discard(self, reason: str, count: int = 1) -> None:
         self.discarded[reason] += count
         if reason == "stale":
             self.stale_in_window += count
+
+    def empty_cut(self, count: int) -> None:
+        """A cut whose every rollout the workers dropped: its rollouts count as discarded
+        (reason `empty_step`), not cut, and its step number is cut again."""
+        self.cut -= count
+        self.discard(EMPTY_STEP, count)
+        self.empty_steps += 1
+        self.empty_in_a_row += 1
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -62,6 +76,8 @@ class Accounting:
             "rejected": dict(self.rejected),
             "discarded": dict(self.discarded),
             "stale_in_window": self.stale_in_window,
+            "empty_steps": self.empty_steps,
+            "empty_in_a_row": self.empty_in_a_row,
         }
 
     @classmethod
@@ -72,6 +88,8 @@ class Accounting:
             rejected=Counter(data["rejected"]),
             discarded=Counter(data["discarded"]),
             stale_in_window=data["stale_in_window"],
+            empty_steps=data.get("empty_steps", 0),
+            empty_in_a_row=data.get("empty_in_a_row", 0),
         )
 
     @property
@@ -90,6 +108,8 @@ class Accounting:
             "accounting/in_open_groups": float(in_open_groups),
             "accounting/rejected": float(sum(self.rejected.values())),
             "accounting/discarded": float(sum(self.discarded.values())),
+            "empty_step/total": float(self.empty_steps),
+            "empty_step/consecutive": float(self.empty_in_a_row),
         }
         out.update({f"ingest/rejected/{k}": float(v) for k, v in self.rejected.items()})
         out.update({f"accounting/discarded/{k}": float(v) for k, v in self.discarded.items()})

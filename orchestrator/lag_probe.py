@@ -49,3 +49,7 @@ class LagProbe:
         window = np.frombuffer(self._window, dtype=np.float64).copy()
         self._window = array("d")
         return window
+
+    def put_back(self, window: np.ndarray) -> None:
+        """Return a taken window (its cut was taken back): the next take includes it, first."""
+        self._window = array("d", window.tolist()) + self._window

@@ -31,7 +31,7 @@ import msgpack
 import redis
 import redis.asyncio as aioredis
 
-from orchestrator.accounting import Accounting, outcome_row
+from orchestrator.accounting import EMPTY_STEP, Accounting, outcome_row
 from orchestrator.checkpoint import Checkpoint
 from orchestrator.diagnosis import DIAGNOSE_SECONDS, RedisOutOfMemory, stall_reason
 from orchestrator.groups import TRAINABLE, GroupBuffer, decide_group
@@ -41,9 +41,10 @@ from orchestrator.policy import NO_VERSION, PolicyVersion
 from orchestrator.records import IDENTIFIER, RecordRejected, parse_record
 from orchestrator.rollout_log import RolloutLog
 from orchestrator.settings import RunSettings
-from tasks.cohort import CohortBuilder
+from tasks.cohort import Cohort, CohortBuilder
 from tasks.manifest import StepManifest
 from tasks.ship import RunState, finalize, release
+from tasks.stages.finalize import StepVerdict
 from transport.numbering import required_version, staleness, version_after
 from transport.store import AsyncPayloadStore
 
@@ -74,6 +75,11 @@ class RunStateLost(RuntimeError):
             f"{len(report['rollouts_lost_in_open_groups'])} in open groups are gone"
         )
         self.report = report
+
+
+class EmptySteps(RuntimeError):
+    """`max_empty_steps` cuts in a row had every rollout dropped by the workers: the run
+    cannot make progress with what the producers send."""
 
 
 class LeaseLost(RuntimeError):
@@ -130,6 +136,8 @@ class Orchestrator:
         # the stream is trimmed no further than the oldest, so a restart can re-read them.
         self._open_entries: dict[str, str] = {}
         self._resumed_from: Checkpoint | None = None
+        # The newest cut step whose verdict (tasks.stages.finalize.StepVerdict) is not read yet.
+        self._unsettled: int | None = None
         self._aborted: Exception | None = None
 
     @functools.cached_property
@@ -305,24 +313,27 @@ class Orchestrator:
         )
         self.window = CohortBuilder()
         manifest_key = self.keys.step(step, "manifest")
-        checkpoint = Checkpoint(
-            cursor=self._stream_cursor,
-            open_rollouts=frozenset(self._open_entries),
-            pending=self.pending.build(),
-            accounting=self.accounting.to_wire(),
-        )
         pipe = self.client.pipeline(transaction=True)
         pipe.set(manifest_key, manifest.to_bytes(), ex=self.store.ttl)
         pipe.sadd(self.keys.step_keys(step), manifest_key, *(self.keys.rollout(r) for r in batch_ids))
         pipe.expire(self.keys.step_keys(step), self.store.ttl)
         pipe.set(self.state.next_step, step + 1)
-        pipe.set(self.state.checkpoint, checkpoint.to_bytes())
+        pipe.set(self.state.checkpoint, self._checkpoint().to_bytes())
         pipe.set(self.keys.run_key("accounted"), self.accounting.accounted)
         oldest_held = next(iter(self._open_entries.values()), self._stream_cursor)
         pipe.xtrim(self.keys.rollout_stream, minid=oldest_held)
         await pipe.execute()
         await self._enqueue(finalize, step)
         return manifest
+
+    def _checkpoint(self) -> Checkpoint:
+        """The restart point as of now (orchestrator.checkpoint)."""
+        return Checkpoint(
+            cursor=self._stream_cursor,
+            open_rollouts=frozenset(self._open_entries),
+            pending=self.pending.build(),
+            accounting=self.accounting.to_wire(),
+        )
 
     async def _enqueue(self, task: Any, step: int, *args: Any) -> None:
         """`apply_async` blocks on the broker, so it runs on the publisher thread."""
@@ -332,10 +343,23 @@ class Orchestrator:
         await asyncio.get_running_loop().run_in_executor(self._publisher, send)
 
     async def dispatch(self) -> None:
-        """Cut steps while there are steps to ship, enough pending rollouts, and room in flight."""
-        while self.next_step < self.end_step and not self._stopping.is_set():
+        """Cut steps while there are steps to ship, enough pending rollouts, and room in flight.
+
+        Before cutting the next step, the previous cut's verdict is read (written by its
+        finalize task; it is usually there by the time enough rollouts for another step
+        are): a step the workers emptied is cut again under the same number."""
+        while not self._stopping.is_set():
+            last_cut = self.next_step >= self.end_step
             in_flight = self.next_step - 1 - self.last_published
-            if len(self.pending) < self.settings.batch_size or in_flight > self.settings.max_async_level:
+            ready = (
+                len(self.pending) >= self.settings.batch_size and in_flight <= self.settings.max_async_level
+            )
+            if self._unsettled is not None and (ready or last_cut):
+                await self.settle(self._unsettled)
+                continue
+            if last_cut:
+                return
+            if not ready:
                 self._work.clear()
                 await self._work.wait()
                 continue
@@ -343,6 +367,69 @@ class Orchestrator:
             await self.wait_for_policy(step)
             if not self._stopping.is_set() and await self.cut(step) is not None:
                 self.next_step = step + 1
+                self._unsettled = step
+
+    async def settle(self, step: int) -> None:
+        """Wait for step `step`'s verdict; if the workers dropped every one of its rollouts,
+        take the cut back (`_take_back`) and stop the run after `max_empty_steps` in a row."""
+        verdict_key = self.keys.step(step, "verdict")
+        while (raw := await self.client.get(verdict_key)) is None:
+            if self._stopping.is_set():
+                return
+            await asyncio.sleep(POLL_SECONDS)
+        verdict = StepVerdict.from_wire(msgpack.unpackb(raw, raw=False))
+        self._unsettled = None
+        if not verdict.empty:
+            self.accounting.empty_in_a_row = 0
+            return
+        await self._take_back(step, verdict)
+        in_a_row = self.accounting.empty_in_a_row
+        reasons = ", ".join(f"{field} {count}" for field, count in sorted(verdict.dropped.items()))
+        log.warning(
+            "step %d: the workers dropped all %d of its rollouts (%s); cutting step %d again "
+            "(%d empty in a row, the run stops at %d)",
+            step,
+            sum(verdict.dropped.values()),
+            reasons,
+            step,
+            in_a_row,
+            self.settings.max_empty_steps,
+        )
+        if in_a_row >= self.settings.max_empty_steps:
+            self._abort(
+                EmptySteps(
+                    f"{in_a_row} consecutive steps had every rollout dropped by the workers (last: step "
+                    f"{step}, {sum(verdict.dropped.values())} dropped, reason {reasons}); see the workers' "
+                    "logs ('rollout ... dropped: ...') and the producers' payloads"
+                )
+            )
+
+    async def _take_back(self, step: int, verdict: StepVerdict) -> None:
+        """Undo the cut of an empty step: its rollouts are discarded (`empty_step`), its keys
+        deleted, its window of `all` statistics and event-loop lag go to the next cut, and
+        the step number is cut again. The manifest is read back from Redis, so a restarted
+        orchestrator takes back a cut of its predecessor the same way."""
+        manifest = StepManifest.from_bytes(await self._read_manifest(step))
+        batch_ids = manifest.effective.labels["rollout_id"]
+        self.accounting.empty_cut(len(batch_ids))
+        self.accounting.stale_in_window += int(manifest.counters.get("off_policy/stale_dropped", 0))
+        self.window = CohortBuilder.from_cohort(Cohort.concat([manifest.window, self.window.build()]))
+        self.probe.put_back(manifest.loop_lag_ms)
+        self._cut_rollouts.pop(step, None)
+        self.rollout_log.dropped_at_cut(batch_ids, step, EMPTY_STEP)
+        self.next_step = step
+        step_keys = await self.client.smembers(self.keys.step_keys(step))
+        pipe = self.client.pipeline(transaction=True)
+        pipe.unlink(self.keys.step_keys(step), *step_keys)
+        pipe.set(self.state.next_step, step)
+        pipe.set(self.state.checkpoint, self._checkpoint().to_bytes())
+        await pipe.execute()
+
+    async def _read_manifest(self, step: int) -> bytes:
+        raw = await self.client.get(self.keys.step(step, "manifest"))
+        if raw is None:
+            raise RunStateLost(self.settings.run_id, self.loss_report())
+        return raw
 
     async def watch_stalled_steps(self) -> None:
         """Enqueue again the first task of a step that has made no progress for
@@ -512,6 +599,13 @@ class Orchestrator:
         await pipe.execute()
         await self.store.expire_run()
 
+    async def end_failed_run(self) -> None:
+        """The run cannot go on (resuming it would meet the same input): its queued tasks are
+        dropped (no alive mark), its held rollouts released, and every key it leaves expires."""
+        await self.client.unlink(self.state.alive)
+        await self.release_unshipped()
+        await self.store.expire_run()
+
     # -- lifecycle ---------------------------------------------------------------------
 
     async def hold_lease(self, acquired: asyncio.Event) -> None:
@@ -585,6 +679,8 @@ class Orchestrator:
         ]
         for step in unpublished:
             await self._enqueue(finalize, step)
+        if unpublished:
+            self._unsettled = self.next_step - 1  # only the newest cut can be without its verdict
         log.warning(
             "run %s resumed: next step %d, %d pending rollouts, %d in open groups to re-read; "
             "steps %s enqueued again",
@@ -634,6 +730,8 @@ class Orchestrator:
             path = Path(self.settings.output_dir) / "lost.json"
             path.write_text(json.dumps(self._aborted.report, indent=1))
             log.error("%s; the list is in %s", self._aborted, path)
+        if isinstance(self._aborted, EmptySteps):
+            await self.end_failed_run()
         if self._aborted is not None:
             raise self._aborted
         unacknowledged = await self.release_acknowledged_payloads()
@@ -644,6 +742,7 @@ class Orchestrator:
             "steps_shipped": self.records_published,
             "records_published": self.records_published,
             "tokens_shipped": self.tokens_shipped,
+            "empty_steps": self.accounting.empty_steps,
             "wall_seconds": time.perf_counter() - started,
             "loop_lag_max_ms": self.probe.max_ms,
         }
@@ -658,11 +757,15 @@ def _rollout_id_of(raw: bytes) -> str | None:
     return value if isinstance(value, str) and IDENTIFIER.fullmatch(value) else None
 
 
+# Record times that are not a stage's (wait_for_ckpt: prime-rl's name of the policy wait).
+NOT_STAGES = ("time/ship", "time/wait_for_policy", "time/wait_for_ckpt")
+
+
 def format_step_line(record: dict[str, float]) -> str:
     stages = " ".join(
         f"{name.split('/', 1)[1]} {seconds:.2f}s"
         for name, seconds in sorted(record.items())
-        if name.startswith("time/") and name not in ("time/ship", "time/wait_for_policy")
+        if name.startswith("time/") and name not in NOT_STAGES
     )
     return (
         f"step {int(record['step'])} | rollouts {int(record.get('progress/rollouts', 0))} | "

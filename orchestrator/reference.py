@@ -13,6 +13,7 @@ rollouts itself and takes only arrived, rejected and in-open-groups from the rec
 from __future__ import annotations
 
 import math
+import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 
@@ -23,6 +24,7 @@ UNREPRODUCIBLE = (
     "accounting/in_open_groups",
     "accounting/rejected",
     "ingest/rejected/",
+    "empty_step/",
 )
 # What the reference takes from the published record to check the balance: the log holds
 # only finalized rollouts, so it cannot know what had arrived, been rejected or sat in an
@@ -38,6 +40,23 @@ DISTRIBUTIONS = (
     "num_turns",
 )
 SOLVED_REWARD = 1.0
+# prime-rl's names of record keys (tasks.stages.prime_names), written out again here.
+PRIME_ALIASES = {
+    "progress/samples": "progress/rollouts",
+    "progress/problems": "progress/tasks",
+    "progress/prefill_tokens": "progress/input_tokens",
+    "progress/decode_tokens": "progress/output_tokens",
+    "progress/total_samples": "progress/total_rollouts",
+    "progress/total_problems": "progress/total_tasks",
+    "scheduler/cancelled_rollouts": "off_policy/stale_dropped",
+}
+PRIME_PER_EXAMPLE = {
+    "seq_len": "num_total_tokens",
+    "prefill_len": "num_input_tokens",
+    "decode_len": "num_output_tokens",
+    "is_truncated": "is_truncated",
+    "num_turns": "num_turns",
+}
 
 
 def reproducible(key: str) -> bool:
@@ -157,6 +176,51 @@ def subset(lines: list[dict], name: str) -> dict[str, float]:
     return out
 
 
+def prime_rl_names(window: list[dict], record: Mapping[str, float]) -> dict[str, float]:
+    """prime-rl's batch statistics over the step's `all` rollouts (its batch is every rollout
+    generated for the step), per example (env and task) where prime-rl groups by example,
+    and its names of the record's progress keys."""
+    out = {name: record[source] for name, source in PRIME_ALIASES.items() if source in record}
+    if not window:
+        for name in PRIME_PER_EXAMPLE:
+            out.update(dict.fromkeys((f"{name}/mean", f"{name}/max", f"{name}/min"), math.nan))
+        out.update(dict.fromkeys((f"reward/{s}" for s in ("mean", "std", "min", "max", "median")), math.nan))
+        solve = ("batch/solve_none", "batch/solve_all", "batch/effective_batch_size", "error/mean")
+        return out | dict.fromkeys(solve, math.nan)
+    examples: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for line in window:
+        examples[(line["env"], line["task_id"])].append(line)
+    for name, field in PRIME_PER_EXAMPLE.items():
+        means = [sum(value(line, field) for line in lines) / len(lines) for lines in examples.values()]
+        out[f"{name}/mean"] = sum(means) / len(means)
+        out[f"{name}/max"] = max(means)
+        out[f"{name}/min"] = min(means)
+    rewards = [line["reward"] for line in window]
+    out["reward/mean"] = sum(rewards) / len(rewards)
+    out["reward/std"] = statistics.stdev(rewards) if len(rewards) > 1 else math.nan
+    out["reward/min"], out["reward/max"] = min(rewards), max(rewards)
+    out["reward/median"] = statistics.median(rewards)
+    groups: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for line in window:
+        groups[(line["env"], line["group_id"])].append(line["reward"])
+    out["batch/solve_none"] = sum(sum(r) == 0 for r in groups.values()) / len(groups)
+    out["batch/solve_all"] = sum(sum(r) == len(r) for r in groups.values()) / len(groups)
+    out["batch/effective_batch_size"] = 1 - out["batch/solve_none"] - out["batch/solve_all"]
+    errors = [line["error"] for line in window if line["error"]]
+    out["error/mean"] = len(errors) / len(window)
+    for error, count in Counter(errors).items():
+        out[f"error/{error}"] = count / len(errors)
+    for metric in sorted({m for line in window for m in line["metrics"]}):
+        observed = [line["metrics"][metric] for line in window if metric in line["metrics"]]
+        out[f"metrics/{metric}"] = sum(observed) / len(observed)
+    envs = {line["env"] for line in window}
+    if len(envs) > 1:
+        for env in envs:
+            of_env = [line["reward"] for line in window if line["env"] == env]
+            out[f"reward/{env}"] = sum(of_env) / len(of_env)
+    return out
+
+
 def is_worker_drop(line: dict) -> bool:
     return line["fate"] == "discarded" and line["reason"].startswith(WORKER_REASONS)
 
@@ -263,6 +327,7 @@ def reference_records(
         record["accounting/dropped_by_workers"] = float(totals["dropped_by_workers"])
         record["accounting/cut"] = float(totals["rollouts"] + totals["dropped_by_workers"])
         record["accounting/pending"] = float(pending_at_cut(lines, step))
+        record.update(prime_rl_names(window, record))
         record["accounting/balanced"] = balance(reported[step], record)
         records[step] = record
     return records

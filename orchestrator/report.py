@@ -26,7 +26,7 @@ Record = dict[str, float]
 # Pipeline order, bottom of the stack first; stages not listed here are stacked after them.
 STAGE_ORDER = ("finalize", "prune", "metrics", "pack", "encode", "send", "publish")
 # Not ship stages: `ship` is wall time from cut to publish, `wait_for_policy` is before the cut.
-TIME_LINES = ("ship", "wait_for_policy")
+TIME_LINES = ("ship", "wait_for_policy", "wait_for_ckpt")  # wait_for_ckpt: prime-rl's name of the policy wait
 SUBSETS = (("all", "tab:gray"), ("effective", "tab:blue"))
 BAR_STEPS = 60  # beyond this many steps, stacked areas read better than bars
 

@@ -25,7 +25,7 @@ import redis
 from orchestrator.checks import preflight_client, preflight_run, rank_in_run, require
 from orchestrator.diagnosis import RedisOutOfMemory
 from orchestrator.logs import configure_logging
-from orchestrator.loop import ALIVE_SECONDS, LeaseLost, Orchestrator, RunStateLost
+from orchestrator.loop import ALIVE_SECONDS, EmptySteps, LeaseLost, Orchestrator, RunStateLost
 from orchestrator.processes import ProcessGroup, ensure_redis, rlship_command, worker_commands
 from orchestrator.progress import REFRESH_SECONDS, ProgressDisplay, StatusReader
 from orchestrator.settings import (
@@ -303,6 +303,9 @@ def orchestrate_main(args: argparse.Namespace) -> int:
     except (RunStateLost, RedisOutOfMemory, LeaseLost) as exc:
         print(f"rlship orchestrate: {exc}", file=sys.stderr)
         return 3
+    except EmptySteps as exc:
+        print(f"rlship orchestrate: run {settings.run_id} stopped: {exc}", file=sys.stderr)
+        return 4
     except redis.exceptions.OutOfMemoryError as exc:
         print(
             f"rlship orchestrate: Redis at {mask_url(settings.redis_url)} is out of memory ({exc}): raise "

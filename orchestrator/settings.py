@@ -91,6 +91,11 @@ class RunSettings(BaseSettings):
     replay_steps: int = Field(
         default=8, ge=1, description="steps whose payloads stay in Redis until every rank acknowledges them"
     )
+    max_empty_steps: int = Field(
+        default=3,
+        ge=1,
+        description="the run stops once this many cuts in a row had every rollout dropped by the workers",
+    )
     stall_seconds: float = Field(
         default=30.0, gt=0, description="a step without progress this long is enqueued again"
     )

@@ -33,7 +33,7 @@ from tasks.cohort import Cohort
 from tasks.faults import crash_if_armed
 from tasks.manifest import ShipConfig, StepManifest
 from tasks.stages.encode import encode_rank, rank_rollout_ids
-from tasks.stages.finalize import finalize_step
+from tasks.stages.finalize import StepVerdict, finalize_step, step_verdict
 from tasks.stages.metrics import step_metrics
 from tasks.stages.pack import PackPlan, pack_samples
 from tasks.stages.prune import prune_samples, worker_drops
@@ -44,7 +44,7 @@ from transport.base import StepSender
 from transport.checksum import payload_checksum
 from transport.connection import connect_redis
 from transport.keys import RunKeys
-from transport.store import PayloadStore
+from transport.store import PayloadMissingError, PayloadStore
 
 log = logging.getLogger("rlship.tasks")
 
@@ -131,24 +131,49 @@ class StepContext:
     def crash_if_armed(self, stage: str, rank: int | None = None) -> None:
         crash_if_armed(self.client, self.run_id, stage, self.step, rank)
 
-    def run_stage(self, stage: str, compute: Callable[[], None], rank: int | None = None) -> None:
-        """Run `compute` once per step (per mark); record its seconds and who ran it."""
+    def run_stage(
+        self,
+        stage: str,
+        compute: Callable[[], dict[str, Any] | None],
+        rank: int | None = None,
+        watch: str | None = None,
+    ) -> bool:
+        """Run `compute` once per step (per mark); record its seconds and who ran it.
+
+        What `compute` returns (name -> value) is stored with the mark, in one transaction.
+        With `watch`, that transaction is guarded by the key: if it changed meanwhile (the
+        step was found empty and cut again), nothing is written and False is returned."""
         name = stage if rank is None else f"{stage}:{rank}"
         mark = self.keys.step(self.step, f"done:{name}")
-        if self.client.exists(mark):
-            log.info("step %d: %s already done, re-enqueueing its successors", self.step, name)
-            return
-        started = time.perf_counter()
-        compute()
-        seconds = time.perf_counter() - started
-        self.crash_if_armed(stage, rank)  # the worst moment: output written, not yet marked
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hset(self.keys.step(self.step, "times"), name, seconds)
-        pipe.sadd(self.keys.step_keys(self.step), self.keys.step(self.step, "times"))
-        pipe.set(mark, seconds, ex=self.store.ttl)
-        pipe.sadd(self.keys.step_keys(self.step), mark)
-        pipe.hincrby(self.state.stage_calls, f"{socket.gethostname()}:{os.getpid()}:{stage}", 1)
-        pipe.execute()
+        with self.client.pipeline(transaction=True) as pipe:
+            if watch is not None:
+                pipe.watch(watch)
+            if self.client.exists(mark):
+                log.info("step %d: %s already done, re-enqueueing its successors", self.step, name)
+                return True
+            started = time.perf_counter()
+            outputs = compute() or {}
+            seconds = time.perf_counter() - started
+            self.crash_if_armed(stage, rank)  # the worst moment: computed, not yet marked
+            pipe.multi()
+            for output, value in outputs.items():
+                pipe.set(
+                    self.keys.step(self.step, output),
+                    msgpack.packb(value, use_bin_type=True),
+                    ex=self.store.ttl,
+                )
+                pipe.sadd(self.keys.step_keys(self.step), self.keys.step(self.step, output))
+            pipe.hset(self.keys.step(self.step, "times"), name, seconds)
+            pipe.sadd(self.keys.step_keys(self.step), self.keys.step(self.step, "times"))
+            pipe.set(mark, seconds, ex=self.store.ttl)
+            pipe.sadd(self.keys.step_keys(self.step), mark)
+            pipe.expire(self.keys.step_keys(self.step), self.store.ttl)
+            pipe.hincrby(self.state.stage_calls, f"{socket.gethostname()}:{os.getpid()}:{stage}", 1)
+            try:
+                pipe.execute()
+            except redis.WatchError:
+                return False
+        return True
 
 
 def _skip_redundant(ctx: StepContext, task: str, done: str) -> None:
@@ -178,20 +203,36 @@ def _skip(ctx: StepContext, task: str) -> bool:
 
 @app.task(name="rlship.finalize")
 def finalize(run_id: str, step: int) -> None:
+    """Check the cut rollouts and write the step's verdict with the mark: an empty step goes
+    no further (the orchestrator cuts its number again), any other goes on to prune."""
     ctx = StepContext(run_id, step)
     if _skip(ctx, "finalize"):
         return
 
-    def compute() -> None:
+    def compute() -> dict[str, Any]:
         manifest = ctx.manifest
         payloads = ctx.store.fetch_rollouts(manifest.effective.labels["rollout_id"])
         result = finalize_step(manifest, payloads)
         for rollout_id, reason in result.failures.items():
             log.warning("step %d: rollout %s dropped: %s", step, rollout_id, reason)
-        ctx.put("finalized", {"samples": result.samples.to_wire(), "failures": result.failures})
+        return {
+            "finalized": {"samples": result.samples.to_wire(), "failures": result.failures},
+            "verdict": step_verdict(result).to_wire(),
+        }
 
-    ctx.run_stage("finalize", compute)
-    prune.apply_async((run_id, step), queue=ctx.manifest.config.cpu_queue)
+    try:
+        written = ctx.run_stage("finalize", compute, watch=ctx.keys.step(step, "manifest"))
+        verdict = StepVerdict.from_wire(ctx.get("verdict")) if written else None
+    except PayloadMissingError:
+        verdict = None
+    if verdict is None:
+        # The manifest changed or went while this copy ran: the step was found empty
+        # (by an earlier copy) and its number is being cut again; that cut has its own task.
+        _skip_redundant(ctx, "finalize", "found empty and cut again")
+    elif verdict.empty:
+        log.warning("step %d: every cut rollout was dropped %s; not shipped", step, verdict.dropped)
+    else:
+        prune.apply_async((run_id, step), queue=ctx.manifest.config.cpu_queue)
 
 
 @app.task(name="rlship.prune")

@@ -248,5 +248,7 @@ def test_step_metrics_of_an_empty_shipment() -> None:
     empty = WINDOW.take([]).with_numeric(staleness=np.zeros(0))
     got = step_metrics(_manifest(WINDOW, [3.0], {}), empty, ["no_trainable_tokens"])
     assert got["progress/rollouts"] == 0.0 and got["progress/tokens"] == 0.0 and got["progress/tasks"] == 0.0
-    assert not any(k.startswith(("off_policy/", "batch/")) for k in got)
+    # prime-rl's batch/solve_* describe the step's `all` rollouts, which this step has
+    prime_batch = {"batch/solve_none", "batch/solve_all", "batch/effective_batch_size"}
+    assert not any(k.startswith(("off_policy/", "batch/")) for k in got.keys() - prime_batch)
     assert got["event_loop_lag/p99_ms"] == 3.0 and got["event_loop_lag/samples"] == 1.0

@@ -107,6 +107,10 @@ def test_build_record_by_hand(caplog: pytest.LogCaptureFixture) -> None:
         **{f"progress/total_{k}": v for k, v in TOTALS.items()},
         "accounting/shipped": 10.0,
         "accounting/dropped_by_workers": 3.0,
+        # prime-rl's names of the same quantities (tasks.stages.prime_names)
+        "progress/total_samples": 10.0,
+        "progress/total_problems": 5.0,
+        "time/wait_for_ckpt": 0.75,
         "step": 5.0,
         "accounting/balanced": 1.0,
     }

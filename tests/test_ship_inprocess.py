@@ -124,6 +124,7 @@ def test_one_step_through_every_task(client: redis.Redis, run_id: str, shipped_s
     assert {k.split("/", 1)[1] for k in record if k.startswith("time/")} == stages | {
         "ship",
         "wait_for_policy",
+        "wait_for_ckpt",  # prime-rl's name of wait_for_policy
     }
     times = {k.decode() for k in client.hgetall(store.keys.step(0, "times"))}
     assert times == {"finalize", "prune", "metrics", "pack", "encode:0", "encode:1", "send:0", "send:1"}

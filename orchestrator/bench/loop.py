@@ -354,7 +354,7 @@ def summarize(raw: dict[str, Any], reference: list[list[str]], warmup: int) -> d
             {
                 k.split("/", 1)[1]: v
                 for k, v in r.items()
-                if k.startswith("time/") and k != "time/wait_for_policy"
+                if k.startswith("time/") and k not in ("time/wait_for_policy", "time/wait_for_ckpt")
             }
             for r in records
             if r["step"] >= warmup

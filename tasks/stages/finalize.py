@@ -13,7 +13,7 @@ import numpy as np
 
 from tasks.cohort import Cohort
 from tasks.manifest import StepManifest
-from tasks.stages.prune import count_trainable_tokens
+from tasks.stages.prune import count_trainable_tokens, drop_field, worker_drops
 from transport.numbering import staleness
 from transport.schema import MM_KWARGS_PREFIX, EncodedTensor
 
@@ -36,6 +36,41 @@ class FinalizedStep:
 
     samples: Cohort
     failures: dict[str, str]
+
+
+@dataclass(frozen=True)
+class StepVerdict:
+    """Whether a cut step ships anything: the rollouts that will train (passed every check
+    and keep a trainable token) and the dropped ones by reason (field or prune rule). The
+    orchestrator reads it before cutting the next step: an empty step is cut again under
+    the same number, as prime-rl does not advance on an empty batch."""
+
+    shipped: int
+    dropped: dict[str, int]
+
+    @property
+    def empty(self) -> bool:
+        return self.shipped == 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"shipped": self.shipped, "dropped": self.dropped}
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> StepVerdict:
+        return cls(shipped=int(data["shipped"]), dropped={str(k): int(v) for k, v in data["dropped"].items()})
+
+
+def step_verdict(result: FinalizedStep) -> StepVerdict:
+    """What prune will keep of the finalized step: a sample with no trainable token is
+    dropped there, so it counts as dropped here."""
+    trainable = result.samples.numeric["trainable_tokens"] > 0
+    pruned = [
+        rid for rid, keep in zip(result.samples.labels["rollout_id"], trainable, strict=True) if not keep
+    ]
+    dropped: dict[str, int] = {}
+    for reason in worker_drops(result.failures, pruned).values():
+        dropped[drop_field(reason)] = dropped.get(drop_field(reason), 0) + 1
+    return StepVerdict(shipped=int(trainable.sum()), dropped=dropped)
 
 
 def check_rollout_arrays(

@@ -16,6 +16,7 @@ import numpy as np
 
 from tasks.cohort import CUSTOM_PREFIX, Cohort
 from tasks.manifest import StepManifest
+from tasks.stages import prime_names
 from tasks.stages.prune import drop_field
 
 DISTRIBUTIONS: tuple[str, ...] = (
@@ -151,6 +152,7 @@ def step_metrics(manifest: StepManifest, shipped: Cohort, dropped_by_workers: li
             "event_loop_lag/samples": float(len(manifest.loop_lag_ms)),
         }
     )
+    record.update(prime_names.from_step(manifest.window, manifest.loop_lag_ms))
     for name, value in manifest.counters.items():
         record[name] = float(value)
     return record

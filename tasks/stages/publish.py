@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
+from tasks.stages import prime_names
+
 log = logging.getLogger("rlship.publish")
 
 # Running totals carried from record to record (`progress/total_*`).
@@ -64,6 +66,7 @@ def build_record(
         record[f"progress/total_{name}"] = float(value)
     record["accounting/shipped"] = float(totals["rollouts"])
     record["accounting/dropped_by_workers"] = float(totals["dropped_by_workers"])
+    record.update(prime_names.from_record(record))
     record["step"] = float(step)
     problem = conservation_error(record)
     if problem is not None:
