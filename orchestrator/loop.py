@@ -45,7 +45,7 @@ from tasks.cohort import Cohort, CohortBuilder
 from tasks.manifest import StepManifest
 from tasks.ship import RunState, finalize, release
 from tasks.stages.finalize import StepVerdict
-from transport.numbering import required_version, staleness, version_after
+from transport.numbering import required_version, staleness, step_reaching, version_after
 from transport.store import AsyncPayloadStore
 
 log = logging.getLogger("rlship.orchestrator")
@@ -269,7 +269,7 @@ class Orchestrator:
             f"{self.policy.describe()} (have {have}) for {seconds:.1f} s"
         )
         if self.settings.trainers == "builtin" and self.policy.source != "broadcasts":
-            awaited_step = needed - 1  # rlship's trainer raises the version to step + 1
+            awaited_step = step_reaching(needed, self.settings.first_step)
             acknowledged = {int(r) for r in await self.client.smembers(self.keys.trained(awaited_step))}
             stalled = sorted(set(range(self.settings.ranks)) - acknowledged)
             await self.client.hset(self.state.status, "stalled_ranks", json.dumps(stalled))

@@ -20,7 +20,7 @@ from orchestrator.settings import RunSettings, add_settings_arguments, settings_
 from tests.factories import group
 from tests.shiprun import delivered, ship, ship_settings
 from transport.keys import RunKeys
-from transport.numbering import required_version, staleness, version_after
+from transport.numbering import required_version, staleness, step_reaching, version_after
 
 # (prime-rl step s, policy version v the trainers announced, max_async_level) ->
 # (may step s ship?, steps off-policy of a rollout made with version v, trained at s)
@@ -62,6 +62,9 @@ def test_numbering_from_zero_is_the_same_run_shifted_by_one(row, expected):
 def test_the_version_after_a_step_is_the_number_of_steps_trained():
     assert [version_after(s, 1) for s in (1, 2, 3)] == [1, 2, 3]
     assert [version_after(s, 0) for s in (0, 1, 2)] == [1, 2, 3]
+    # The step that, once trained, brings the version to 1, 2, 3: prime-rl's steps 1, 2, 3.
+    assert [step_reaching(v, 1) for v in (1, 2, 3)] == [1, 2, 3]
+    assert [step_reaching(v, 0) for v in (1, 2, 3)] == [0, 1, 2]
 
 
 @pytest.fixture(autouse=True)

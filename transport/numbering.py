@@ -25,6 +25,11 @@ def version_after(step: int, first_step: int) -> int:
     return step - first_step + 1
 
 
+def step_reaching(version: int, first_step: int) -> int:
+    """The step whose training raises the trainers' policy version to `version`."""
+    return version + first_step - 1
+
+
 def required_version(step: int, first_step: int, max_async_level: int) -> int:
     """The lowest policy version with which `step` may ship: the step prime-rl numbers
     s = `version_after(step)` waits for version s - 1 - max_async_level."""
