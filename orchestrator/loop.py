@@ -354,14 +354,18 @@ class Orchestrator:
     async def settle(self, step: int) -> None:
         """Wait for step `step`'s verdict; if the workers dropped every one of its rollouts,
         take the cut back (`_take_back`) and stop the run after `max_empty_steps` in a row."""
-        verdict_key = self.keys.step(step, "verdict")
-        while (raw := await self.client.get(verdict_key)) is None:
+        verdict: StepVerdict | None = None
+        # A step already published shipped something; its release may have deleted the verdict.
+        while verdict is None and step > self.last_published:
             if self._stopping.is_set():
                 return
-            await asyncio.sleep(POLL_SECONDS)
-        verdict = StepVerdict.from_wire(msgpack.unpackb(raw, raw=False))
+            raw = await self.client.get(self.keys.step(step, "verdict"))
+            if raw is None:
+                await asyncio.sleep(POLL_SECONDS)
+            else:
+                verdict = StepVerdict.from_wire(msgpack.unpackb(raw, raw=False))
         self._unsettled = None
-        if not verdict.empty:
+        if verdict is None or not verdict.empty:
             self.accounting.empty_in_a_row = 0
             return
         await self._take_back(step, verdict)
