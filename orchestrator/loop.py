@@ -368,7 +368,7 @@ class Orchestrator:
         if verdict is None or not verdict.empty:
             self.accounting.empty_in_a_row = 0
             return
-        await self._take_back(step, verdict)
+        await self._take_back(step)
         in_a_row = self.accounting.empty_in_a_row
         reasons = ", ".join(f"{field} {count}" for field, count in sorted(verdict.dropped.items()))
         log.warning(
@@ -390,7 +390,7 @@ class Orchestrator:
                 )
             )
 
-    async def _take_back(self, step: int, verdict: StepVerdict) -> None:
+    async def _take_back(self, step: int) -> None:
         """Undo the cut of an empty step: its rollouts are discarded (`empty_step`), its keys
         deleted, its window of `all` statistics and event-loop lag go to the next cut, and
         the step number is cut again. The manifest is read back from Redis, so a restarted
@@ -401,8 +401,8 @@ class Orchestrator:
         self.accounting.stale_in_window += int(manifest.counters.get("off_policy/stale_dropped", 0))
         self.window = CohortBuilder.from_cohort(Cohort.concat([manifest.window, self.window.build()]))
         self.probe.put_back(manifest.loop_lag_ms)
-        self._cut_rollouts.pop(step, None)
-        self.rollout_log.dropped_at_cut(batch_ids, step, EMPTY_STEP)
+        # The rollout log knows the rollouts this process cut (not a predecessor's).
+        self.rollout_log.dropped_at_cut(self._cut_rollouts.pop(step, []), step, EMPTY_STEP)
         self.next_step = step
         step_keys = await self.client.smembers(self.keys.step_keys(step))
         pipe = self.client.pipeline(transaction=True)
