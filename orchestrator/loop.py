@@ -332,16 +332,15 @@ class Orchestrator:
         are): a step the workers emptied is cut again under the same number."""
         while not self._stopping.is_set():
             last_cut = self.next_step >= self.settings.steps
-            in_flight = self.next_step - 1 - self.last_published
-            ready = (
-                len(self.pending) >= self.settings.batch_size and in_flight <= self.settings.max_async_level
-            )
-            if self._unsettled is not None and (ready or last_cut):
+            enough = len(self.pending) >= self.settings.batch_size
+            # Read once there are rollouts for another cut (it is usually there by then), even
+            # with the steps in flight at their limit: an empty step would hold it forever.
+            if self._unsettled is not None and (enough or last_cut):
                 await self.settle(self._unsettled)
                 continue
             if last_cut:
                 return
-            if not ready:
+            if not enough or self.next_step - 1 - self.last_published > self.settings.max_async_level:
                 self._work.clear()
                 await self._work.wait()
                 continue
@@ -389,6 +388,10 @@ class Orchestrator:
                     "logs ('rollout ... dropped: ...') and the producers' payloads"
                 )
             )
+
+    async def _found_empty(self, step: int) -> bool:
+        raw = await self.client.get(self.keys.step(step, "verdict"))
+        return raw is not None and StepVerdict.from_wire(msgpack.unpackb(raw, raw=False)).empty
 
     async def _take_back(self, step: int) -> None:
         """Undo the cut of an empty step: its rollouts are discarded (`empty_step`), its keys
@@ -443,6 +446,8 @@ class Orchestrator:
                 if seen is None or seen.marks != marks:
                     progress[step] = StepProgress(marks, now)
                     continue
+                if step == self._unsettled and await self._found_empty(step):
+                    continue  # not stuck: taken back at the next cut
                 if now - max(seen.since, seen.diagnosed) >= DIAGNOSE_SECONDS:
                     seen.diagnosed = now
                     await self._diagnose(step, now - seen.since)

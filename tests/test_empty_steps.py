@@ -50,11 +50,15 @@ def keys_without_expiry(client: redis.Redis, run_id: str) -> list[str]:
 
 
 @pytest.mark.timeout(180)
-def test_an_empty_cut_is_cut_again_under_the_same_number(client, redis_url, run_id, workers, tmp_path):
+@pytest.mark.parametrize("max_async_level", [0, 1])
+def test_an_empty_cut_is_cut_again_under_the_same_number(
+    client, redis_url, run_id, workers, tmp_path, max_async_level
+):
     # Groups are cut in the order written, two per step: groups 2 and 3 are the second cut.
+    # With max_async_level 0 the empty step alone fills the steps in flight.
     settings = ship_settings(
         run_id, redis_url, workers, tmp_path, steps=3, batch_size=BATCH, group_size=GROUP_SIZE,
-        transport="fs", max_off_policy_steps=100,
+        transport="fs", max_off_policy_steps=100, max_async_level=max_async_level,
     )  # fmt: skip
     first_ids = produce_groups(client, run_id, 8, corrupt={2, 3})
     result = ship(settings, produce=False)
