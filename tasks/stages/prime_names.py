@@ -57,8 +57,8 @@ def _per_example_means(cohort: Cohort, column: np.ndarray) -> np.ndarray:
     examples = [
         f"{env}\0{task}" for env, task in zip(cohort.labels["env"], cohort.labels["task_id"], strict=True)
     ]
-    keys = np.asarray(examples)
-    return np.array([column[keys == example].mean() for example in dict.fromkeys(examples)])
+    _, example_of = np.unique(np.asarray(examples), return_inverse=True)
+    return np.bincount(example_of, weights=column) / np.bincount(example_of)
 
 
 def _solve_shares(cohort: Cohort) -> dict[str, float]:
