@@ -16,6 +16,7 @@ import redis
 from orchestrator.producer import RolloutProducer
 from orchestrator.settings import settings_to_env
 from tasks.cohort import LABEL_COLUMNS, NUMERIC_COLUMNS, Cohort
+from tasks.ship import StepContext
 from tasks.stages.finalize import FinalizedStep, StepVerdict, step_verdict
 from tests.conftest import REPO, python_command
 from tests.factories import group
@@ -138,3 +139,23 @@ def test_the_verdict_counts_what_prune_will_keep() -> None:
     assert empty.empty and empty.dropped == {"no_trainable_tokens": 2, "loss_mask": 1}
     assert StepVerdict.from_wire(empty.to_wire()) == empty
     assert not step_verdict(_finalized([1], {})).empty
+
+
+def test_a_finalize_overtaken_by_a_new_cut_of_its_step_writes_nothing(client, run_id) -> None:
+    """A copy of finalize still computing the cut that was found empty must not write its
+    verdict, samples or mark over the new cut of the same step number."""
+    ctx = StepContext(run_id, 0)
+    manifest_key, verdict_key = ctx.keys.step(0, "manifest"), ctx.keys.step(0, "verdict")
+    mark = ctx.keys.step(0, "done:finalize")
+    client.set(manifest_key, b"the empty cut", ex=60)
+    empty = StepVerdict(shipped=0, dropped={"input_ids": 8}).to_wire()
+
+    def overtaken() -> dict:
+        client.set(manifest_key, b"the new cut", ex=60)  # taken back and cut again meanwhile
+        return {"verdict": empty}
+
+    assert ctx.run_stage("finalize", overtaken, watch=manifest_key) is False
+    assert client.exists(verdict_key, mark) == 0
+    assert ctx.run_stage("finalize", lambda: {"verdict": empty}, watch=manifest_key) is True
+    assert StepVerdict.from_wire(ctx.get("verdict")) == StepVerdict(0, {"input_ids": 8})
+    assert client.exists(mark) and client.ttl(verdict_key) > 0
