@@ -4,6 +4,7 @@ what the test wrote: which groups it corrupted, and so which cut must come back 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 from pathlib import Path
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import redis
 
+from orchestrator.loop import Orchestrator
 from orchestrator.producer import RolloutProducer
 from orchestrator.settings import settings_to_env
 from tasks.cohort import LABEL_COLUMNS, NUMERIC_COLUMNS, Cohort
@@ -20,7 +22,7 @@ from tasks.ship import StepContext
 from tasks.stages.finalize import FinalizedStep, StepVerdict, step_verdict
 from tests.conftest import REPO, python_command
 from tests.factories import group
-from tests.shiprun import delivered, metrics_lines, ship, ship_settings
+from tests.shiprun import delivered, metrics_lines, run_orchestrator, ship, ship_settings
 from transport.keys import RunKeys
 from transport.store import PayloadStore, pack_arrays
 
@@ -159,3 +161,36 @@ def test_a_finalize_overtaken_by_a_new_cut_of_its_step_writes_nothing(client, ru
     assert ctx.run_stage("finalize", lambda: {"verdict": empty}, watch=manifest_key) is True
     assert StepVerdict.from_wire(ctx.get("verdict")) == StepVerdict(0, {"input_ids": 8})
     assert client.exists(mark) and client.ttl(verdict_key) > 0
+
+
+class Killed(RuntimeError):
+    """Stands in for an orchestrator that died right after a cut."""
+
+
+@pytest.mark.timeout(180)
+def test_a_restarted_orchestrator_takes_back_its_predecessors_empty_cut(
+    client, redis_url, run_id, workers, tmp_path, monkeypatch
+):
+    settings = ship_settings(
+        run_id, redis_url, workers, tmp_path, steps=2, batch_size=BATCH, group_size=GROUP_SIZE,
+        transport="fs", trainers="external", max_off_policy_steps=100,
+    )  # fmt: skip
+    produce_groups(client, run_id, 6, corrupt={0, 1})
+
+    async def die_before_the_verdict(self: Orchestrator, step: int) -> None:
+        self._abort(Killed(f"killed after cutting step {step}"))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Orchestrator, "settle", die_before_the_verdict)
+        with pytest.raises(Killed):
+            asyncio.run(run_orchestrator(settings))
+    assert int(client.get(RunKeys(run_id).run_key("next_step"))) == 1, "step 0 was cut"
+    result = asyncio.run(run_orchestrator(settings))  # resumes the run
+
+    records = metrics_lines(settings)
+    assert [int(r["step"]) for r in records] == [0, 1]
+    assert records[-1]["accounting/discarded/empty_step"] == 8.0
+    assert all(r["accounting/balanced"] == 1.0 for r in records)
+    assert result.summary["empty_steps"] == 1
+    rollouts = Path(settings.output_dir) / "rollouts"
+    assert sorted(p.name for p in rollouts.iterdir()) == ["step_0", "step_1"]
