@@ -350,16 +350,15 @@ class Orchestrator:
         are): a step the workers emptied is cut again under the same number."""
         while not self._stopping.is_set():
             last_cut = self.next_step >= self.end_step
-            in_flight = self.next_step - 1 - self.last_published
-            ready = (
-                len(self.pending) >= self.settings.batch_size and in_flight <= self.settings.max_async_level
-            )
-            if self._unsettled is not None and (ready or last_cut):
+            enough = len(self.pending) >= self.settings.batch_size
+            # Read once there are rollouts for another cut (it is usually there by then), even
+            # with the steps in flight at their limit: an empty step would hold it forever.
+            if self._unsettled is not None and (enough or last_cut):
                 await self.settle(self._unsettled)
                 continue
             if last_cut:
                 return
-            if not ready:
+            if not enough or self.next_step - 1 - self.last_published > self.settings.max_async_level:
                 self._work.clear()
                 await self._work.wait()
                 continue
@@ -372,17 +371,21 @@ class Orchestrator:
     async def settle(self, step: int) -> None:
         """Wait for step `step`'s verdict; if the workers dropped every one of its rollouts,
         take the cut back (`_take_back`) and stop the run after `max_empty_steps` in a row."""
-        verdict_key = self.keys.step(step, "verdict")
-        while (raw := await self.client.get(verdict_key)) is None:
+        verdict: StepVerdict | None = None
+        # A step already published shipped something; its release may have deleted the verdict.
+        while verdict is None and step > self.last_published:
             if self._stopping.is_set():
                 return
-            await asyncio.sleep(POLL_SECONDS)
-        verdict = StepVerdict.from_wire(msgpack.unpackb(raw, raw=False))
+            raw = await self.client.get(self.keys.step(step, "verdict"))
+            if raw is None:
+                await asyncio.sleep(POLL_SECONDS)
+            else:
+                verdict = StepVerdict.from_wire(msgpack.unpackb(raw, raw=False))
         self._unsettled = None
-        if not verdict.empty:
+        if verdict is None or not verdict.empty:
             self.accounting.empty_in_a_row = 0
             return
-        await self._take_back(step, verdict)
+        await self._take_back(step)
         in_a_row = self.accounting.empty_in_a_row
         reasons = ", ".join(f"{field} {count}" for field, count in sorted(verdict.dropped.items()))
         log.warning(
@@ -404,7 +407,11 @@ class Orchestrator:
                 )
             )
 
-    async def _take_back(self, step: int, verdict: StepVerdict) -> None:
+    async def _found_empty(self, step: int) -> bool:
+        raw = await self.client.get(self.keys.step(step, "verdict"))
+        return raw is not None and StepVerdict.from_wire(msgpack.unpackb(raw, raw=False)).empty
+
+    async def _take_back(self, step: int) -> None:
         """Undo the cut of an empty step: its rollouts are discarded (`empty_step`), its keys
         deleted, its window of `all` statistics and event-loop lag go to the next cut, and
         the step number is cut again. The manifest is read back from Redis, so a restarted
@@ -415,8 +422,8 @@ class Orchestrator:
         self.accounting.stale_in_window += int(manifest.counters.get("off_policy/stale_dropped", 0))
         self.window = CohortBuilder.from_cohort(Cohort.concat([manifest.window, self.window.build()]))
         self.probe.put_back(manifest.loop_lag_ms)
-        self._cut_rollouts.pop(step, None)
-        self.rollout_log.dropped_at_cut(batch_ids, step, EMPTY_STEP)
+        # The rollout log knows the rollouts this process cut (not a predecessor's).
+        self.rollout_log.dropped_at_cut(self._cut_rollouts.pop(step, []), step, EMPTY_STEP)
         self.next_step = step
         step_keys = await self.client.smembers(self.keys.step_keys(step))
         pipe = self.client.pipeline(transaction=True)
@@ -457,6 +464,8 @@ class Orchestrator:
                 if seen is None or seen.marks != marks:
                     progress[step] = StepProgress(marks, now)
                     continue
+                if step == self._unsettled and await self._found_empty(step):
+                    continue  # not stuck: taken back at the next cut
                 if now - max(seen.since, seen.diagnosed) >= DIAGNOSE_SECONDS:
                     seen.diagnosed = now
                     await self._diagnose(step, now - seen.since)

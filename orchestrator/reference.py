@@ -186,6 +186,7 @@ def prime_rl_names(window: list[dict], record: Mapping[str, float]) -> dict[str,
             out.update(dict.fromkeys((f"{name}/mean", f"{name}/max", f"{name}/min"), math.nan))
         out.update(dict.fromkeys((f"reward/{s}" for s in ("mean", "std", "min", "max", "median")), math.nan))
         solve = ("batch/solve_none", "batch/solve_all", "batch/effective_batch_size", "error/mean")
+        solve += ("errored_rollouts/all",)
         return out | dict.fromkeys(solve, math.nan)
     examples: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for line in window:
@@ -207,7 +208,10 @@ def prime_rl_names(window: list[dict], record: Mapping[str, float]) -> dict[str,
     out["batch/solve_all"] = sum(sum(r) == len(r) for r in groups.values()) / len(groups)
     out["batch/effective_batch_size"] = 1 - out["batch/solve_none"] - out["batch/solve_all"]
     errors = [line["error"] for line in window if line["error"]]
-    out["error/mean"] = len(errors) / len(window)
+    out["error/mean"] = out["errored_rollouts/all"] = len(errors) / len(window)
+    for env in {line["env"] for line in window}:
+        of_env = [line for line in window if line["env"] == env]
+        out[f"errored_rollouts/{env}"] = sum(line["error"] is not None for line in of_env) / len(of_env)
     for error, count in Counter(errors).items():
         out[f"error/{error}"] = count / len(errors)
     for metric in sorted({m for line in window for m in line["metrics"]}):

@@ -124,8 +124,9 @@ def run_local(settings: RunSettings, summary_path: Path | None) -> dict[str, Any
                 time.sleep(REFRESH_SECONDS)
             display.update(final=True)
             if orchestrator.returncode != 0:
+                cause = _orchestrator_error(group.log_dir / "orchestrator.log")
                 stopped = (
-                    f"the orchestrator exited with {orchestrator.returncode} "
+                    f"the orchestrator exited with {orchestrator.returncode}{cause} "
                     f"(log in {group.log_dir / 'orchestrator.log'})"
                 )
             else:
@@ -150,6 +151,14 @@ def run_local(settings: RunSettings, summary_path: Path | None) -> dict[str, Any
         summary_path.parent.mkdir(parents=True, exist_ok=True)
         summary_path.write_text(json.dumps(summary, indent=2, sort_keys=True))
     return summary
+
+
+def _orchestrator_error(log_path: Path) -> str:
+    """`: {cause}` from the orchestrator's last error line (`rlship orchestrate: ...`), if any."""
+    prefix = "rlship orchestrate: "
+    lines = log_path.read_text(errors="replace").splitlines() if log_path.exists() else []
+    causes = [line.removeprefix(prefix) for line in lines if line.startswith(prefix)]
+    return f": {causes[-1]}" if causes else ""
 
 
 def _end_tasks(client: redis.Redis, settings: RunSettings) -> None:

@@ -4,6 +4,7 @@ what the test wrote: which groups it corrupted, and so which cut must come back 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 from pathlib import Path
@@ -13,13 +14,15 @@ import numpy as np
 import pytest
 import redis
 
+from orchestrator.loop import Orchestrator
 from orchestrator.producer import RolloutProducer
 from orchestrator.settings import settings_to_env
 from tasks.cohort import LABEL_COLUMNS, NUMERIC_COLUMNS, Cohort
+from tasks.ship import StepContext
 from tasks.stages.finalize import FinalizedStep, StepVerdict, step_verdict
 from tests.conftest import REPO, python_command
 from tests.factories import group
-from tests.shiprun import delivered, metrics_lines, ship, ship_settings
+from tests.shiprun import delivered, metrics_lines, run_orchestrator, ship, ship_settings
 from transport.keys import RunKeys
 from transport.store import PayloadStore, pack_arrays
 
@@ -50,11 +53,15 @@ def keys_without_expiry(client: redis.Redis, run_id: str) -> list[str]:
 
 
 @pytest.mark.timeout(180)
-def test_an_empty_cut_is_cut_again_under_the_same_number(client, redis_url, run_id, workers, tmp_path):
+@pytest.mark.parametrize("max_async_level", [0, 1])
+def test_an_empty_cut_is_cut_again_under_the_same_number(
+    client, redis_url, run_id, workers, tmp_path, max_async_level
+):
     # Groups are cut in the order written, two per step: groups 2 and 3 are the second cut.
+    # With max_async_level 0 the empty step alone fills the steps in flight.
     settings = ship_settings(
         run_id, redis_url, workers, tmp_path, steps=3, batch_size=BATCH, group_size=GROUP_SIZE,
-        transport="fs", max_off_policy_steps=100,
+        transport="fs", max_off_policy_steps=100, max_async_level=max_async_level,
     )  # fmt: skip
     first_ids = produce_groups(client, run_id, 8, corrupt={2, 3})
     result = ship(settings, produce=False)
@@ -134,3 +141,56 @@ def test_the_verdict_counts_what_prune_will_keep() -> None:
     assert empty.empty and empty.dropped == {"no_trainable_tokens": 2, "loss_mask": 1}
     assert StepVerdict.from_wire(empty.to_wire()) == empty
     assert not step_verdict(_finalized([1], {})).empty
+
+
+def test_a_finalize_overtaken_by_a_new_cut_of_its_step_writes_nothing(client, run_id) -> None:
+    """A copy of finalize still computing the cut that was found empty must not write its
+    verdict, samples or mark over the new cut of the same step number."""
+    ctx = StepContext(run_id, 0)
+    manifest_key, verdict_key = ctx.keys.step(0, "manifest"), ctx.keys.step(0, "verdict")
+    mark = ctx.keys.step(0, "done:finalize")
+    client.set(manifest_key, b"the empty cut", ex=60)
+    empty = StepVerdict(shipped=0, dropped={"input_ids": 8}).to_wire()
+
+    def overtaken() -> dict:
+        client.set(manifest_key, b"the new cut", ex=60)  # taken back and cut again meanwhile
+        return {"verdict": empty}
+
+    assert ctx.run_stage("finalize", overtaken, watch=manifest_key) is False
+    assert client.exists(verdict_key, mark) == 0
+    assert ctx.run_stage("finalize", lambda: {"verdict": empty}, watch=manifest_key) is True
+    assert StepVerdict.from_wire(ctx.get("verdict")) == StepVerdict(0, {"input_ids": 8})
+    assert client.exists(mark) and client.ttl(verdict_key) > 0
+
+
+class Killed(RuntimeError):
+    """Stands in for an orchestrator that died right after a cut."""
+
+
+@pytest.mark.timeout(180)
+def test_a_restarted_orchestrator_takes_back_its_predecessors_empty_cut(
+    client, redis_url, run_id, workers, tmp_path, monkeypatch
+):
+    settings = ship_settings(
+        run_id, redis_url, workers, tmp_path, steps=2, batch_size=BATCH, group_size=GROUP_SIZE,
+        transport="fs", trainers="external", max_off_policy_steps=100,
+    )  # fmt: skip
+    produce_groups(client, run_id, 6, corrupt={0, 1})
+
+    async def die_before_the_verdict(self: Orchestrator, step: int) -> None:
+        self._abort(Killed(f"killed after cutting step {step}"))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Orchestrator, "settle", die_before_the_verdict)
+        with pytest.raises(Killed):
+            asyncio.run(run_orchestrator(settings))
+    assert int(client.get(RunKeys(run_id).run_key("next_step"))) == 1, "step 0 was cut"
+    result = asyncio.run(run_orchestrator(settings))  # resumes the run
+
+    records = metrics_lines(settings)
+    assert [int(r["step"]) for r in records] == [0, 1]
+    assert records[-1]["accounting/discarded/empty_step"] == 8.0
+    assert all(r["accounting/balanced"] == 1.0 for r in records)
+    assert result.summary["empty_steps"] == 1
+    rollouts = Path(settings.output_dir) / "rollouts"
+    assert sorted(p.name for p in rollouts.iterdir()) == ["step_0", "step_1"]

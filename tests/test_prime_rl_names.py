@@ -70,6 +70,8 @@ def expected_names() -> dict[str, float]:
     errors = [r[7] for r in rows if r[7]]
     expected["error/mean"] = len(errors) / len(rows)
     expected["error/timeout"], expected["error/sandbox"] = 2 / 3, 1 / 3
+    expected["errored_rollouts/all"] = expected["error/mean"]
+    expected["errored_rollouts/math"], expected["errored_rollouts/code"] = 0.0, 3 / 8
     expected["metrics/solve_time"] = statistics.mean([r[8] for r in rows if r[8] is not None])
     for env in ("math", "code"):
         expected[f"reward/{env}"] = statistics.mean(r[2] for r in rows if r[1] == env)

@@ -9,7 +9,7 @@ generated for the step, errored and zero-advantage ones included (it filters not
 before the trainer); rlship discards those before shipping, so prime-rl's batch statistics
 are computed over rlship's `all` subset (every rollout finalized since the previous cut)
 and its progress counts (what was sent to the trainer) come from the shipped step. Its
-per-example statistics group by `example_id`: here, `task_id`. The README's table lists
+per-example statistics group by `example_id`: here, a task of an env. The README's table lists
 each name, its meaning, its rlship source, and what rlship does not have.
 
 Two pure functions: `from_step` (in the metrics stage, from the step's `all` cohort and the
@@ -57,8 +57,8 @@ def _per_example_means(cohort: Cohort, column: np.ndarray) -> np.ndarray:
     examples = [
         f"{env}\0{task}" for env, task in zip(cohort.labels["env"], cohort.labels["task_id"], strict=True)
     ]
-    keys = np.asarray(examples)
-    return np.array([column[keys == example].mean() for example in dict.fromkeys(examples)])
+    _, example_of = np.unique(np.asarray(examples), return_inverse=True)
+    return np.bincount(example_of, weights=column) / np.bincount(example_of)
 
 
 def _solve_shares(cohort: Cohort) -> dict[str, float]:
@@ -94,6 +94,7 @@ def from_step(window: Cohort, loop_lag_ms: np.ndarray) -> dict[str, float]:
         fixed = [f"{name}/{stat}" for name in PER_EXAMPLE for stat in ("mean", "max", "min")]
         fixed += [f"reward/{stat}" for stat in ("mean", "std", "min", "max", "median")]
         fixed += ["batch/solve_none", "batch/solve_all", "batch/effective_batch_size", "error/mean"]
+        fixed += ["errored_rollouts/all"]
         return out | dict.fromkeys(fixed, math.nan)
     for name, source in PER_EXAMPLE.items():
         if source == "num_total_tokens":
@@ -115,7 +116,10 @@ def from_step(window: Cohort, loop_lag_ms: np.ndarray) -> dict[str, float]:
     )
     out.update(_solve_shares(window))
     errors = [e for e in window.labels["error"] if e]
-    out["error/mean"] = len(errors) / len(window)
+    out["error/mean"] = out["errored_rollouts/all"] = len(errors) / len(window)
+    for env in dict.fromkeys(window.labels["env"]):
+        of_env = [e for e, x in zip(window.labels["error"], window.labels["env"], strict=True) if x == env]
+        out[f"errored_rollouts/{env}"] = sum(map(bool, of_env)) / len(of_env)
     for error in dict.fromkeys(errors):
         out[f"error/{error}"] = errors.count(error) / len(errors)
     for name in window.custom_metric_names:
