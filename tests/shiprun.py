@@ -23,6 +23,7 @@ from orchestrator.settings import RunSettings, settings_to_env
 from tests.conftest import REPO, Workers, python_command
 from tests.factories import group
 from transport.keys import RunKeys
+from transport.numbering import version_after
 from transport.store import PayloadStore
 from transport.zmq import free_port_pair
 
@@ -52,7 +53,8 @@ def open_policy_gate(settings: RunSettings) -> None:
     version no step of the run waits beyond: for tests whose external trainers announce
     nothing (no one reads, or the test reads the files afterwards) and that do not test
     the gate."""
-    stable = broadcast_dir(settings) / f"step_{settings.steps}" / "STABLE"
+    last = settings.step_numbers[-1]
+    stable = broadcast_dir(settings) / f"step_{version_after(last, settings.first_step)}" / "STABLE"
     stable.parent.mkdir(parents=True, exist_ok=True)
     stable.touch()
 

@@ -104,7 +104,7 @@ def test_an_empty_cut_is_cut_again_under_the_same_number(
 def test_every_cut_empty_stops_the_run_naming_the_cause(client, redis_url, run_id, workers, tmp_path):
     settings = ship_settings(
         run_id, redis_url, workers, tmp_path, steps=5, batch_size=BATCH, group_size=GROUP_SIZE,
-        transport="fs", trainers="external", max_empty_steps=3,
+        transport="fs", trainers="external", first_step=0, max_empty_steps=3,
     )  # fmt: skip
     produce_groups(client, run_id, 8, corrupt=set(range(8)))
     env = {**os.environ, **settings_to_env(settings), "PYTHONPATH": str(REPO)}
@@ -173,7 +173,7 @@ def test_a_restarted_orchestrator_takes_back_its_predecessors_empty_cut(
 ):
     settings = ship_settings(
         run_id, redis_url, workers, tmp_path, steps=2, batch_size=BATCH, group_size=GROUP_SIZE,
-        transport="fs", trainers="external", max_off_policy_steps=100,
+        transport="fs", trainers="external", first_step=0, max_off_policy_steps=100,
     )  # fmt: skip
     produce_groups(client, run_id, 6, corrupt={0, 1})
 
