@@ -1,8 +1,10 @@
 """Producers: how rollouts enter rlship.
 
 A producer stores a rollout's arrays under its key and appends the small record to the
-rollout stream, in one round trip (`RolloutProducer`, `AsyncRolloutProducer`); an id that is
-stored already is refused, counted, and its record not appended.
+rollout stream, in one script (`RolloutProducer`, `AsyncRolloutProducer`); an id that is
+stored already is refused, counted, and its record not appended. A producer made for a run
+is admitted by it in the same script (`Admission`): it writes only what the run can still
+train, so a stalled run's stream and payloads stay bounded.
 `SyntheticWorkload` makes realistic, seeded rollouts for local runs, tests and benchmarks:
 several envs, long-tailed lengths, multi-turn masks, binary and fractional rewards with
 per-task difficulty (so some groups have zero advantage), errors and truncations.

@@ -285,7 +285,7 @@ def test_external_trainers_gate_holds_while_unannounced_and_memory_stays_flat(
     orchestrator = threading.Thread(
         target=lambda: outcome.update(result=asyncio.run(run_orchestrator(settings, timeout=280)))
     )
-    samples: list[tuple[int, int, int, int, int]] = []  # stream, payload keys, memory (2), produced
+    samples: list[tuple[int, ...]] = []  # stream, payload keys, memory (2), produced, backlog
     try:
         orchestrator.start()
         published = f"rlship:{run_id}:published"
@@ -310,10 +310,12 @@ def test_external_trainers_gate_holds_while_unannounced_and_memory_stays_flat(
         paused_at = time.monotonic()
         while time.monotonic() - paused_at < PAUSE_SECONDS:
             memory = client.info("memory")
-            produced_now = int(client.get(keys.run_key("produced")) or 0)
+            produced_now, accounted = (
+                int(v or 0) for v in client.mget(keys.run_key("produced"), keys.run_key("accounted"))
+            )
             samples.append((
                 client.xlen(keys.rollout_stream), payload_keys(client, keys), memory["used_memory"],
-                memory["used_memory"] - memory["mem_clients_normal"], produced_now,
+                memory["used_memory"] - memory["mem_clients_normal"], produced_now, produced_now - accounted,
             ))  # fmt: skip
             time.sleep(1.0)
         assert client.hget(status, "policy_gate"), "still held after the pause"
@@ -343,17 +345,21 @@ def test_external_trainers_gate_holds_while_unannounced_and_memory_stays_flat(
     waits = producer_log.read_text()
     assert "producer waits: produce refused (gate_held)" in waits or "(backlog)" in waits, waits[-2000:]
 
-    stream, payloads, memory, held_memory, produced = (list(column) for column in zip(*samples, strict=True))
+    stream, payloads, memory, held_memory, produced, backlog = (list(c) for c in zip(*samples, strict=True))
     print(
         f"held {len(samples)} s at step {step} (version {needed} awaited, {have} announced): stream "
         f"{min(stream)}..{max(stream)} entries, payload keys {min(payloads)}..{max(payloads)}, "
         f"used_memory {min(memory)}..{max(memory)} B (less client buffers {min(held_memory)}.."
-        f"{max(held_memory)} B), produced {produced[0]}..{produced[-1]}"
+        f"{max(held_memory)} B), produced {produced[0]}..{produced[-1]}, backlog {max(backlog)}"
     )
-    # Bounds from the settings: payloads held are the producers' backlog plus the steps cut
-    # and not yet released; nothing is produced while the gate holds, so the stream stands
-    # still; the memory Redis holds (less its clients' transient query and reply buffers,
-    # which come and go with every call) moves by less than one more backlog of payloads.
+    # Bounds from the settings: the backlog is what the held gate leaves room for (a batch
+    # and a call less one rollout), well under the backlog limit; payloads held are the
+    # backlog plus the steps cut and not yet released; nothing is produced while the gate
+    # holds, so the stream stands still; the memory Redis holds (less its clients' transient
+    # query and reply buffers, which come and go with every call) moves by less than one
+    # more backlog of payloads.
+    held_room = settings.batch_size + max(settings.batch_size, settings.group_size) - 1
+    assert max(backlog) <= held_room < settings.outstanding_limit
     in_flight = (settings.max_async_level + 3) * settings.batch_size
     assert max(payloads) <= settings.outstanding_limit + in_flight
     assert produced[-1] == produced[0] and max(stream) == min(stream), "not one rollout while held"
