@@ -33,7 +33,7 @@ from orchestrator.settings import RunSettings, add_settings_arguments, settings_
 from tasks.stages.finalize import check_rollout_arrays
 from transport.connection import connect_redis
 from transport.keys import RunKeys
-from transport.numbering import required_version
+from transport.numbering import required_version, version_after
 from transport.schema import EncodedTensor, SchemaError
 from transport.store import DEFAULT_TTL_SECONDS, flat_arrays, pack_arrays
 
@@ -111,6 +111,7 @@ class Admission:
     batch_size: int
     group_size: int
     first_step: int
+    start_step: int
     max_async_level: int
     max_off_policy_steps: int
 
@@ -121,6 +122,7 @@ class Admission:
             batch_size=settings.batch_size,
             group_size=settings.group_size,
             first_step=settings.first_step,
+            start_step=settings.step_numbers.start,
             max_async_level=settings.max_async_level,
             max_off_policy_steps=settings.max_off_policy_steps,
         )
@@ -142,8 +144,8 @@ class Admission:
 
     def oldest_fresh_version(self, next_step: int) -> int:
         """The oldest policy version that is not stale at `next_step`, the earliest step a
-        rollout produced now can ship in (the orchestrator's rule, orchestrator.groups)."""
-        return next_step - self.max_off_policy_steps
+        rollout produced now can ship in (`staleness`, the orchestrator's rule)."""
+        return version_after(next_step, self.first_step) - 1 - self.max_off_policy_steps
 
 
 @dataclass(frozen=True)
@@ -249,7 +251,7 @@ class _Producer:
                 f"{self.admission.largest_call} at once (a batch, or a group if larger)",
             )
         version = int(known if known is not None else NO_VERSION)
-        step = int(next_step or 0)
+        step = int(next_step) if next_step is not None else self.admission.start_step
         oldest = self.admission.oldest_fresh_version(step)
         for record, _ in rollouts:
             if record.policy_version < oldest:

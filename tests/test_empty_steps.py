@@ -22,7 +22,7 @@ from tasks.ship import StepContext
 from tasks.stages.finalize import FinalizedStep, StepVerdict, step_verdict
 from tests.conftest import REPO, python_command
 from tests.factories import group
-from tests.shiprun import delivered, metrics_lines, run_orchestrator, ship, ship_settings
+from tests.shiprun import delivered, metrics_lines, open_policy_gate, run_orchestrator, ship, ship_settings
 from transport.keys import RunKeys
 from transport.store import PayloadStore, pack_arrays
 
@@ -176,6 +176,7 @@ def test_a_restarted_orchestrator_takes_back_its_predecessors_empty_cut(
         transport="fs", trainers="external", first_step=0, max_off_policy_steps=100,
     )  # fmt: skip
     produce_groups(client, run_id, 6, corrupt={0, 1})
+    open_policy_gate(settings)  # the files are read afterwards: no trainer announces a policy
 
     async def die_before_the_verdict(self: Orchestrator, step: int) -> None:
         self._abort(Killed(f"killed after cutting step {step}"))

@@ -36,7 +36,6 @@ from tests.factories import group
 from tests.shiprun import run_orchestrator, ship_settings
 from tests.stock_peers import pause_announcements, read_record, resume_announcements, start_stock_peer
 from transport.keys import RunKeys
-from transport.numbering import required_version
 from transport.store import DEFAULT_TTL_SECONDS, PayloadStore
 
 pytestmark = pytest.mark.timeout(300)
@@ -264,12 +263,13 @@ def test_external_trainers_gate_holds_while_unannounced_and_memory_stays_flat(
         run_id, redis_url, workers, tmp_path, steps=STEPS, trainers="external", policy_source="broadcasts",
         batch_size=16, group_size=4, seq_len=512, samples_per_step=0, stall_seconds=120.0,
     )  # fmt: skip
+    assert settings.first_step == 1, "external trainers number steps as prime-rl does"
     keys = RunKeys(run_id)
     status = f"rlship:{run_id}:status"
     records = [tmp_path / f"stock-rank-{rank}.jsonl" for rank in range(settings.ranks)]
     peers = [
         start_stock_peer(
-            "zmq", rank, record, output_dir=tmp_path, port=settings.zmq_port, start_step=0, steps=STEPS
+            "zmq", rank, record, output_dir=tmp_path, port=settings.zmq_port, start_step=1, steps=STEPS
         )
         for rank, record in enumerate(records)
     ]
@@ -303,7 +303,7 @@ def test_external_trainers_gate_holds_while_unannounced_and_memory_stays_flat(
         assert held, client.hget(status, "policy_gate")
         step, needed, directory, have = int(held[1]), int(held[2]), held[3], held[4]
         assert directory == str(broadcast_dir(settings))
-        assert needed == required_version(step, settings.first_step, settings.max_async_level)
+        assert needed == step - 1 - settings.max_async_level, "prime-rl's gate for its step s: s - 1 - level"
         assert int(have) == broadcast_version(broadcast_dir(settings)) < needed
         assert client.hlen(published) < STEPS
 
@@ -336,7 +336,8 @@ def test_external_trainers_gate_holds_while_unannounced_and_memory_stays_flat(
         PayloadStore(client, run_id).delete_all_rollouts()
 
     for record in records:
-        assert [r["topic_step"] for r in read_record(record)] == list(range(STEPS)), "once each, in order"
+        steps = [r["topic_step"] for r in read_record(record)]
+        assert steps == list(range(1, STEPS + 1)), "once each, in order"
     log = caplog.text
     assert f"step {step} held by the policy gate: waiting for version {needed} from broadcasts" in log
     assert f"step {step}: the policy gate opened after" in log
