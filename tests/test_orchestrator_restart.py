@@ -30,15 +30,21 @@ def start_orchestrator(settings: RunSettings, log: Path) -> subprocess.Popen:
     )
 
 
-@pytest.mark.parametrize("kill_after_published", [1, 3])
+@pytest.mark.parametrize(
+    ("kill_after_published", "numbering"),
+    [(1, {}), (3, {}), (1, {"first_step": 1, "start_step": 4})],
+    ids=["after-1", "after-3", "after-1-resumed-at-4"],
+)
 def test_a_restarted_orchestrator_ships_what_a_fault_free_run_ships(
-    kill_after_published, client, redis_url, run_id, workers, tmp_path
+    kill_after_published, numbering, client, redis_url, run_id, workers, tmp_path
 ):
     fault_free = deterministic_run(client, run_id + "-ff", redis_url, workers, tmp_path / "ff", STEPS)
+    fault_free = fault_free.with_changes(**numbering)
     ship(fault_free, produce=False)
     expected, _ = delivered(client, fault_free.run_id, fault_free.ranks)
 
     settings = deterministic_run(client, run_id, redis_url, workers, tmp_path / "run", STEPS)
+    settings = settings.with_changes(**numbering)
     published = RunState(run_id).published
     log = tmp_path / "orchestrator.log"
     trainers = start_trainers(settings)
@@ -60,7 +66,7 @@ def test_a_restarted_orchestrator_ships_what_a_fault_free_run_ships(
     assert checksums == expected, "every rank got every step, byte-identical to the fault-free run"
     assert all(n == 1 for rank in counts.values() for n in rank.values()), f"delivered once: {counts}"
     records = [int(r["step"]) for r in metrics_lines(settings)]
-    assert records == list(range(STEPS)), "metrics.jsonl holds each step once"
+    assert records == list(settings.step_numbers), "metrics.jsonl holds each step once"
     assert client.xlen(RunKeys(run_id).metrics_stream) == STEPS, "one record per step"
     last = metrics_lines(settings)[-1]
     assert last["accounting/arrived"] == 4 * (2 * STEPS + 2), "every rollout counted once"
