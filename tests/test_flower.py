@@ -27,7 +27,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.settings import RunSettings
-from tasks.ship import RunState, finalize
+from tasks.ship import RunState, prune
 from tests.conftest import REPO, Workers, require
 from tests.shiprun import ship, ship_settings
 
@@ -219,17 +219,17 @@ def test_flower_shows_stage_tasks(
     runtimes = {s.labels["task"] for s in metric_samples(flower, "flower_task_runtime_seconds_count")}
     assert runtimes >= {name for name, _ in expected}, runtimes
 
-    # A failing task (its step has no manifest) shows as failed, with its exception.
+    # A failing task (its step was never cut: nothing finalized) shows as failed, with its exception.
     absent = f"absent-{uuid.uuid4().hex[:8]}"
     redis.Redis.from_url(redis_url).set(RunState(absent).alive, 1, ex=60)  # a live run: not dropped
-    finalize.apply_async((absent, 0), queue=workers.cpu_queue)
+    prune.apply_async((absent, 0), queue=workers.cpu_queue)
     failed = wait_for(
         "Flower showing the failed task",
         lambda: [t for t in run_tasks(flower, absent) if t["state"] == "FAILURE"],
     )
-    assert failed[0]["name"] == "rlship.finalize" and failed[0]["exception"], failed
+    assert failed[0]["name"] == "rlship.prune" and failed[0]["exception"], failed
     assert any(
-        s.labels["task"] == "rlship.finalize" and s.labels["type"] == "task-failed"
+        s.labels["task"] == "rlship.prune" and s.labels["type"] == "task-failed"
         for s in metric_samples(flower, "flower_events_total")
     )
 
