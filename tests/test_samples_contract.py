@@ -54,3 +54,16 @@ def test_sample_lines_and_the_file(tmp_path: Path) -> None:
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
 def test_trim_runs_where_glibc_has_malloc_trim() -> None:
     assert trim_process_memory() is True
+
+
+def test_trim_calls_malloc_trim_with_zero_padding_and_reports_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # glibc's malloc_trim(pad): pad 0 keeps nothing at the top of the heap (man 3 malloc_trim).
+    calls: list[tuple] = []
+    monkeypatch.setattr("tasks.stages.release._malloc_trim", lambda: lambda *args: calls.append(args))
+    assert trim_process_memory() is True
+    assert calls == [(0,)]
+
+
+def test_trim_reports_false_where_there_is_no_malloc_trim(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("tasks.stages.release._malloc_trim", lambda: None)
+    assert trim_process_memory() is False
