@@ -125,7 +125,9 @@ def main(args: argparse.Namespace) -> int:
         return RunSettings(
             **common,
             run_id=f"chaos-{name}-{token}",
-            output_dir=(out_dir / name).resolve(),
+            # Its own directory each time: an earlier invocation's stock-rank records and
+            # policy broadcasts would otherwise be read as this one's.
+            output_dir=(out_dir / f"{name}-{token}").resolve(),
             zmq_port=free_port_pair(),
             cpu_queue=f"chaos-cpu-{name}-{token}",
             ship_queue=f"chaos-ship-{name}-{token}",

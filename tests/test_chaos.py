@@ -39,6 +39,11 @@ def test_chaos_with_stock_receivers_reports_no_duplicate_and_no_hang(tmp_path):
     """Ranks that receive as prime-rl's do (READY once, no duplicate check, no replay),
     the ship worker killed twice among the other kills."""
     path = tmp_path / "chaos.json"
+    # What an earlier invocation with the same --json left: its ranks' records of step 1.
+    for name in ("reference", "chaos"):
+        earlier = tmp_path / name / "stock" / "rank-0.jsonl"
+        earlier.parent.mkdir(parents=True)
+        earlier.write_text(json.dumps({"step": 1, "topic_step": 1, "sha256": "0" * 64}) + "\n")
     done = subprocess.run(
         python_command(
             "chaos", "--steps", "8", "--kill-every", "0.2", "--timeout", "150", "--json", str(path),
