@@ -11,6 +11,8 @@ import pytest
 import zmq
 
 import transport.zmq as transport_zmq
+from transport.replay import RetainedPayloads
+from transport.store import PayloadStore
 from transport.zmq import ZMQReceiver, ZMQSender, _poll_ms, free_port_pair, parse_topic, topic
 
 HOST = "127.0.0.1"
@@ -299,3 +301,85 @@ def test_ready_announcements_and_subscriptions_by_hand(caplog: pytest.LogCapture
         (logging.WARNING, "ranks [1] lost their subscription; sends wait until they return"),
         (logging.INFO, f"all 2 ranks ready on tcp://{HOST}:{port}"),
     ]
+
+
+def test_the_receiver_subscribes_announces_and_sequences_by_hand() -> None:
+    """A raw XPUB and PULL play the sender: the subscription and READY bytes a receiver
+    sends, its re-announcements while it waits, and which steps it delivers or drops."""
+    port = free_port_pair()
+    ctx = zmq.Context()
+    publisher = ctx.socket(zmq.XPUB)
+    publisher.linger = 0
+    publisher.bind(f"tcp://{HOST}:{port}")
+    ready = ctx.socket(zmq.PULL)
+    ready.linger = 0
+    ready.bind(f"tcp://{HOST}:{port + 1}")
+    try:
+        with ZMQReceiver(HOST, port, 5, next_step=3) as defaults:
+            assert (defaults.announce_interval, defaults.replay_after, defaults.replay) == (1.0, 1.0, None)
+            assert publisher.poll(int(WAIT * 1000)) and publisher.recv() == b"\x01data_rank|5|"
+            assert ready.poll(int(WAIT * 1000)) and ready.recv() == b"5"
+        with ZMQReceiver(HOST, port, 5, next_step=3, announce_interval=0.05) as receiver:
+            assert (receiver.host, receiver.port, receiver.rank, receiver.next_step) == (HOST, port, 5, 3)
+            assert (receiver.replayed, receiver.duplicates_dropped, receiver.gaps) == (0, 0, [])
+            while publisher.poll(int(WAIT * 1000)):  # the first receiver's unsubscribe may come first
+                if publisher.recv() == b"\x01data_rank|5|":
+                    break
+            announced = 0
+            deadline = time.monotonic() + WAIT
+            while announced < 3:  # one at construction, then again every 50 ms while receiving
+                assert time.monotonic() < deadline, f"only {announced} READYs"
+                assert receiver.receive(0.06) is None
+                while ready.poll(0):
+                    assert ready.recv() == b"5"
+                    announced += 1
+            publisher.send_multipart([b"data_rank|5|3", b"three"])
+            publisher.send_multipart([b"data_rank|5|2", b"two, already delivered before a restart"])
+            publisher.send_multipart([b"data_rank|5|3", b"three again"])
+            publisher.send_multipart([b"data_rank|5|5", b"five"])
+            got = [receiver.receive(WAIT), receiver.receive(WAIT)]
+            assert [(g.step, g.rank, bytes(g.payload)) for g in got if g is not None] == [
+                (3, 5, b"three"),
+                (5, 5, b"five"),
+            ]
+            assert (receiver.duplicates_dropped, receiver.gaps, receiver.next_step) == (2, [(4, 5)], 6)
+            assert receiver.replayed == 0
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_replay_from_redis_fills_a_restart_a_gap_and_a_lost_last_step(client, run_id) -> None:
+    """The retained payloads in the real Redis: rank 4 restarted at step 1 while the sender
+    is at step 3; step 1 and 2 come from Redis, 3 from the wire, 4 (lost in flight, the
+    last one sent) from Redis after `replay_after`; step 5 was never sent, so never comes."""
+    store = PayloadStore(client, run_id)
+    for step in (0, 1, 2, 4, 5):
+        store.put_payload(step, 4, b"redis %d" % step)
+    client.set(store.keys.last_sent(4), 4)
+    port = free_port_pair()
+    with (
+        ZMQSender(HOST, port, 5) as sender,
+        ZMQReceiver(
+            HOST,
+            port,
+            4,
+            announce_interval=0.05,
+            replay=RetainedPayloads(client, run_id),
+            replay_after=0.2,
+            next_step=1,
+        ) as receiver,
+    ):
+        got = []
+        assert sender.wait_ready(WAIT, rank=4)
+        sender.send(3, 4, b"wire 3")
+        for _ in range(4):
+            step = receiver.receive(WAIT)
+            assert step is not None, got
+            got.append((step.step, step.rank, bytes(step.payload)))
+        assert got == [(1, 4, b"redis 1"), (2, 4, b"redis 2"), (3, 4, b"wire 3"), (4, 4, b"redis 4")]
+        assert (receiver.replayed, receiver.gaps, receiver.duplicates_dropped, receiver.next_step) == (
+            3,
+            [],
+            0,
+            5,
+        )
