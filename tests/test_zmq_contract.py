@@ -196,6 +196,7 @@ def test_free_port_pair_gives_up_after_100_tries(monkeypatch: pytest.MonkeyPatch
     assert binds == [b for i in range(100) for b in (("10.0.0.9", 0), ("10.0.0.9", 7001 + 2 * i))]
 
 
+@pytest.mark.timeout(60)
 def test_sender_errors_name_the_value_and_defaults_hold() -> None:
     port = free_port_pair()
     with ZMQSender(HOST, port, 3) as sender:
@@ -214,6 +215,7 @@ def test_sender_errors_name_the_value_and_defaults_hold() -> None:
         sender.wait_ready(0)
 
 
+@pytest.mark.timeout(60)
 def test_a_send_to_a_rank_never_ready_times_out_naming_it() -> None:
     # rank 6 of 7: no other test's trainer (ranks 0..3) can answer on a reused port
     with ZMQSender(HOST, free_port_pair(), 7, send_timeout=0.2) as sender:
@@ -245,6 +247,7 @@ def wait_until(condition: Callable[[], bool], sender: ZMQSender) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.timeout(60)
 def test_ready_announcements_and_subscriptions_by_hand(caplog: pytest.LogCaptureFixture) -> None:
     """Raw PUSH and SUB sockets play the trainers: which READYs count, which are ignored and
     logged, what is recorded for a successor, and the log lines when all ranks are (no
@@ -303,6 +306,7 @@ def test_ready_announcements_and_subscriptions_by_hand(caplog: pytest.LogCapture
     ]
 
 
+@pytest.mark.timeout(60)
 def test_the_receiver_subscribes_announces_and_sequences_by_hand() -> None:
     """A raw XPUB and PULL play the sender: the subscription and READY bytes a receiver
     sends, its re-announcements while it waits, and which steps it delivers or drops."""
@@ -348,6 +352,7 @@ def test_the_receiver_subscribes_announces_and_sequences_by_hand() -> None:
         ctx.destroy(linger=0)
 
 
+@pytest.mark.timeout(60)
 def test_replay_from_redis_fills_a_restart_a_gap_and_a_lost_last_step(client, run_id) -> None:
     """The retained payloads in the real Redis: rank 4 restarted at step 1 while the sender
     is at step 3; step 1 and 2 come from Redis, 3 from the wire, 4 (lost in flight, the
@@ -383,3 +388,25 @@ def test_replay_from_redis_fills_a_restart_a_gap_and_a_lost_last_step(client, ru
             0,
             5,
         )
+
+
+@pytest.mark.timeout(60)
+def test_timeouts_wait_their_whole_length() -> None:
+    """A wait that times out never returns early (load can only make it longer)."""
+    with ZMQSender(HOST, free_port_pair(), 7) as sender:
+        started = time.monotonic()
+        assert sender.wait_ready(0.4, rank=6) is False
+        assert time.monotonic() - started >= 0.4
+        started = time.monotonic()
+        assert sender.wait_ready(0.3) is False
+        assert time.monotonic() - started >= 0.3
+    with ZMQReceiver(HOST, free_port_pair(), 6, next_step=0, announce_interval=0.05) as receiver:
+        started = time.monotonic()
+        assert receiver.receive(0.3) is None
+        assert time.monotonic() - started >= 0.3
+    # ... and never outlasts its timeout by a whole announce interval (30 s here, so the
+    # bound of 15 s leaves any loaded machine room)
+    with ZMQReceiver(HOST, free_port_pair(), 6, next_step=0, announce_interval=WAIT) as receiver:
+        started = time.monotonic()
+        assert receiver.receive(0.2) is None
+        assert 0.2 <= time.monotonic() - started < WAIT / 2
