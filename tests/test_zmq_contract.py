@@ -4,10 +4,15 @@ messages from a raw publisher, and replay of lost steps from a retained-payload 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
 import pytest
 import zmq
 
+import transport.zmq as transport_zmq
+from transport.replay import RetainedPayloads
+from transport.store import PayloadStore
 from transport.zmq import ZMQReceiver, ZMQSender, _poll_ms, free_port_pair, parse_topic, topic
 
 HOST = "127.0.0.1"
@@ -132,3 +137,276 @@ def test_a_later_step_on_the_wire_pulls_the_missing_ones_from_replay() -> None:
             (2, b"two"),
         ]
         assert receiver.replayed == 2 and receiver.gaps == []
+
+
+class FakeSocket:
+    """A `socket.socket` stand-in for `free_port_pair`: `bind((host, 0))` hands out the next
+    scripted port; binding one of `taken` raises OSError. Every bind is recorded."""
+
+    def __init__(self, script: list[int], taken: set[int], binds: list[tuple[str, int]]) -> None:
+        self.script, self.taken, self.binds = script, taken, binds
+        self.port = -1
+
+    def __enter__(self) -> FakeSocket:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def bind(self, address: tuple[str, int]) -> None:
+        self.binds.append(address)
+        _host, port = address
+        if port == 0:
+            port = self.script.pop(0)
+        if port in self.taken:
+            raise OSError("taken")
+        self.port = port
+
+    def getsockname(self) -> tuple[str, int]:
+        return ("127.0.0.1", self.port)
+
+
+def fake_sockets(
+    monkeypatch: pytest.MonkeyPatch, script: list[int], taken: set[int]
+) -> list[tuple[str, int]]:
+    binds: list[tuple[str, int]] = []
+    monkeypatch.setattr(transport_zmq.socket, "socket", lambda: FakeSocket(script, taken, binds))
+    return binds
+
+
+def test_free_port_pair_skips_the_last_port_and_a_taken_neighbour(monkeypatch: pytest.MonkeyPatch) -> None:
+    binds = fake_sockets(monkeypatch, [65535, 5000, 6000], taken={5001})
+    assert free_port_pair("10.0.0.9") == 6000
+    # 65535 has no neighbour: not even tried; 5001 taken: 5000 skipped; 6000 and 6001 free.
+    assert binds == [
+        ("10.0.0.9", 0),
+        ("10.0.0.9", 0),
+        ("10.0.0.9", 5001),
+        ("10.0.0.9", 0),
+        ("10.0.0.9", 6001),
+    ]
+
+
+def test_free_port_pair_gives_up_after_100_tries(monkeypatch: pytest.MonkeyPatch) -> None:
+    binds = fake_sockets(
+        monkeypatch, [7000 + 2 * i for i in range(101)], taken={7001 + 2 * i for i in range(101)}
+    )
+    with pytest.raises(RuntimeError, match=r"^no free port pair on 10\.0\.0\.9$"):
+        free_port_pair("10.0.0.9")
+    assert binds == [b for i in range(100) for b in (("10.0.0.9", 0), ("10.0.0.9", 7001 + 2 * i))]
+
+
+@pytest.mark.timeout(60)
+def test_sender_errors_name_the_value_and_defaults_hold() -> None:
+    port = free_port_pair()
+    with ZMQSender(HOST, port, 3) as sender:
+        assert (sender.host, sender.port, sender.ranks, sender.linger_ms) == (HOST, port, 3, 1000)
+        assert sender.ready is False and sender.ready_ranks == frozenset()
+        assert sender.wait_ready(0) is False
+        with pytest.raises(ValueError, match=r"^rank 3 out of range 0\.\.2$"):
+            sender.send(0, 3, b"x")
+        with pytest.raises(ValueError, match=r"^rank -1 out of range 0\.\.2$"):
+            sender.send(0, -1, b"x")
+        with pytest.raises(ValueError, match=r"^step must be >= 0, got -1$"):
+            sender.send(-1, 0, b"x")
+    with pytest.raises(RuntimeError, match=r"^ZMQSender is closed$"):
+        sender.send(0, 0, b"x")
+    with pytest.raises(RuntimeError, match=r"^ZMQSender is closed$"):
+        sender.wait_ready(0)
+
+
+@pytest.mark.timeout(60)
+def test_a_send_to_a_rank_never_ready_times_out_naming_it() -> None:
+    # rank 6 of 7: no other test's trainer (ranks 0..3) can answer on a reused port
+    with ZMQSender(HOST, free_port_pair(), 7, send_timeout=0.2) as sender:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"^rank 6 step 4: not ready within send_timeout$"):
+            sender.send(4, 6, b"x")
+        assert time.monotonic() - started < WAIT
+
+
+class Announcements:
+    """An `AnnouncementLog` in memory: what a predecessor recorded, and what this one adds."""
+
+    def __init__(self, earlier: set[int]) -> None:
+        self.earlier = earlier
+        self.added: list[int] = []
+
+    def load(self) -> set[int]:
+        return set(self.earlier)
+
+    def add(self, rank: int) -> None:
+        self.added.append(rank)
+
+
+def wait_until(condition: Callable[[], bool], sender: ZMQSender) -> None:
+    deadline = time.monotonic() + WAIT
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        sender.wait_ready(0.02, rank=0)
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(60)
+def test_ready_announcements_and_subscriptions_by_hand(caplog: pytest.LogCaptureFixture) -> None:
+    """Raw PUSH and SUB sockets play the trainers: which READYs count, which are ignored and
+    logged, what is recorded for a successor, and the log lines when all ranks are (no
+    longer, again) ready."""
+    caplog.set_level(logging.INFO, logger="rlship.transport")
+    port = free_port_pair()
+    ctx = zmq.Context()
+    log = Announcements({-1, 0, 2})  # 0 announced to a predecessor; -1 and 2 are not ranks of 2
+    endpoint = f"tcp://{HOST}:{port}"
+
+    def sub(prefix: bytes) -> zmq.Socket:
+        s = ctx.socket(zmq.SUB)
+        s.linger = 0
+        s.setsockopt(zmq.SUBSCRIBE, prefix)
+        s.connect(endpoint)
+        return s
+
+    try:
+        with ZMQSender(HOST, port, 2, announcements=log) as sender:
+            rank0 = sub(b"data_rank|0|")
+            assert sender.wait_ready(WAIT, rank=0), "rank 0 needs only its subscription"
+            assert sender.ready_ranks == frozenset({0}) and not sender.ready
+            push = ctx.socket(zmq.PUSH)
+            push.linger = 0
+            push.connect(f"tcp://{HOST}:{port + 1}")
+            for ready in (b"ack|0|5", b"2", b"-1", b"y" * 40, b"0", b"1x", b" 1\n"):
+                push.send(ready)
+            rank1 = sub(b"data_rank|1|")
+            assert sender.wait_ready(WAIT)
+            assert sender.ready and sender.ready_ranks == frozenset({0, 1})
+            assert log.added == [1]
+            sender.send(12, 1, b"twelve")
+            assert rank1.poll(int(WAIT * 1000)) and rank1.recv_multipart() == [b"data_rank|1|12", b"twelve"]
+            assert rank0.poll(0) == 0
+
+            rank1.close()
+            wait_until(lambda: 1 not in sender.ready_ranks, sender)
+            assert not sender.ready and sender.ready_ranks == frozenset({0})
+            anything = sub(b"")  # an empty prefix covers every rank
+            assert sender.wait_ready(WAIT)
+            assert sender.ready_ranks == frozenset({0, 1}) and log.added == [1]
+            anything.close()
+            rank0.close()
+    finally:
+        ctx.destroy(linger=0)
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "rlship.transport"]
+    ignored = "not a rank in 0..1"
+    assert lines == [
+        (logging.WARNING, f"ignoring READY b'2': {ignored}"),
+        (logging.WARNING, f"ignoring READY b'-1': {ignored}"),
+        (logging.WARNING, f"ignoring READY b'{'y' * 32}': {ignored}"),
+        (logging.WARNING, f"ignoring READY b'1x': {ignored}"),
+        (logging.INFO, f"all 2 ranks ready on tcp://{HOST}:{port}"),
+        (logging.WARNING, "ranks [1] lost their subscription; sends wait until they return"),
+        (logging.INFO, f"all 2 ranks ready on tcp://{HOST}:{port}"),
+    ]
+
+
+@pytest.mark.timeout(60)
+def test_the_receiver_subscribes_announces_and_sequences_by_hand() -> None:
+    """A raw XPUB and PULL play the sender: the subscription and READY bytes a receiver
+    sends, its re-announcements while it waits, and which steps it delivers or drops."""
+    port = free_port_pair()
+    ctx = zmq.Context()
+    publisher = ctx.socket(zmq.XPUB)
+    publisher.linger = 0
+    publisher.bind(f"tcp://{HOST}:{port}")
+    ready = ctx.socket(zmq.PULL)
+    ready.linger = 0
+    ready.bind(f"tcp://{HOST}:{port + 1}")
+    try:
+        with ZMQReceiver(HOST, port, 5, next_step=3) as defaults:
+            assert (defaults.announce_interval, defaults.replay_after, defaults.replay) == (1.0, 1.0, None)
+            assert publisher.poll(int(WAIT * 1000)) and publisher.recv() == b"\x01data_rank|5|"
+            assert ready.poll(int(WAIT * 1000)) and ready.recv() == b"5"
+        with ZMQReceiver(HOST, port, 5, next_step=3, announce_interval=0.05) as receiver:
+            assert (receiver.host, receiver.port, receiver.rank, receiver.next_step) == (HOST, port, 5, 3)
+            assert (receiver.replayed, receiver.duplicates_dropped, receiver.gaps) == (0, 0, [])
+            while publisher.poll(int(WAIT * 1000)):  # the first receiver's unsubscribe may come first
+                if publisher.recv() == b"\x01data_rank|5|":
+                    break
+            announced = 0
+            deadline = time.monotonic() + WAIT
+            while announced < 3:  # one at construction, then again every 50 ms while receiving
+                assert time.monotonic() < deadline, f"only {announced} READYs"
+                assert receiver.receive(0.06) is None
+                while ready.poll(0):
+                    assert ready.recv() == b"5"
+                    announced += 1
+            publisher.send_multipart([b"data_rank|5|3", b"three"])
+            publisher.send_multipart([b"data_rank|5|2", b"two, already delivered before a restart"])
+            publisher.send_multipart([b"data_rank|5|3", b"three again"])
+            publisher.send_multipart([b"data_rank|5|5", b"five"])
+            got = [receiver.receive(WAIT), receiver.receive(WAIT)]
+            assert [(g.step, g.rank, bytes(g.payload)) for g in got if g is not None] == [
+                (3, 5, b"three"),
+                (5, 5, b"five"),
+            ]
+            assert (receiver.duplicates_dropped, receiver.gaps, receiver.next_step) == (2, [(4, 5)], 6)
+            assert receiver.replayed == 0
+    finally:
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.timeout(60)
+def test_replay_from_redis_fills_a_restart_a_gap_and_a_lost_last_step(client, run_id) -> None:
+    """The retained payloads in the real Redis: rank 4 restarted at step 1 while the sender
+    is at step 3; step 1 and 2 come from Redis, 3 from the wire, 4 (lost in flight, the
+    last one sent) from Redis after `replay_after`; step 5 was never sent, so never comes."""
+    store = PayloadStore(client, run_id)
+    for step in (0, 1, 2, 4, 5):
+        store.put_payload(step, 4, b"redis %d" % step)
+    client.set(store.keys.last_sent(4), 4)
+    port = free_port_pair()
+    with (
+        ZMQSender(HOST, port, 5) as sender,
+        ZMQReceiver(
+            HOST,
+            port,
+            4,
+            announce_interval=0.05,
+            replay=RetainedPayloads(client, run_id),
+            replay_after=0.2,
+            next_step=1,
+        ) as receiver,
+    ):
+        got = []
+        assert sender.wait_ready(WAIT, rank=4)
+        sender.send(3, 4, b"wire 3")
+        for _ in range(4):
+            step = receiver.receive(WAIT)
+            assert step is not None, got
+            got.append((step.step, step.rank, bytes(step.payload)))
+        assert got == [(1, 4, b"redis 1"), (2, 4, b"redis 2"), (3, 4, b"wire 3"), (4, 4, b"redis 4")]
+        assert (receiver.replayed, receiver.gaps, receiver.duplicates_dropped, receiver.next_step) == (
+            3,
+            [],
+            0,
+            5,
+        )
+
+
+@pytest.mark.timeout(60)
+def test_timeouts_wait_their_whole_length() -> None:
+    """A wait that times out never returns early (load can only make it longer)."""
+    with ZMQSender(HOST, free_port_pair(), 7) as sender:
+        started = time.monotonic()
+        assert sender.wait_ready(0.4, rank=6) is False
+        assert time.monotonic() - started >= 0.4
+        started = time.monotonic()
+        assert sender.wait_ready(0.3) is False
+        assert time.monotonic() - started >= 0.3
+    with ZMQReceiver(HOST, free_port_pair(), 6, next_step=0, announce_interval=0.05) as receiver:
+        started = time.monotonic()
+        assert receiver.receive(0.3) is None
+        assert time.monotonic() - started >= 0.3
+    # ... and never outlasts its timeout by a whole announce interval (30 s here, so the
+    # bound of 15 s leaves any loaded machine room)
+    with ZMQReceiver(HOST, free_port_pair(), 6, next_step=0, announce_interval=WAIT) as receiver:
+        started = time.monotonic()
+        assert receiver.receive(0.2) is None
+        assert 0.2 <= time.monotonic() - started < WAIT / 2
