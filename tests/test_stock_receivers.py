@@ -18,6 +18,7 @@ numbering, the default with `trainers = "external"`), or from a resumed trainer'
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from pathlib import Path
@@ -135,7 +136,9 @@ def test_ship_worker_killed_five_times_stock_ranks_get_every_step_once(
                 output_dir=tmp_path,
                 port=settings.zmq_port,
                 start_step=settings.start_step,
-                steps=STEPS,
+                # Over ZMQ a rank reads until stopped: one that stopped after 30 messages would
+                # count a duplicate as a step and never take the last one.
+                steps=STEPS if transport == "fs" else None,
             )
             for rank, record in enumerate(records)
         ]  # fmt: skip
@@ -159,8 +162,14 @@ def test_ship_worker_killed_five_times_stock_ranks_get_every_step_once(
             orchestrator.join(240)
             assert not orchestrator.is_alive(), "the run ended"
             assert "result" in outcome, "the orchestrator finished without error"
-            for peer in peers:
-                assert peer.wait(60) == 0, "every stock rank got its 30 steps and exited"
+            if transport == "fs":
+                for peer in peers:
+                    assert peer.wait(60) == 0, "every stock rank got its 30 steps and exited"
+            else:
+                deadline = time.monotonic() + 60
+                while any(len({r["topic_step"] for r in read_record(rec)}) < STEPS for rec in records):
+                    assert time.monotonic() < deadline, "every stock rank got every step"
+                    time.sleep(0.1)
         finally:
             for peer in peers:
                 peer.kill()
@@ -168,18 +177,26 @@ def test_ship_worker_killed_five_times_stock_ranks_get_every_step_once(
         checksums = client.hgetall(RunState(run_id).sent_checksums)
         encoded = {key.decode(): value.decode() for key, value in checksums.items()}
         steps = list(range(1, STEPS + 1))
+        interrupted = {k.decode() for k in client.hkeys(RunState(run_id).interrupted_sends)}
         for rank, record in enumerate(records):
             got = read_record(record)
-            assert [r["step"] for r in got] == steps, f"rank {rank}: once each, in order"
-            if transport == "zmq":
-                assert [r["topic_step"] for r in got] == steps, "its own count matches ours"
+            if transport == "fs":
+                assert [r["step"] for r in got] == steps, f"rank {rank}: once each, in order"
+            else:
+                # The one duplicate the design leaves (README, Reliability): a ship worker
+                # killed after a message left it and before its mark reached Redis, whose
+                # step is then sent again, right after itself. Any other is a bug.
+                topics = [r["topic_step"] for r in got]
+                again = [b for a, b in itertools.pairwise(topics) if a == b]
+                assert all(f"{step}:{rank}" in interrupted for step in again), (rank, topics, interrupted)
+                assert [t for i, t in enumerate(topics) if i == 0 or topics[i - 1] != t] == steps, topics
             for entry in got:
-                assert entry["sha256"][:32] == encoded[f"{entry['step']}:{rank}"], "byte for byte"
+                step = entry["step"] if transport == "fs" else entry["topic_step"]
+                assert entry["sha256"][:32] == encoded[f"{step}:{rank}"], "byte for byte"
         assert [int(r["step"]) for r in metrics_lines(settings)] == steps, "records numbered alike"
         if transport == "fs":
             assert step_dirs(tmp_path) == steps
-        interrupted = client.hgetall(RunState(run_id).interrupted_sends)
-        print(f"ship worker killed {kills} times; sends interrupted and resent: {interrupted}")
+        print(f"ship worker killed {kills} times; sends interrupted and resent: {sorted(interrupted)}")
     delete_run_keys(settings)
 
 
