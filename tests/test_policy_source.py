@@ -365,4 +365,5 @@ def test_external_trainers_gate_holds_while_unannounced_and_memory_stays_flat(
     assert max(payloads) <= settings.outstanding_limit + in_flight
     assert produced[-1] == produced[0] and max(stream) == min(stream), "not one rollout while held"
     backlog_bytes = settings.outstanding_limit * settings.seq_len * (4 + 1 + 4)  # ids, mask, logprobs
-    assert max(held_memory) - min(held_memory) < backlog_bytes
+    # Growth over the hold (the server is shared: other runs' keys expiring may lower it).
+    assert max(held_memory) - held_memory[0] < backlog_bytes
