@@ -68,6 +68,30 @@ def test_every_placement_ships_identical_payloads(bench: tuple[int, Path], repor
     assert {goal["goal"] for goal in report["goals"]} >= {"steps_identical"}
 
 
+def test_cpu_per_step_by_process_kind(report: dict[str, Any]) -> None:
+    """Every placement reports CPU seconds per measured step for each process kind; the
+    ship total is its three kinds; only the celery placement has workers. (A kind's CPU
+    is counted in 10 ms ticks: at this size the orchestrator's or Redis's may be 0.)"""
+    kinds = {"orchestrator", "workers", "redis", "trainers", "others", "ship"}
+    for name, placement in report["placements"].items():
+        assert len(placement["cpu_seconds"]) == len(placement["ship_seconds"]), name
+        for figures in [*placement["cpu_seconds"], placement["cpu_seconds_per_step"]]:
+            assert set(figures) == kinds, name
+            assert all(value >= 0 for value in figures.values()), (name, figures)
+            ship = figures["orchestrator"] + figures["workers"] + figures["redis"]
+            assert figures["ship"] == pytest.approx(ship), name
+        cpu = placement["cpu_seconds_per_step"]
+        # Within the window, not since the process started: no more than the cores could give
+        # (plus the 10 ms ticks' rounding at the window's two ends, per process).
+        cores = report["machine"]["cpus"]
+        for figures, window in zip(placement["cpu_seconds"], placement["ship_seconds"], strict=True):
+            assert figures["ship"] <= cores * window + 0.5, (name, figures, window)
+    assert report["placements"]["inline"]["cpu_seconds_per_step"]["workers"] == 0
+    assert report["placements"]["thread"]["cpu_seconds_per_step"]["workers"] == 0
+    celery = report["placements"]["celery"]["cpu_seconds_per_step"]
+    assert celery["workers"] > 0
+
+
 def test_lag_figure_beside_the_json(bench: tuple[int, Path]) -> None:
     require_module("matplotlib")
     png = bench[1].with_suffix(".png")

@@ -299,6 +299,7 @@ async def run_placement(placement: str, settings: RunSettings, timeout: float) -
         await client.aclose()
     return {
         "placement": placement,
+        "origin": origin,  # the loop's clock is the monotonic clock: the bench's CPU sampler reads it too
         "windows": {
             str(step): [start - origin, end - origin] for step, (start, end) in shipper.windows.items()
         },

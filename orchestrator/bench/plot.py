@@ -11,6 +11,14 @@ import numpy as np
 
 FLOOR_MS = 0.01  # lags of zero drawn here, on the log axis
 GOAL_MS = 20.0  # the issue's bound on the celery placement's worst lag
+# The ship path's kinds first, then what is not counted in its CPU.
+CPU_COLORS = {
+    "orchestrator": "tab:blue",
+    "workers": "tab:orange",
+    "redis": "tab:red",
+    "trainers": "0.6",
+    "others": "0.85",
+}
 
 
 def plot_lag(report: dict[str, Any], path: Path) -> bool:
@@ -23,8 +31,15 @@ def plot_lag(report: dict[str, Any], path: Path) -> bool:
     except ImportError:
         return False
     placements = report["placements"]
-    fig, axes = plt.subplots(len(placements), 1, figsize=(11, 2.4 * len(placements) + 0.6), sharey=True)
-    axes = [axes] if len(placements) == 1 else list(axes)
+    fig, all_axes = plt.subplots(
+        len(placements) + 1,
+        1,
+        figsize=(11, 2.4 * len(placements) + 2.6),
+        gridspec_kw={"height_ratios": [1] * len(placements) + [0.25 + 0.2 * len(placements)]},
+    )
+    axes, cpu_axis = list(all_axes[:-1]), all_axes[-1]
+    for ax in axes[1:]:
+        ax.sharey(axes[0])
     for ax, (name, result) in zip(axes, placements.items(), strict=True):
         for window in result["windows"]:
             ax.axvspan(window["start"], window["end"], color="0.85" if window["warmup"] else "tab:orange",
@@ -50,8 +65,9 @@ def plot_lag(report: dict[str, Any], path: Path) -> bool:
         end = max((w["end"] for w in result["windows"]), default=0.0)
         ax.set_xlim(-0.05 * end - 0.05, 1.05 * end + 0.05)
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower right", ncol=3, fontsize=8, frameon=False)
+    axes[0].legend(handles, labels, loc="upper right", ncol=3, fontsize=8, frameon=False)
     axes[-1].set_xlabel("seconds since the placement's first cut (shaded: ship windows, grey: warm-up)")
+    plot_cpu(cpu_axis, placements)
     settings, workload = report["settings"], report["workload"]
     fig.suptitle(
         f"Event-loop lag while shipping {workload['rollouts'][-1]} rollouts x {settings['ranks']} ranks "
@@ -62,3 +78,16 @@ def plot_lag(report: dict[str, Any], path: Path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def plot_cpu(ax: Any, placements: dict[str, Any]) -> None:
+    """CPU milliseconds per shipped step by process kind, stacked, one bar per placement."""
+    names = list(placements)
+    left = np.zeros(len(names))
+    for kind, color in CPU_COLORS.items():
+        ms = np.array([1000 * placements[n]["cpu_seconds_per_step"].get(kind, 0.0) for n in names])
+        ax.barh(names, ms, left=left, color=color, label=kind, height=0.6)
+        left += ms
+    ax.invert_yaxis()
+    ax.set_xlabel("CPU ms per shipped step (mean of measured steps; grey: trainer ranks and other programs, not counted)")
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
