@@ -80,7 +80,6 @@ def test_cpu_per_step_by_process_kind(report: dict[str, Any]) -> None:
             assert all(value >= 0 for value in figures.values()), (name, figures)
             ship = figures["orchestrator"] + figures["workers"] + figures["redis"]
             assert figures["ship"] == pytest.approx(ship), name
-        cpu = placement["cpu_seconds_per_step"]
         # Within the window, not since the process started: no more than the cores could give
         # (plus the 10 ms ticks' rounding at the window's two ends, per process).
         cores = report["machine"]["cpus"]

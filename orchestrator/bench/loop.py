@@ -286,7 +286,8 @@ def run_placement(
         group.stop_all()
         delete_run_keys(settings)
     raw = json.loads(result.read_text())
-    windows = {step: (start + raw["origin"], end + raw["origin"]) for step, (start, end) in raw["windows"].items()}
+    origin = raw["origin"]
+    windows = {step: (start + origin, end + origin) for step, (start, end) in raw["windows"].items()}
     cpu = dict(zip(windows, sampler.in_windows(list(windows.values())), strict=True))
     return {**raw, "received": received, "records": records, "cpu": cpu}
 
