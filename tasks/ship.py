@@ -62,8 +62,9 @@ RECORDS_KEPT = 1000
 
 @functools.cache
 def redis_client() -> redis.Redis:
-    """One connection pool per worker process (created after fork, on first use)."""
-    return connect_redis(redis_url(), socket_timeout=120, health_check_interval=30)
+    """One connection pool per worker process (created after fork, on first use); payloads
+    are read without redis-py's copies (`transport.connection.LargeReplyBuffer`)."""
+    return connect_redis(redis_url(), large_replies=True, socket_timeout=120, health_check_interval=30)
 
 
 class RunState:
@@ -104,6 +105,13 @@ class RunState:
         self.ship_problem = self.keys.run_key("ship_problem")
 
 
+@functools.lru_cache(maxsize=4)
+def _decoded_manifest(data: bytes) -> StepManifest:
+    """Every task of a step reads its manifest; a process decodes each one once. Keyed by
+    the stored bytes, so a step cut again under the same number is a new manifest."""
+    return StepManifest.from_bytes(data)
+
+
 class StepContext:
     """A task's view of one step: the manifest, the store and the step's marks."""
 
@@ -117,7 +125,7 @@ class StepContext:
 
     @functools.cached_property
     def manifest(self) -> StepManifest:
-        return StepManifest.from_bytes(self.store.get_step_value(self.step, "manifest"))
+        return _decoded_manifest(bytes(self.store.get_step_value(self.step, "manifest")))
 
     def is_published(self, step: int | None = None) -> bool:
         return bool(self.client.hexists(self.state.published, self.step if step is None else step))
