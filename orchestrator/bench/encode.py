@@ -1,9 +1,11 @@
-"""`rlship bench encode`: the payload codec's speed and memory against msgpack and msgspec.
+"""`rlship bench encode`: the payload codec's speed and memory against msgpack, msgspec and
+ormsgpack (the `bench` extra).
 
 Three payload shapes of about 64 MiB (the seed PR's allocation check): one micro-batch,
 sixteen of 4 MiB, and 63 MiB + 1 MiB. Every encoder gets realistic token data already in
 the form it takes (numpy arrays for ours, prebuilt lists or structs for the others, arrays
-plus `tolist()` for `msgpack_from_arrays`), is timed without tracemalloc (median of
+plus `tolist()` for `msgpack_from_arrays`, the numpy arrays themselves for `ormsgpack` with
+its OPT_SERIALIZE_NUMPY), is timed without tracemalloc (median of
 `--trials`), and measured in separate runs under tracemalloc: the peak traced allocation
 during the call, less what was allocated before it (numpy's allocations are traced).
 """
@@ -23,9 +25,10 @@ from typing import Any
 import msgpack
 import msgspec
 import numpy as np
+import ormsgpack
 
 from transport.codec import decode_microbatches, encode_microbatches, wire_size
-from transport.schema import MicroBatch
+from transport.schema import MICROBATCH_FIELDS, MicroBatch
 
 MIB = 1 << 20
 ENV_NAMES = ("math-python", "code-contests", "wordle")
@@ -154,9 +157,20 @@ def _measure(calls: dict[str, Callable[[], Any]], trials: int) -> dict[str, dict
     }
 
 
+def numpy_wire_values(batch: MicroBatch, values: list[Any]) -> list[Any]:
+    """`values` (the batch's `as_wire_values`) with every array field as the numpy array
+    itself: what ormsgpack's OPT_SERIALIZE_NUMPY writes as a MessagePack array."""
+    arrays = {name: getattr(batch, name) for name in MICROBATCH_FIELDS}
+    return [
+        arrays[name] if isinstance(arrays[name], np.ndarray) else value
+        for name, value in zip(MICROBATCH_FIELDS, values, strict=True)
+    ]
+
+
 def run_case(name: str, batches: list[MicroBatch], trials: int) -> dict[str, Any]:
     lists = [b.as_wire_values() for b in batches]
     structs = [WireMicroBatch(*values) for values in lists]
+    arrays = [numpy_wire_values(b, values) for b, values in zip(batches, lists, strict=True)]
     encoder = msgspec.msgpack.Encoder()
     encoders: dict[str, Callable[[], Any]] = {
         "ours": lambda: encode_microbatches(batches),
@@ -165,6 +179,7 @@ def run_case(name: str, batches: list[MicroBatch], trials: int) -> dict[str, Any
             [b.as_wire_values() for b in batches], use_bin_type=True
         ),
         "msgspec": lambda: encoder.encode(structs),
+        "ormsgpack": lambda: ormsgpack.packb(arrays, option=ormsgpack.OPT_SERIALIZE_NUMPY),
     }
     outputs = {key: bytes(call()) for key, call in encoders.items()}
     payload = outputs["msgpack_lists"]
@@ -173,6 +188,7 @@ def run_case(name: str, batches: list[MicroBatch], trials: int) -> dict[str, Any
         "ours": lambda: decode_microbatches(payload),
         "msgspec": lambda: typed.decode(payload),
         "msgpack": lambda: msgpack.unpackb(payload),
+        "ormsgpack": lambda: ormsgpack.unpackb(payload),
     }
     decoded = decode_microbatches(payload)
     identical = len(set(outputs.values())) == 1 and all(
@@ -192,7 +208,7 @@ def run_case(name: str, batches: list[MicroBatch], trials: int) -> dict[str, Any
 
 def format_table(results: list[dict[str, Any]]) -> str:
     """Markdown: per case and encoder, seconds and peak / wire; then the ratios the goals name."""
-    encoders = ("ours", "msgpack_lists", "msgpack_from_arrays", "msgspec")
+    encoders = ("ours", "msgpack_lists", "msgpack_from_arrays", "msgspec", "ormsgpack")
     lines = [
         "| case | wire MiB | " + " | ".join(f"{key} s (peak/wire)" for key in encoders) + " |",
         "|---|---:|" + "---:|" * len(encoders),
@@ -202,18 +218,23 @@ def format_table(results: list[dict[str, Any]]) -> str:
             f"{case[k]['seconds']:.3f} ({case[k]['peak_bytes'] / case['wire_bytes']:.2f})" for k in encoders
         ]
         lines.append(f"| {case['name']} | {case['wire_bytes'] / MIB:.1f} | " + " | ".join(cells) + " |")
-    lines += ["", "| case | decode: ours s (peak MiB) | msgspec s | msgpack s |", "|---|---:|---:|---:|"]
+    lines += [
+        "",
+        "| case | decode: ours s (peak MiB) | msgspec s | msgpack s | ormsgpack s |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for case in results:
         dec = case["decode"]
         lines.append(
             f"| {case['name']} | {dec['ours']['seconds']:.3f} ({dec['ours']['peak_bytes'] / MIB:.1f}) | "
-            f"{dec['msgspec']['seconds']:.3f} | {dec['msgpack']['seconds']:.3f} |"
+            f"{dec['msgspec']['seconds']:.3f} | {dec['msgpack']['seconds']:.3f} | "
+            f"{dec['ormsgpack']['seconds']:.3f} |"
         )
     lines += [
         "",
         "| case | identical | ours peak / wire | encode: msgpack_from_arrays / ours | msgspec / ours "
-        "| decode: msgspec / ours |",
-        "|---|---|---:|---:|---:|---:|",
+        "| ormsgpack / ours | decode: msgspec / ours | ormsgpack / ours |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for case in results:
         ours, dec = case["ours"], case["decode"]
@@ -221,7 +242,9 @@ def format_table(results: list[dict[str, Any]]) -> str:
             f"| {case['name']} | {case['identical']} | {ours['peak_bytes'] / case['wire_bytes']:.3f} "
             f"| {case['msgpack_from_arrays']['seconds'] / ours['seconds']:.2f} "
             f"| {case['msgspec']['seconds'] / ours['seconds']:.2f} "
-            f"| {dec['msgspec']['seconds'] / dec['ours']['seconds']:.2f} |"
+            f"| {case['ormsgpack']['seconds'] / ours['seconds']:.2f} "
+            f"| {dec['msgspec']['seconds'] / dec['ours']['seconds']:.2f} "
+            f"| {dec['ormsgpack']['seconds'] / dec['ours']['seconds']:.2f} |"
         )
     return "\n".join(lines)
 
