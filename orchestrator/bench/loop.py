@@ -364,7 +364,7 @@ def summarize(raw: dict[str, Any], reference: list[list[str]], warmup: int) -> d
         "orchestrator_baseline_rss_bytes": raw["baseline_rss_bytes"],
         "orchestrator_rss_growth_bytes": raw["peak_rss_bytes"] - raw["baseline_rss_bytes"],
         "cpu_seconds": cpu,
-        "cpu_seconds_per_step": {kind: statistics.fmean(step[kind] for step in cpu) for kind in cpu[0]},
+        "cpu_seconds_per_step": median_step(cpu),
         "tokens_shipped": int(sum(r.get("progress/tokens", 0.0) for r in records)),
         "steps_identical": identical,
         "lag_observations": len(lag),
@@ -387,6 +387,12 @@ def summarize(raw: dict[str, Any], reference: list[list[str]], warmup: int) -> d
             for name in ("lag", "heartbeat")
         },
     }
+
+
+def median_step(cpu: list[dict[str, float]]) -> dict[str, float]:
+    """The CPU by kind of the measured step whose ship CPU is the median (the lower middle
+    of an even count): robust to a step that other programs slowed, and its kinds add up."""
+    return sorted(cpu, key=lambda step: step["ship"])[(len(cpu) - 1) // 2]
 
 
 def goals(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -441,10 +447,10 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def print_cpu_table(placements: dict[str, dict[str, Any]]) -> None:
-    """CPU milliseconds per measured step (mean) by process kind; `ship` sums the
+    """CPU milliseconds per measured step (`median_step`) by process kind; `ship` sums the
     orchestrator, the workers and Redis; trainer ranks and other programs apart."""
     columns = [*SHIP_KINDS, "ship", "trainers", "others"]
-    print("\n  CPU ms per step (mean of measured steps): " + " | ".join(columns))
+    print("\n  CPU ms per step (the step of median ship CPU): " + " | ".join(columns))
     for placement, result in placements.items():
         cpu = result["cpu_seconds_per_step"]
         print(f"  {placement:>9}: " + " | ".join(f"{1000 * cpu.get(c, 0.0):7.0f}" for c in columns))

@@ -89,5 +89,5 @@ def plot_cpu(ax: Any, placements: dict[str, Any]) -> None:
         ax.barh(names, ms, left=left, color=color, label=kind, height=0.6)
         left += ms
     ax.invert_yaxis()
-    ax.set_xlabel("CPU ms per shipped step (mean of measured steps; grey: trainer ranks, other programs)")
+    ax.set_xlabel("CPU ms per shipped step (step of median ship CPU; grey: trainer ranks, other programs)")
     ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
