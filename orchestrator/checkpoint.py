@@ -24,6 +24,7 @@ from typing import Any
 import msgpack
 
 from tasks.cohort import Cohort
+from tasks.manifest import packb_in_pieces
 
 
 def entry_order(entry_id: str) -> tuple[int, int]:
@@ -44,14 +45,13 @@ class Checkpoint:
         return entry_order(entry_id) <= entry_order(self.cursor)
 
     def to_bytes(self) -> bytes:
-        return msgpack.packb(
+        return packb_in_pieces(
             {
                 "cursor": self.cursor,
                 "open_rollouts": sorted(self.open_rollouts),
                 "pending": self.pending.to_wire(),
                 "accounting": self.accounting,
-            },
-            use_bin_type=True,
+            }
         )
 
     @classmethod
@@ -63,4 +63,3 @@ class Checkpoint:
             pending=Cohort.from_wire(fields["pending"]),
             accounting=fields["accounting"],
         )
-
