@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import json
 import logging
 import os
@@ -736,6 +737,10 @@ class Orchestrator:
             lease.result()  # the error that kept the lease from being taken (a Redis refusing writes)
         await self.resume()
         await self.policy.update()  # the first gate decision needs no wait for the follower
+        # The imports' and setup's objects (tens of thousands of functions, tuples, dicts)
+        # live as long as the process: frozen, a full garbage collection no longer walks them,
+        # and its pauses on the loop shrink (at 16k rollouts a step they were 17-33 ms).
+        gc.freeze()
         probe = asyncio.create_task(self.probe.run())
         loops = [
             lease,
