@@ -1,7 +1,7 @@
 """The wire schema: what one trainer rank receives for one step.
 
 A step's payload for a rank is a list of `MicroBatch`. The 16 fields and their order are
-fixed by the prime-rl trainer wire format (SPEC.md, "Wire format"). Fields are held as
+fixed by the prime-rl trainer wire format (docs/wire-format.md). Fields are held as
 numpy arrays so the packer and encoder never build Python lists of tokens; validation
 runs at construction, so a malformed batch fails where it is built, naming the field.
 """

@@ -1,4 +1,4 @@
-"""ZMQ step transport (SPEC.md, "Wire format", ZMQ): one bound publisher, one SUB per rank.
+"""ZMQ step transport (docs/transports.md, "ZMQ"): one bound publisher, one SUB per rank.
 
 Sender: an XPUB socket at host:port and a PULL socket at host:port+1. Each message is two
 frames, `data_rank|{rank}|{step}` and the payload. Nothing is published to a rank before
