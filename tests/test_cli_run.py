@@ -11,8 +11,8 @@ import uuid
 
 import pytest
 
-from orchestrator.reference import compare, reference_records
 from tests.conftest import REPO, session_queue
+from tests.reference import compare, reference_records
 from transport.zmq import free_port_pair
 
 
