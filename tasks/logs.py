@@ -36,7 +36,7 @@ def mask_secrets(text: str) -> str:
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: time (UTC), level, logger, message, pid, then every extra
-    field (run_id, step, rank, task, ...) and the traceback, if any; passwords masked."""
+    field (run_id, step, rank, task, task_id, ...) and the traceback, if any; passwords masked."""
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
