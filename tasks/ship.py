@@ -87,6 +87,8 @@ class RunState:
         self.next_step = self.keys.run_key("next_step")
         # The orchestrator's live counters (pending, open groups, lag), for progress displays.
         self.status = self.keys.run_key("status")
+        # The run's shape (steps, ranks, queues), written by its orchestrator for `rlship status`.
+        self.info = self.keys.run_key("info")
         self.evicted = self.keys.run_key("payloads_evicted_unacknowledged")
         # Sends that found an earlier process's `sending` mark above `last_sent` (see send).
         self.interrupted_sends = self.keys.run_key("interrupted_sends")
