@@ -161,6 +161,9 @@ class Orchestrator:
                 {self.keys.rollout_stream: self._stream_cursor}, count=READ_BATCH, block=READ_BLOCK_MS
             )
             if not response:
+                # No rollouts (the gate holds the producers, or they are done): the status
+                # still says what was cut and published since, for `rlship status`.
+                await self.client.hset(self.state.status, mapping=self.status())
                 continue
             entries = response[0][1]
             release_ids: list[str] = []
