@@ -58,8 +58,8 @@ def held_run(settings: RunSettings, client: redis.Redis) -> Iterator[list[ShipRe
 
     try:
         wait_for("the policy gate to hold the run", held, timeout=120)
-        every_record = lambda: metrics_lines(settings) == shipped_files(settings)  # noqa: E731
-        wait_for("metrics.jsonl to have every record", every_record)
+        mirrored = lambda: metrics_lines(settings) == shipped_files(settings)  # noqa: E731
+        wait_for("metrics.jsonl to have every record", mirrored, timeout=60)
         yield results
     finally:
         ranks = start_trainers(settings)
