@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.settings import RunSettings
 from tasks.ship import RunState
@@ -110,15 +111,16 @@ def test_status_follows_a_run(
     assert f" {STEPS}/{STEPS} shipped, {STEPS} cut " in frame, frame
 
 
-def scrape(port: int) -> dict[str, float]:
-    """The endpoint's samples of rlship metrics, `name{labels}` -> value."""
+def scrape(port: int, run_id: str) -> dict[str, float]:
+    """The endpoint's samples of the run's metrics: `name` or `name:label_value` -> value."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
     samples = {}
-    for line in text.splitlines():
-        if line.startswith("rlship_"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            if sample.name.startswith("rlship_") and labels.pop("run_id") == run_id:
+                samples[":".join([sample.name, *labels.values()])] = sample.value
     return samples
 
 
@@ -128,26 +130,25 @@ def test_prometheus_endpoint_during_a_run(
 ) -> None:
     port = free_port_pair()
     settings = fs_settings(run_id, redis_url, workers, tmp_path, metrics_port=port)
-    label = f'{{run_id="{run_id}"}}'
     with held_run(settings, client):
-        samples = scrape(port)
+        samples = scrape(port, run_id)
         shipped = shipped_files(settings)
         assert 0 < shipped < STEPS
-        assert samples[f"rlship_steps_shipped_total{label}"] == shipped == metrics_lines(settings)
-        assert samples[f"rlship_records_total{label}"] == shipped
-        assert samples[f"rlship_steps_cut_total{label}"] == shipped
-        assert samples[f"rlship_steps_wanted{label}"] == STEPS
-        assert samples[f"rlship_stalled_ranks{label}"] == settings.ranks
+        assert samples["rlship_steps_shipped_total"] == shipped == metrics_lines(settings)
+        assert samples["rlship_records_total"] == shipped
+        assert samples["rlship_steps_cut_total"] == shipped
+        assert samples["rlship_steps_wanted"] == STEPS
+        assert samples["rlship_stalled_ranks"] == settings.ranks
         arrived = float(client.hget(RunState(run_id).status, "arrived") or 0)
-        assert samples[f"rlship_rollouts_arrived_total{label}"] == arrived > 0  # the producer is held too
+        assert samples["rlship_rollouts_arrived_total"] == arrived > 0  # the producer is held too
         # Nothing is in flight while the gate holds the run; the queues are empty.
-        stages = {k: v for k, v in samples.items() if k.startswith("rlship_tasks_in_flight")}
+        stages = {k: v for k, v in samples.items() if k.startswith("rlship_tasks_in_flight:")}
         assert len(stages) == 7 and set(stages.values()) == {0.0}, stages
         for queue in (workers.cpu_queue, workers.ship_queue):
-            assert samples[f'rlship_queue_depth{{queue="{queue}",run_id="{run_id}"}}'] == 0
+            assert samples[f"rlship_queue_depth:{queue}"] == 0
         # Every shipped step's payloads stay in Redis until the ranks acknowledge them.
         files = Path(settings.output_dir, "rollouts").glob("step_*/rank_*.bin")
-        assert samples[f"rlship_payload_bytes{label}"] == sum(path.stat().st_size for path in files) > 0
-        assert samples[f"rlship_event_loop_lag_max_seconds{label}"] > 0
+        assert samples["rlship_payload_bytes"] == sum(path.stat().st_size for path in files) > 0
+        assert samples["rlship_event_loop_lag_max_seconds"] > 0
     with pytest.raises(OSError):  # the run is over: so is its endpoint
-        scrape(port)
+        scrape(port, run_id)
