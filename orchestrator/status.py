@@ -119,8 +119,9 @@ def main(args: argparse.Namespace) -> int:
     row = run_row(client, args.run)
     info = RunInfo.read(client, args.run)
     if row is None or info is None:
+        missing = "no run" if row is None else "no orchestrator's description of run"
         print(
-            f"rlship status: {where} holds no run {args.run!r} (`rlship status` lists the runs)",
+            f"rlship status: {where} holds {missing} {args.run!r} (`rlship status` lists the runs)",
             file=sys.stderr,
         )
         return 1
