@@ -105,10 +105,33 @@ def test_status_follows_a_run(
         assert "policy gate waits on rank(s) [0, 1]" in frame, frame
         plain = rlship_status(settings)  # the list, as a person reads it
         assert re.search(rf"^{run_id} +running +{shipped}/{STEPS} ", plain, re.MULTILINE), plain
+        live = subprocess.Popen(
+            python_command("status", run_id, "--redis-url", settings.redis_url),
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+    try:
+        followed, _ = live.communicate(timeout=120)  # it ends with the run
+    finally:
+        live.kill()
+    assert live.returncode == 0, followed
+    # The steps shipped while it followed, one line each as `rlship run` prints them, then
+    # the final status.
+    step_lines = [line for line in followed.splitlines() if line.startswith("step ")]
+    assert [int(line.split()[1]) for line in step_lines] == list(range(shipped, STEPS)), followed
+    assert f" {STEPS}/{STEPS} shipped, {STEPS} cut " in followed.splitlines()[-1], followed
     assert shipped_files(settings) == metrics_lines(settings) == STEPS
     assert listed(settings) == ("finished", STEPS, STEPS)
     frame = rlship_status(settings, run_id)  # a finished run: one frame, then it returns
     assert f" {STEPS}/{STEPS} shipped, {STEPS} cut " in frame, frame
+
+
+def test_status_of_an_unknown_run_is_one_line(redis_url: str) -> None:
+    process = subprocess.run(
+        python_command("status", "no-such-run", "--redis-url", redis_url),
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert process.returncode == 1 and process.stdout == ""
+    assert process.stderr.count("\n") == 1 and "holds no run 'no-such-run'" in process.stderr
 
 
 def scrape(port: int, run_id: str) -> dict[str, float]:
