@@ -33,7 +33,7 @@ from flower.options import options as flower_options
 
 from orchestrator.cli import COMMANDS
 from orchestrator.settings import CONFIG_ENV, RunSettings, env_name
-from tests.conftest import REPO
+from tests.conftest import REPO, session_queue
 from transport.zmq import free_port_pair
 
 # Redis, the two kinds of workers, Flower, the orchestrator, the producer and the trainer ranks.
@@ -231,8 +231,8 @@ def test_honcho_runs_the_procfile(redis_url: str, tmp_path: Path) -> None:
         "RLSHIP_GROUP_SIZE": "4",
         "RLSHIP_SEQ_LEN": "512",
         "RLSHIP_ZMQ_PORT": str(free_port_pair()),
-        "RLSHIP_CPU_QUEUE": f"cpu-honcho-{suffix}",
-        "RLSHIP_SHIP_QUEUE": f"ship-honcho-{suffix}",
+        "RLSHIP_CPU_QUEUE": session_queue(f"cpu-honcho-{suffix}"),
+        "RLSHIP_SHIP_QUEUE": session_queue(f"ship-honcho-{suffix}"),
         "RLSHIP_OUTPUT_DIR": str(tmp_path / "run"),
         "FLOWER_PORT": str(free_port_pair()),
     }
