@@ -24,6 +24,7 @@ from tests.test_run_lifecycle import wait_for
 from transport.keys import RunKeys
 
 HOLD_SECONDS = 6.0
+EVENT_BINDINGS = "_kombu.binding.celeryev"
 
 
 class TaskEvents:
@@ -56,6 +57,13 @@ class TaskEvents:
         if self._receiver is not None:
             self._receiver.should_stop = True
         self._thread.join(10)
+        if self._receiver is not None:  # kombu keeps the receiver's binding: it is the test's
+            with app.connection() as connection:
+                client = connection.default_channel.client
+                queue = self._receiver.queue.name.encode()
+                bindings = [b for b in client.smembers(EVENT_BINDINGS) if b.endswith(queue)]
+                if bindings:
+                    client.srem(EVENT_BINDINGS, *bindings)
 
 
 @pytest.mark.timeout(120)
