@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import redis
 
@@ -109,7 +109,7 @@ def main(args: argparse.Namespace) -> int:
     if args.run is None or args.list:
         rows = list_runs(client)
         if args.json:
-            print(json.dumps([row.__dict__ for row in rows]))
+            print(json.dumps([asdict(row) for row in rows]))
         elif not rows:
             print(f"no runs in {where}")
         else:
