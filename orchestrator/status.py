@@ -86,7 +86,9 @@ def follow(client: redis.Redis, row: RunRow, info: RunInfo, once: bool) -> None:
     """The run's live status (records as they are published), until it is no longer
     running or Ctrl-C; with `once`, one frame."""
     reader = StatusReader(client, info.run_id, info.queues, info.ranks)
-    display = ProgressDisplay(reader, sys.stdout, info.steps, info.ranks, time.time() - row.started_at)
+    # The run's time so far; an ended run's, up to its orchestrator's last status.
+    until = time.time() if row.state == RUNNING or row.updated_at is None else row.updated_at
+    display = ProgressDisplay(reader, sys.stdout, info.steps, info.ranks, until - row.started_at)
     while not once and (current := run_row(client, info.run_id)) is not None and current.state == RUNNING:
         display.update()
         time.sleep(REFRESH_SECONDS)
