@@ -193,22 +193,41 @@ def run_id_free(client: redis.Redis, run_id: str) -> Check:
 # -- this machine -------------------------------------------------------------------------
 
 
+def _bind_error(host: str, port: int) -> str | None:
+    """Why `host:port` cannot be bound now, or None."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return str(exc.strerror or exc)
+    return None
+
+
 def port_pair_free(host: str, port: int) -> Check:
     """The ZMQ sender binds `port` and `port + 1` (READY): both must be free on `host`."""
     for candidate in (port, port + 1):
-        with socket.socket() as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((host, candidate))
-            except OSError as exc:
-                role = "zmq_port" if candidate == port else "zmq_port + 1 (trainers' READY)"
-                return Check(
-                    "ports",
-                    False,
-                    f"{role} {host}:{candidate} cannot be bound ({exc.strerror or exc})",
-                    "stop what holds it or choose another --zmq-port (it needs the port after it too)",
-                )
+        if (error := _bind_error(host, candidate)) is not None:
+            role = "zmq_port" if candidate == port else "zmq_port + 1 (trainers' READY)"
+            return Check(
+                "ports",
+                False,
+                f"{role} {host}:{candidate} cannot be bound ({error})",
+                "stop what holds it or choose another --zmq-port (it needs the port after it too)",
+            )
     return Check("ports", True, f"{host}:{port} and {port + 1} are free for the ZMQ sender")
+
+
+def metrics_port_free(host: str, port: int) -> Check:
+    """The orchestrator's Prometheus endpoint (`metrics_port`) binds `host:port`."""
+    if (error := _bind_error(host, port)) is not None:
+        return Check(
+            "metrics port",
+            False,
+            f"metrics_port {host}:{port} cannot be bound ({error})",
+            "stop what holds it, choose another --metrics-port, or 0 to serve no metrics",
+        )
+    return Check("metrics port", True, f"{host}:{port} is free for the Prometheus endpoint")
 
 
 def output_dir_writable(path: Path) -> Check:
@@ -269,6 +288,8 @@ def doctor_checks(settings: RunSettings) -> list[Check]:
         checks += redis_keeps_data(answer.client, settings.allow_eviction)
     if settings.transport == "zmq":
         checks.append(port_pair_free(settings.zmq_host, settings.zmq_port))
+    if settings.metrics_port:
+        checks.append(metrics_port_free(settings.metrics_host, settings.metrics_port))
     checks.append(output_dir_writable(Path(settings.output_dir)))
     checks.append(browser_available())
     if answer.client is not None:
@@ -297,6 +318,8 @@ def preflight_run(settings: RunSettings) -> list[Check]:
         checks.append(run_id_free(answer.client, settings.run_id))
     if settings.transport == "zmq":
         checks.append(port_pair_free(settings.zmq_host, settings.zmq_port))
+    if settings.metrics_port:
+        checks.append(metrics_port_free(settings.metrics_host, settings.metrics_port))
     return require("run", checks)
 
 

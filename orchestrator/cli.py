@@ -25,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
                     "the effective settings (environment < --config TOML < flags), secrets masked"),
     "chaos": ("orchestrator.chaos", "add_arguments", "main",
               "a seeded run while its workers and orchestrator are killed, against a fault-free one"),
+    "status": ("orchestrator.status", "add_arguments", "main",
+               "a run's live status from another terminal; without RUN_ID, the runs Redis holds"),
     "doctor": ("orchestrator.doctor", "add_arguments", "main",
                "what a run needs (Redis, password, eviction, ports, output dir, workers): one line each"),
     "report": ("orchestrator.report", "add_arguments", "main",

@@ -105,6 +105,18 @@ class RunSettings(BaseSettings):
     allow_eviction: bool = Field(
         default=False, description="run on a Redis that may evict keys (warned, not refused)"
     )
+    # Operators' views (issue 15): the orchestrator's Prometheus endpoint.
+    metrics_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="serve Prometheus metrics on this port from the orchestrator (0: off, as "
+        "runs sharing a host would collide on any fixed port)",
+    )
+    metrics_host: str = Field(
+        default="127.0.0.1",
+        description="the address the Prometheus endpoint binds (0.0.0.0: every interface)",
+    )
 
     @field_validator(
         "wandb_project",

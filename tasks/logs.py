@@ -36,7 +36,7 @@ def mask_secrets(text: str) -> str:
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: time (UTC), level, logger, message, pid, then every extra
-    field (run_id, step, rank, task, ...) and the traceback, if any; passwords masked."""
+    field (run_id, step, rank, task, task_id, ...) and the traceback, if any; passwords masked."""
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
@@ -63,13 +63,15 @@ def _parameters(run: Callable[..., Any]) -> tuple[str, ...]:
 
 
 class TaskContext(logging.Filter):
-    """Adds the running task's name and its run_id, step and rank arguments (the ones it
-    takes) to each record logged while it runs."""
+    """Adds the running task's name, its Celery id (`task_id`: Flower's page of the task is
+    /task/{task_id}) and its run_id, step and rank arguments (the ones it takes) to each
+    record logged while it runs."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         task = current_task
         if task and task.request.id:
             record.task = task.name
+            record.task_id = task.request.id
             arguments = dict(zip(_parameters(task.run), task.request.args or (), strict=False))
             for name in CONTEXT_ARGUMENTS:
                 if name in arguments and not hasattr(record, name):
