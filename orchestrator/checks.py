@@ -4,7 +4,7 @@ other commands, each for what applies to it) and `rlship doctor`.
 Each check returns a `Check`: one line naming what was found, and for a failure what to do.
 An operator mistake (a wrong password, a port in use, a database that does not exist, an
 unwritable directory) must stop a run at once with that line, not hang it or end it in a
-traceback; secrets never appear (every URL is shown through `mask_url`).
+traceback; secrets never appear (every URL is shown through `mask_secrets`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from urllib.parse import urlsplit
 import redis
 
 from orchestrator.processes import queue_consumers
-from orchestrator.settings import RunSettings, mask_url
+from orchestrator.settings import RunSettings
+from tasks.logs import mask_secrets
 from tasks.ship import RunState
 
 REDIS_TIMEOUT_SECONDS = 2.0
@@ -79,7 +80,7 @@ class RedisAnswer:
 
 def probe_redis(url: str) -> RedisAnswer:
     """One ping with short timeouts and no retries: reachable, authenticated, database selected."""
-    shown = mask_url(url)
+    shown = mask_secrets(url)
     client = redis.Redis.from_url(
         url, socket_connect_timeout=REDIS_TIMEOUT_SECONDS, socket_timeout=REDIS_TIMEOUT_SECONDS, retry=None
     )
@@ -131,14 +132,14 @@ def redis_can_be_started(url: str) -> Check:
     local = urlsplit(url).scheme == "redis" and host in ("127.0.0.1", "localhost", "::1")
     path = shutil.which("redis-server")
     if path and local:
-        return Check("redis-server", True, f"none answers at {mask_url(url)}; {path} will start one")
+        return Check("redis-server", True, f"none answers at {mask_secrets(url)}; {path} will start one")
     if not local:
-        detail = f"no Redis answers at {mask_url(url)}, and rlship starts one only on 127.0.0.1"
+        detail = f"no Redis answers at {mask_secrets(url)}, and rlship starts one only on 127.0.0.1"
         return Check("redis-server", False, detail, "start Redis on that host, or correct REDIS_URL")
     return Check(
         "redis-server",
         False,
-        f"no Redis answers at {mask_url(url)}, and redis-server is not on PATH to start one",
+        f"no Redis answers at {mask_secrets(url)}, and redis-server is not on PATH to start one",
         "install it (`apt-get install redis-server`) or point REDIS_URL at a running Redis",
     )
 

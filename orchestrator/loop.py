@@ -42,6 +42,7 @@ from orchestrator.records import IDENTIFIER, RecordRejected, parse_record
 from orchestrator.rollout_log import RolloutLog
 from orchestrator.run_info import RunInfo
 from orchestrator.settings import RunSettings
+from tasks.app import use_redis
 from tasks.cohort import Cohort, CohortBuilder
 from tasks.manifest import StepManifest
 from tasks.ship import RunState, finalize, release
@@ -100,6 +101,9 @@ class StepProgress:
 
 class Orchestrator:
     def __init__(self, settings: RunSettings, client: aioredis.Redis) -> None:
+        # The tasks it enqueues go to the Redis its keys are on, whatever REDIS_URL the
+        # Celery app was built from (a `--redis-url` flag or a `--config` file).
+        use_redis(settings.redis_url)
         self.settings = settings
         self.client = client
         self.store = AsyncPayloadStore(client, settings.run_id)

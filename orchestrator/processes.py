@@ -15,7 +15,8 @@ from pathlib import Path
 
 import redis
 
-from orchestrator.settings import RunSettings, mask_url
+from orchestrator.settings import RunSettings
+from tasks.logs import mask_secrets
 from transport.keys import RunKeys
 
 
@@ -140,7 +141,8 @@ def ensure_redis(url: str, group: ProcessGroup, data_dir: Path) -> None:
     while not redis_answers(url):
         if time.monotonic() > deadline:
             raise SystemExit(
-                f"rlship: redis_url={mask_url(url)!r}: no Redis answers, and the one started did not come up "
+                f"rlship: redis_url={mask_secrets(url)!r}: no Redis answers, and the one started did not "
+                "come up "
                 f"(its log: {group.log_dir / 'redis.log'})"
             )
         time.sleep(0.1)

@@ -18,7 +18,8 @@ import redis
 
 from orchestrator.progress import REFRESH_SECONDS, ProgressDisplay, StatusReader
 from orchestrator.run_info import RunInfo
-from orchestrator.settings import add_settings_arguments, mask_url, settings_from_args
+from orchestrator.settings import add_settings_arguments, settings_from_args
+from tasks.logs import mask_secrets
 from tasks.ship import RunState
 from transport.keys import RunKeys
 
@@ -107,7 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
-    where = f"Redis at {mask_url(settings.redis_url)}"
+    where = f"Redis at {mask_secrets(settings.redis_url)}"
     if args.run is None or args.list:
         rows = list_runs(client)
         if args.json:
