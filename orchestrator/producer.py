@@ -83,7 +83,6 @@ end
 return reply
 """
 
-DEFAULT_LIMITS = RunSettings()
 ADMISSION_POLL_SECONDS = 0.05
 WAIT_REPORT_SECONDS = 5.0  # `rlship produce` says why it waits this often
 log = logging.getLogger("rlship.producer")
@@ -197,8 +196,8 @@ class _Producer:
         client: redis.Redis | aioredis.Redis,
         run_id: str,
         ttl_seconds: int = DEFAULT_TTL_SECONDS,
-        max_tokens: int = DEFAULT_LIMITS.seq_len,
-        vocab_size: int = DEFAULT_LIMITS.vocab_size,
+        max_tokens: int = RunSettings.model_fields["seq_len"].default,
+        vocab_size: int = RunSettings.model_fields["vocab_size"].default,
         admission: Admission | None = None,
     ) -> None:
         self.client = client
