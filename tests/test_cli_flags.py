@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 from typing import Literal, get_args, get_origin
 
 import pytest
@@ -126,3 +127,24 @@ def test_version() -> None:
     assert done.returncode == 0
     with open(REPO / "pyproject.toml", "rb") as file:
         assert done.stdout.strip() == f"rlship {tomllib.load(file)['project']['version']}"
+
+
+def test_bench_encode_says_what_it_is_doing_while_it_runs(tmp_path: Path) -> None:
+    """A whole run takes minutes: its first lines come before it finishes (it is ended then)."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "bench", "encode", "--json", str(tmp_path / "b.json")],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stderr is not None
+        first = [process.stderr.readline() for _ in range(2)]
+        still_running = process.poll() is None
+    finally:
+        process.kill()
+        process.communicate()
+    assert first[0].startswith("bench encode: case 1/3 "), first
+    assert first[1].startswith("bench encode: ") and "timing" in first[1], first
+    assert still_running and not (tmp_path / "b.json").exists()
