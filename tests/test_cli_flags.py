@@ -148,3 +148,15 @@ def test_bench_encode_says_what_it_is_doing_while_it_runs(tmp_path: Path) -> Non
     assert first[0].startswith("bench encode: case 1/3 "), first
     assert first[1].startswith("bench encode: ") and "timing" in first[1], first
     assert still_running and not (tmp_path / "b.json").exists()
+
+
+def test_the_readme_settings_table_is_the_models() -> None:
+    """README's table is `rlship config table`'s output: a setting added, renamed, described
+    or defaulted differently fails here until the README is regenerated."""
+    readme = (REPO / "README.md").read_text()
+    start, end = "<!-- settings table: rlship config table -->\n", "\n<!-- end of settings table -->"
+    in_readme = readme[readme.index(start) + len(start) : readme.index(end)]
+    generated = rlship("config", "table").stdout.strip()
+    assert in_readme == generated, "README.md's settings table is stale: paste `rlship config table`"
+    rows = [line for line in generated.splitlines()[2:]]
+    assert [row.split("`")[1] for row in rows] == list(RunSettings.model_fields)
