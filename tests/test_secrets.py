@@ -8,11 +8,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
+from orchestrator.processes import celery_worker_command
 from tests.conftest import REPO
 from tests.test_preflight import free_port, rlship, start_redis  # noqa: F401  (a fixture)
 from transport.zmq import free_port_pair
@@ -105,3 +107,27 @@ def test_a_run_on_a_redis_with_a_password_prints_and_writes_no_password(
     assert any(path.name == "ship-worker.log" for path in written)
     for path in written:
         assert PASSWORD.encode() not in path.read_bytes(), path
+
+
+def test_a_worker_refused_by_redis_does_not_print_the_password(start_redis, tmp_path: Path) -> None:  # noqa: F811
+    """A worker started by hand with a wrong password says it cannot connect (and keeps
+    trying); the lines it prints until then hold no password."""
+    address = start_redis("--requirepass", "the-right-one")
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as out:
+        worker = subprocess.Popen(
+            celery_worker_command(f"cpu-{uuid.uuid4().hex[:8]}", 1, "refused@%h", None),
+            env={**os.environ, "REDIS_URL": f"redis://:{PASSWORD}@{address}/0", "PYTHONPATH": str(REPO)},
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        while "Cannot connect" not in log.read_text(errors="replace") and worker.poll() is None:
+            time.sleep(0.2)
+    finally:
+        worker.kill()
+        worker.wait()
+    text = log.read_text(errors="replace")
+    assert "Cannot connect" in text and "invalid username-password" in text.lower(), text
+    assert PASSWORD not in text, text
