@@ -57,12 +57,12 @@ app.conf.update(
 )
 
 
-
 def use_redis(url: str) -> None:
     """Point the broker and the result backend at `url`. The app is built when this module is
-    imported, from REDIS_URL, before a command has read its flags and `--config` file; every
-    command calls this with the URL its settings resolved, so a run's tasks go to the Redis
-    its keys are on. Before the first publish: a connection pool, once made, stays."""
+    imported, from REDIS_URL, before a command has read its flags and `--config` file; the
+    orchestrator calls this with the URL its settings resolved, so the tasks it enqueues go
+    to the Redis its keys are on. Call it before the first publish: a connection pool, once
+    made, stays."""
     app.conf.update(broker_url=url, result_backend=url)
 
 
