@@ -1,7 +1,8 @@
 """One Redis per run: an orchestrator given its Redis by `--redis-url` or by a `--config` file
-keeps all of the run on it (its keys, the Celery tasks it enqueues and their events), though
-the environment's REDIS_URL names another server. Both servers are started here; the
-environment's one must see nothing but this test's own reads."""
+keeps all of the run on it (its keys, the Celery tasks it enqueues and their events), and so
+does `rlship run` with every child it starts, though the environment's REDIS_URL names
+another server. Both servers are started here; the environment's one must see nothing but
+this test's own reads."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tests.conftest import REPO, python_command, running_workers
 from tests.shiprun import ship_settings
 from tests.test_preflight import start_redis  # noqa: F401  (a fixture)
 from transport.keys import RunKeys
+from transport.zmq import free_port_pair
 
 # What this test itself sends the environment's server (redis-py introduces itself first).
 OWN_COMMANDS = {"hello", "client|setinfo", "ping", "info", "dbsize", "scan"}
@@ -96,3 +98,35 @@ def test_the_orchestrator_keeps_the_run_on_the_redis_it_is_given(
         assert run_server.hlen(RunState(run_id).published) == 2
         assert run_server.exists(f"_kombu.binding.{workers.cpu_queue}")
         assert any(run_server.scan_iter(match=RunKeys(run_id).run_key("*"), count=1000))
+
+
+@pytest.mark.timeout(240)
+def test_rlship_run_keeps_every_child_on_the_redis_its_config_names(
+    start_redis,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """`rlship run` passes the Redis it resolved on to its workers, trainer ranks, producer
+    and orchestrator: none of them falls back to the environment's REDIS_URL."""
+    run_url = f"redis://{start_redis()}/0"
+    environment_url = f"redis://{start_redis()}/0"
+    run_id = f"one-{uuid.uuid4().hex[:8]}"
+    values = {
+        "redis_url": run_url, "run_id": run_id, "steps": 2, "ranks": 1, "batch_size": 16, "group_size": 4,
+        "seq_len": 512, "zmq_port": free_port_pair(), "output_dir": str(tmp_path / "run"),
+    }  # fmt: skip
+    config = tmp_path / "run.toml"
+    config.write_text("".join(f"{name} = {toml_value(value)}\n" for name, value in values.items()))
+    done = subprocess.run(
+        python_command("run", "--config", str(config)),
+        env={**os.environ, "REDIS_URL": environment_url, "PYTHONPATH": str(REPO)},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"rlship run {run_id}: 2 steps shipped" in done.stdout
+    environment_server = redis.Redis.from_url(environment_url)
+    assert list(environment_server.scan_iter(count=1000)) == []
+    assert commands_seen(environment_server) <= OWN_COMMANDS, commands_seen(environment_server)
+    assert redis.Redis.from_url(run_url).hlen(RunState(run_id).published) == 2
