@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import re
 import sys
 import traceback
 
@@ -78,10 +79,31 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def extras_installing(package: str) -> list[str]:
+    """The extras of rlship (its installed metadata) that install `package`, `test` last."""
+    try:
+        requirements = importlib.metadata.requires("rlship") or []
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    extras = []
+    for requirement in requirements:
+        name, _, marker = requirement.partition(";")
+        installed = re.split(r"[\s<>=!~\[]", name.strip(), maxsplit=1)[0]
+        if installed.lower() == package.lower() and "extra" in marker:
+            extras.append(marker.split("==")[-1].strip().strip("\"'"))
+    return sorted(extras, key=lambda extra: extra == "test")
+
+
 def run_command(name: str, argv: list[str]) -> int:
     module_name, add_arguments, main_function, help_text = COMMANDS[name]
     parser = argparse.ArgumentParser(prog=f"rlship {name}", description=help_text)
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        extras = extras_installing(exc.name or "")
+        install = f"pip install -e '.[{extras[0]}]'" if extras else "see the README's quick start"
+        print(f"rlship {name}: needs the Python package {exc.name!r}: {install}", file=sys.stderr)
+        return 2
     getattr(module, add_arguments)(parser)
     args = parser.parse_args(argv)
     try:

@@ -160,3 +160,18 @@ def test_the_readme_settings_table_is_the_models() -> None:
     assert in_readme == generated, "README.md's settings table is stale: paste `rlship config table`"
     rows = [line for line in generated.splitlines()[2:]]
     assert [row.split("`")[1] for row in rows] == list(RunSettings.model_fields)
+
+
+def test_a_command_whose_extra_is_not_installed_names_the_extra() -> None:
+    """Without msgspec (hidden from this one process), `rlship bench encode` says which
+    extra installs it, in one line."""
+    script = (
+        "import sys; sys.modules['msgspec'] = None; from orchestrator.cli import main; "
+        "sys.exit(main(['bench', 'encode', '--json', 'unused.json']))"
+    )
+    command = [sys.executable, "-c", script]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        "rlship bench encode: needs the Python package 'msgspec': pip install -e '.[bench]'"
+    ]
