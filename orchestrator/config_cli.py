@@ -78,7 +78,7 @@ def settings_table() -> str:
     """Every setting as a Markdown table, from the model: the README holds this (a test compares)."""
     rows = ["| setting | flag, variable | default | what it is |", "|---|---|---|---|"]
     for name, field in RunSettings.model_fields.items():
-        default = f"`{default_text(name, {})}`"
+        default = default_text(name, {}) if field.default is None else f"`{default_text(name, {})}`"
         if name in RUN_DEFAULTS:
             default = f"`rlship run`: {RUN_DEFAULTS[name]}; other commands: {default}"
         values = choices(field.annotation)

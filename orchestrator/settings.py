@@ -58,7 +58,7 @@ class RunSettings(BaseSettings):
         description="the step the trainers expect next: a trainer resumed from a checkpoint "
         "expects its resume step (unset: first_step)",
     )
-    ranks: int = Field(default=2, ge=1, description="trainer ranks; each step is cut into one batch per rank")
+    ranks: int = Field(default=2, ge=1, description="trainer ranks; a step sends each its own payload")
     transport: Literal["zmq", "fs"] = Field(
         default="zmq", description="how batches reach the ranks: ZMQ sockets, or files in output_dir"
     )
