@@ -42,9 +42,11 @@ def toml_value(value: Any) -> str:
 
 
 def shown_settings(resolved: ResolvedSettings) -> dict[str, Any]:
-    """The values `rlship run` would use, masked; None where it decides at start (`RUN_DEFAULTS`)."""
+    """The values `rlship run` would use, masked; None where it decides at start (`RUN_DEFAULTS`,
+    and the settings derived from others, which its description says how)."""
     values = resolved.settings.model_dump(mode="json")
     decided_at_start = {name for name in RUN_DEFAULTS if resolved.sources[name] == "default"}
+    decided_at_start |= resolved.settings.derived()
     return {
         name: None if name in decided_at_start else shown_value(name, value) for name, value in values.items()
     }

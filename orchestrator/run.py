@@ -85,12 +85,10 @@ class ChildFailed(RuntimeError):
 
 def run_local(settings: RunSettings, summary_path: Path | None) -> dict[str, Any]:
     # The children run in the repository (`ProcessGroup`): a relative path would be theirs.
-    settings = settings.model_copy(
-        update={
-            "output_dir": Path(settings.output_dir).resolve(),
-            "record_rollouts": settings.record_rollouts and Path(settings.record_rollouts).resolve(),
-            "broadcast_dir": settings.broadcast_dir and Path(settings.broadcast_dir).resolve(),
-        }
+    paths = {"output_dir", "record_rollouts", "broadcast_dir"} & settings.model_fields_set
+    settings = settings.with_changes(
+        output_dir=Path(settings.output_dir).resolve(),  # a derived broadcast_dir follows it
+        **{name: Path(getattr(settings, name)).resolve() for name in paths - {"output_dir"}},
     )
     output_dir = Path(settings.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,8 @@ CONFIG_ENV = "RLSHIP_CONFIG"
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 # Settings whose values may hold credentials: shown and reported only through `mask_secrets`.
 SECRET_SETTINGS = frozenset({"redis_url"})
+# Settings that, left unset, follow others (`RunSettings._resolve_derived`).
+DERIVED_SETTINGS = ("first_step", "start_step", "policy_source", "broadcast_dir")
 
 
 class RunSettings(BaseSettings):
@@ -182,17 +184,23 @@ class RunSettings(BaseSettings):
         return value
 
     @model_validator(mode="after")
-    def _resolve_step_numbers(self) -> RunSettings:
-        """Unset numbering follows the trainers: prime-rl's (external) count from 1, the
-        builtin trainer's run directories and checkpoints from 0. Resolved here, so every
-        consumer sees ints; a copy that changes `trainers`, `first_step` or `start_step`
-        must be made by `with_changes` (`model_copy` does not validate)."""
+    def _resolve_derived(self) -> RunSettings:
+        """Settings left unset follow others (`DERIVED_SETTINGS`). Numbering follows the
+        trainers: prime-rl's (external) count from 1, the builtin trainer's run directories
+        and checkpoints from 0; so does the policy source: Redis for rlship's trainers,
+        prime-rl's broadcast directory (in the output directory unless given) for external
+        ones. Resolved here, so every consumer sees values, and kept out of the fields set,
+        so a copy made by `with_changes` (`model_copy` does not validate) derives them afresh."""
+        unset = {name for name in DERIVED_SETTINGS if getattr(self, name) is None}
         if self.first_step is None:
             self.first_step = PRIME_RL_FIRST_STEP if self.trainers == "external" else 0
-            self.__pydantic_fields_set__.discard("first_step")  # derived, not set
         if self.start_step is None:
             self.start_step = self.first_step
-            self.__pydantic_fields_set__.discard("start_step")
+        if self.policy_source is None:
+            self.policy_source = "redis" if self.trainers == "builtin" else "broadcasts"
+        if self.broadcast_dir is None:
+            self.broadcast_dir = Path(self.output_dir) / "broadcasts"
+        self.__pydantic_fields_set__.difference_update(unset)
         if self.start_step < self.first_step:
             raise ValueError(
                 f"start_step: {self.start_step} must be >= first_step ({self.first_step}): "
@@ -211,14 +219,14 @@ class RunSettings(BaseSettings):
             )
         return self
 
-    def _derived_numbering(self) -> set[str]:
-        """The numbering settings `_resolve_step_numbers` derived rather than was given."""
-        return {"first_step", "start_step"} - self.model_fields_set
+    def derived(self) -> set[str]:
+        """The settings `_resolve_derived` derived rather than was given."""
+        return set(DERIVED_SETTINGS) - self.model_fields_set
 
     def with_changes(self, **changes: Any) -> RunSettings:
         """A copy with `changes`, validated again (`model_copy(update=...)` is not), the
-        numbering that was derived (not set) derived afresh from the new values."""
-        values = self.model_dump(exclude=self._derived_numbering() - changes.keys())
+        settings that were derived (not set) derived afresh from the new values."""
+        values = self.model_dump(exclude=self.derived() - changes.keys())
         return type(self).model_validate({**values, **changes})
 
     def ship_config(self) -> ShipConfig:
@@ -241,7 +249,7 @@ class RunSettings(BaseSettings):
     @property
     def step_numbers(self) -> range:
         """The steps this run ships: `steps` of them from `start_step`."""
-        assert self.start_step is not None  # resolved by _resolve_step_numbers
+        assert self.start_step is not None  # resolved by _resolve_derived
         return range(self.start_step, self.start_step + self.steps)
 
     @property
@@ -377,7 +385,7 @@ def run_defaults(resolved: ResolvedSettings) -> RunSettings:
     if resolved.sources["run_id"] == "default":
         settings = settings.with_changes(run_id=fresh_run_id())
     if resolved.sources["output_dir"] == "default":
-        settings = settings.model_copy(update={"output_dir": Path("runs") / settings.run_id})
+        settings = settings.with_changes(output_dir=Path("runs") / settings.run_id)
     return settings
 
 
@@ -389,9 +397,9 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
 def settings_to_env(settings: RunSettings) -> dict[str, str]:
     """The settings as environment variables, for child processes. None travels as an empty
     value, lists as JSON, and `RLSHIP_CONFIG` is emptied: the values are already resolved, and a child that
-    read the file again would let it override the parent's flags. Derived step numbering travels
-    unset too: the child derives the same values, and knows them as derived."""
-    values = {**settings.model_dump(mode="json"), **dict.fromkeys(settings._derived_numbering())}
+    read the file again would let it override the parent's flags. Derived settings travel unset
+    too: the child derives the same values, and knows them as derived."""
+    values = {**settings.model_dump(mode="json"), **dict.fromkeys(settings.derived())}
     env = {
         env_name(name): "" if value is None else json.dumps(value) if isinstance(value, list) else str(value)
         for name, value in values.items()
