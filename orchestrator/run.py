@@ -85,11 +85,13 @@ class ChildFailed(RuntimeError):
 
 def run_local(settings: RunSettings, summary_path: Path | None) -> dict[str, Any]:
     # The children run in the repository (`ProcessGroup`): a relative path would be theirs.
-    paths = {"output_dir", "record_rollouts", "broadcast_dir"} & settings.model_fields_set
-    settings = settings.with_changes(
-        output_dir=Path(settings.output_dir).resolve(),  # a derived broadcast_dir follows it
-        **{name: Path(getattr(settings, name)).resolve() for name in paths - {"output_dir"}},
-    )
+    given = {
+        name: Path(path).resolve()
+        for name in ("record_rollouts", "broadcast_dir")
+        if name in settings.model_fields_set and (path := getattr(settings, name)) is not None
+    }
+    # A derived broadcast_dir follows the resolved output_dir.
+    settings = settings.with_changes(output_dir=Path(settings.output_dir).resolve(), **given)
     output_dir = Path(settings.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     group = ProcessGroup(env=settings_to_env(settings), log_dir=output_dir / "logs")
