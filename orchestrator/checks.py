@@ -4,7 +4,7 @@ other commands, each for what applies to it) and `rlship doctor`.
 Each check returns a `Check`: one line naming what was found, and for a failure what to do.
 An operator mistake (a wrong password, a port in use, a database that does not exist, an
 unwritable directory) must stop a run at once with that line, not hang it or end it in a
-traceback; secrets never appear (every URL is shown through `mask_url`).
+traceback; secrets never appear (every URL is shown through `mask_secrets`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from urllib.parse import urlsplit
 import redis
 
 from orchestrator.processes import queue_consumers
-from orchestrator.settings import RunSettings, mask_url
+from orchestrator.settings import RunSettings
+from tasks.logs import mask_secrets
 from tasks.ship import RunState
 
 REDIS_TIMEOUT_SECONDS = 2.0
@@ -79,7 +80,7 @@ class RedisAnswer:
 
 def probe_redis(url: str) -> RedisAnswer:
     """One ping with short timeouts and no retries: reachable, authenticated, database selected."""
-    shown = mask_url(url)
+    shown = mask_secrets(url)
     client = redis.Redis.from_url(
         url, socket_connect_timeout=REDIS_TIMEOUT_SECONDS, socket_timeout=REDIS_TIMEOUT_SECONDS, retry=None
     )
@@ -131,14 +132,14 @@ def redis_can_be_started(url: str) -> Check:
     local = urlsplit(url).scheme == "redis" and host in ("127.0.0.1", "localhost", "::1")
     path = shutil.which("redis-server")
     if path and local:
-        return Check("redis-server", True, f"none answers at {mask_url(url)}; {path} will start one")
+        return Check("redis-server", True, f"none answers at {mask_secrets(url)}; {path} will start one")
     if not local:
-        detail = f"no Redis answers at {mask_url(url)}, and rlship starts one only on 127.0.0.1"
+        detail = f"no Redis answers at {mask_secrets(url)}, and rlship starts one only on 127.0.0.1"
         return Check("redis-server", False, detail, "start Redis on that host, or correct REDIS_URL")
     return Check(
         "redis-server",
         False,
-        f"no Redis answers at {mask_url(url)}, and redis-server is not on PATH to start one",
+        f"no Redis answers at {mask_secrets(url)}, and redis-server is not on PATH to start one",
         "install it (`apt-get install redis-server`) or point REDIS_URL at a running Redis",
     )
 
@@ -193,22 +194,41 @@ def run_id_free(client: redis.Redis, run_id: str) -> Check:
 # -- this machine -------------------------------------------------------------------------
 
 
+def _bind_error(host: str, port: int) -> str | None:
+    """Why `host:port` cannot be bound now, or None."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return str(exc.strerror or exc)
+    return None
+
+
 def port_pair_free(host: str, port: int) -> Check:
     """The ZMQ sender binds `port` and `port + 1` (READY): both must be free on `host`."""
     for candidate in (port, port + 1):
-        with socket.socket() as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((host, candidate))
-            except OSError as exc:
-                role = "zmq_port" if candidate == port else "zmq_port + 1 (trainers' READY)"
-                return Check(
-                    "ports",
-                    False,
-                    f"{role} {host}:{candidate} cannot be bound ({exc.strerror or exc})",
-                    "stop what holds it or choose another --zmq-port (it needs the port after it too)",
-                )
+        if (error := _bind_error(host, candidate)) is not None:
+            role = "zmq_port" if candidate == port else "zmq_port + 1 (trainers' READY)"
+            return Check(
+                "ports",
+                False,
+                f"{role} {host}:{candidate} cannot be bound ({error})",
+                "stop what holds it or choose another --zmq-port (it needs the port after it too)",
+            )
     return Check("ports", True, f"{host}:{port} and {port + 1} are free for the ZMQ sender")
+
+
+def metrics_port_free(host: str, port: int) -> Check:
+    """The orchestrator's Prometheus endpoint (`metrics_port`) binds `host:port`."""
+    if (error := _bind_error(host, port)) is not None:
+        return Check(
+            "metrics port",
+            False,
+            f"metrics_port {host}:{port} cannot be bound ({error})",
+            "stop what holds it, choose another --metrics-port, or 0 to serve no metrics",
+        )
+    return Check("metrics port", True, f"{host}:{port} is free for the Prometheus endpoint")
 
 
 def output_dir_writable(path: Path) -> Check:
@@ -269,6 +289,8 @@ def doctor_checks(settings: RunSettings) -> list[Check]:
         checks += redis_keeps_data(answer.client, settings.allow_eviction)
     if settings.transport == "zmq":
         checks.append(port_pair_free(settings.zmq_host, settings.zmq_port))
+    if settings.metrics_port:
+        checks.append(metrics_port_free(settings.metrics_host, settings.metrics_port))
     checks.append(output_dir_writable(Path(settings.output_dir)))
     checks.append(browser_available())
     if answer.client is not None:
@@ -297,6 +319,8 @@ def preflight_run(settings: RunSettings) -> list[Check]:
         checks.append(run_id_free(answer.client, settings.run_id))
     if settings.transport == "zmq":
         checks.append(port_pair_free(settings.zmq_host, settings.zmq_port))
+    if settings.metrics_port:
+        checks.append(metrics_port_free(settings.metrics_host, settings.metrics_port))
     return require("run", checks)
 
 

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
+import re
 import sys
+import traceback
 
 import redis
+from pydantic import ValidationError
+
+from orchestrator.settings import validation_problems
+from tasks.logs import mask_secrets
 
 # Subcommand -> (module, its argument-adding function, its main function, description).
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
@@ -23,8 +30,12 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
                    "event-loop lag while shipping: stages inline, in threads, in Celery workers"),
     "config show": ("orchestrator.config_cli", "add_arguments", "main",
                     "the effective settings (environment < --config TOML < flags), secrets masked"),
+    "config table": ("orchestrator.config_cli", "add_table_arguments", "table_main",
+                     "every setting (flag, variable, default, description) as the README's Markdown table"),
     "chaos": ("orchestrator.chaos", "add_arguments", "main",
               "a seeded run while its workers and orchestrator are killed, against a fault-free one"),
+    "status": ("orchestrator.status", "add_arguments", "main",
+               "a run's live status from another terminal; without RUN_ID, the runs Redis holds"),
     "doctor": ("orchestrator.doctor", "add_arguments", "main",
                "what a run needs (Redis, password, eviction, ports, output dir, workers): one line each"),
     "report": ("orchestrator.report", "add_arguments", "main",
@@ -38,29 +49,82 @@ def usage() -> str:
     return "usage: rlship COMMAND [options]   (rlship COMMAND --help for its options)\n\n" + "\n".join(lines)
 
 
+def version() -> str:
+    try:
+        return importlib.metadata.version("rlship")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that is not installed
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Dispatch to the longest command matching the arguments; import only its module."""
+    """Dispatch to the longest command matching the arguments; import only its module.
+    Whatever the command prints on its way out (an error, a traceback) has passwords masked."""
     argv = sys.argv[1:] if argv is None else argv
     for name in sorted(COMMANDS, key=lambda n: -len(n.split())):
         words = name.split()
         if argv[: len(words)] == words:
-            module_name, add_arguments, main_function, help_text = COMMANDS[name]
-            parser = argparse.ArgumentParser(prog=f"rlship {name}", description=help_text)
-            module = importlib.import_module(module_name)
-            getattr(module, add_arguments)(parser)
-            args = parser.parse_args(argv[len(words) :])
-            try:
-                return int(getattr(module, main_function)(args) or 0)
-            except redis.RedisError as exc:
-                # What the commands' own checks did not foresee: still one line, no traceback.
-                print(f"rlship {name}: Redis: {type(exc).__name__}: {exc}", file=sys.stderr)
-                return 3
-            except OSError as exc:
-                print(f"rlship {name}: {exc}", file=sys.stderr)
-                return 1
-    print(usage(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
-    return 0 if argv and argv[0] in ("-h", "--help") else 2
+            return run_command(name, argv[len(words) :])
+    if argv and argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if argv and argv[0] == "--version":
+        print(f"rlship {version()}")
+        return 0
+    if argv:
+        groups = {name.split()[0] for name in COMMANDS if " " in name}  # bench, config
+        given = " ".join(argv[:2] if argv[0] in groups else argv[:1])
+        print(f"rlship: unknown command {given!r} (commands: {', '.join(COMMANDS)})", file=sys.stderr)
+    else:
+        print(usage(), file=sys.stderr)
+    return 2
 
+
+def extras_installing(package: str) -> list[str]:
+    """The extras of rlship (its installed metadata) that install `package`, `test` last."""
+    try:
+        requirements = importlib.metadata.requires("rlship") or []
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    extras = []
+    for requirement in requirements:
+        name, _, marker = requirement.partition(";")
+        installed = re.split(r"[\s<>=!~\[]", name.strip(), maxsplit=1)[0]
+        if installed.lower() == package.lower() and "extra" in marker:
+            extras.append(marker.split("==")[-1].strip().strip("\"'"))
+    return sorted(extras, key=lambda extra: extra == "test")
+
+
+def run_command(name: str, argv: list[str]) -> int:
+    module_name, add_arguments, main_function, help_text = COMMANDS[name]
+    parser = argparse.ArgumentParser(prog=f"rlship {name}", description=help_text)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        extras = extras_installing(exc.name or "")
+        install = f"pip install -e '.[{extras[0]}]'" if extras else "see the README's quick start"
+        print(f"rlship {name}: needs the Python package {exc.name!r}: {install}", file=sys.stderr)
+        return 2
+    getattr(module, add_arguments)(parser)
+    args = parser.parse_args(argv)
+    try:
+        return int(getattr(module, main_function)(args) or 0)
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            raise SystemExit(mask_secrets(exc.code)) from None
+        raise
+    except redis.RedisError as exc:
+        # What the commands' own checks did not foresee: still one line, no traceback.
+        print(mask_secrets(f"rlship {name}: Redis: {type(exc).__name__}: {exc}"), file=sys.stderr)
+        return 3
+    except OSError as exc:
+        print(mask_secrets(f"rlship {name}: {exc}"), file=sys.stderr)
+        return 1
+    except ValidationError as exc:  # settings built past `resolve_settings`
+        print(f"rlship {name}: invalid setting: {validation_problems(exc, {})}", file=sys.stderr)
+        return 2
+    except Exception:
+        print(mask_secrets(traceback.format_exc()), file=sys.stderr, end="")
+        return 1
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,8 +1,10 @@
-"""`rlship config show`: the effective settings, and where each value came from.
+"""`rlship config show`: the effective settings, and where each value came from;
+`rlship config table`: every setting as the README's table.
 
-Takes the same `--config` file and flags as every other command, so an operator sees what
-`rlship run` would run with before starting it. The default output is TOML (secrets
-masked) that `--config` reads back; `--json` prints the values alone as JSON.
+`config show` takes the same `--config` file and flags as every other command, so an
+operator sees what `rlship run` would run with before starting it. The default output is
+TOML (secrets masked, each setting's description above it) that `--config` reads back;
+`--json` prints the values alone as JSON.
 """
 
 from __future__ import annotations
@@ -12,11 +14,21 @@ import json
 from pathlib import Path
 from typing import Any
 
-from orchestrator.settings import ResolvedSettings, add_settings_arguments, resolve_settings, shown_value
+from orchestrator.settings import (
+    RUN_DEFAULTS,
+    ResolvedSettings,
+    RunSettings,
+    add_settings_arguments,
+    choices,
+    default_text,
+    env_name,
+    resolve_settings,
+    shown_value,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_settings_arguments(parser)
+    add_settings_arguments(parser, RUN_DEFAULTS)
     parser.add_argument("--json", action="store_true", help="print the values as one JSON object")
 
 
@@ -30,19 +42,28 @@ def toml_value(value: Any) -> str:
 
 
 def shown_settings(resolved: ResolvedSettings) -> dict[str, Any]:
+    """The values `rlship run` would use, masked; None where it decides at start (`RUN_DEFAULTS`,
+    and the settings derived from others, which its description says how)."""
     values = resolved.settings.model_dump(mode="json")
-    return {name: shown_value(name, value) for name, value in values.items()}
+    decided_at_start = {name for name in RUN_DEFAULTS if resolved.sources[name] == "default"}
+    decided_at_start |= resolved.settings.derived()
+    return {
+        name: None if name in decided_at_start else shown_value(name, value) for name, value in values.items()
+    }
 
 
 def format_toml(resolved: ResolvedSettings) -> str:
     values = shown_settings(resolved)
     lines = [
-        f"# {name} is unset" if value is None else f"{name} = {toml_value(value)}"
+        f"{name} = {toml_value(value)}"
+        if value is not None
+        else f"# {name} is unset" + (f" ({RUN_DEFAULTS[name]})" if name in RUN_DEFAULTS else "")
         for name, value in values.items()
     ]
     width = max(len(line) for line in lines)
     return "\n".join(
-        f"{line:<{width}}  # {resolved.sources[name]}" for line, name in zip(lines, values, strict=True)
+        f"# {RunSettings.model_fields[name].description}\n{line:<{width}}  # {resolved.sources[name]}"
+        for line, name in zip(lines, values, strict=True)
     )
 
 
@@ -52,4 +73,27 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(shown_settings(resolved), indent=2))
     else:
         print(format_toml(resolved))
+    return 0
+
+
+def settings_table() -> str:
+    """Every setting as a Markdown table, from the model: the README holds this (a test compares)."""
+    rows = ["| setting | flag, variable | default | what it is |", "|---|---|---|---|"]
+    for name, field in RunSettings.model_fields.items():
+        default = default_text(name, {}) if field.default is None else f"`{default_text(name, {})}`"
+        if name in RUN_DEFAULTS:
+            default = f"`rlship run`: {RUN_DEFAULTS[name]}; other commands: {default}"
+        values = choices(field.annotation)
+        described = f"{field.description} (one of {', '.join(values)})" if values else field.description
+        flag = "--" + name.replace("_", "-")
+        rows.append(f"| `{name}` | `{flag}`, `{env_name(name)}` | {default} | {described} |")
+    return "\n".join(rows)
+
+
+def add_table_arguments(parser: argparse.ArgumentParser) -> None:
+    """No options: the table is the model's."""
+
+
+def table_main(args: argparse.Namespace) -> int:
+    print(settings_table())
     return 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tasks.logs import JsonFormatter
+from tasks.logs import JsonFormatter, MaskingFormatter
 
 PLAIN_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
@@ -30,6 +30,6 @@ class StaticContext(logging.Filter):
 def configure_logging(log_json: bool, level: int, **context: Any) -> None:
     """One stderr handler on the root logger (if it has none yet, as `basicConfig`)."""
     handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter() if log_json else logging.Formatter(PLAIN_FORMAT))
+    handler.setFormatter(JsonFormatter() if log_json else MaskingFormatter(logging.Formatter(PLAIN_FORMAT)))
     handler.addFilter(StaticContext(context))
     logging.basicConfig(level=level, handlers=[handler])

@@ -41,7 +41,9 @@ from orchestrator.monitors import Monitors
 from orchestrator.policy import NO_VERSION, PolicyVersion
 from orchestrator.records import IDENTIFIER, RecordRejected, parse_record
 from orchestrator.rollout_log import RolloutLog
+from orchestrator.run_info import RunInfo
 from orchestrator.settings import RunSettings
+from tasks.app import use_redis
 from tasks.cohort import Cohort, CohortBuilder
 from tasks.manifest import StepManifest
 from tasks.ship import RunState, finalize, release
@@ -101,6 +103,9 @@ class StepProgress:
 
 class Orchestrator:
     def __init__(self, settings: RunSettings, client: aioredis.Redis) -> None:
+        # The tasks it enqueues go to the Redis its keys are on, whatever REDIS_URL the
+        # Celery app was built from (a `--redis-url` flag or a `--config` file).
+        use_redis(settings.redis_url)
         self.settings = settings
         self.client = client
         self.store = AsyncPayloadStore(client, settings.run_id)
@@ -162,6 +167,9 @@ class Orchestrator:
                 {self.keys.rollout_stream: self._stream_cursor}, count=READ_BATCH, block=READ_BLOCK_MS
             )
             if not response:
+                # No rollouts (the gate holds the producers, or they are done): the status
+                # still says what was cut and published since, for `rlship status`.
+                await self.client.hset(self.state.status, mapping=self.status())
                 continue
             entries = response[0][1]
             release_ids: list[str] = []
@@ -736,6 +744,7 @@ class Orchestrator:
             acquired.cancel()
             lease.result()  # the error that kept the lease from being taken (a Redis refusing writes)
         await self.resume()
+        await self.client.set(self.state.info, RunInfo.from_settings(self.settings).model_dump_json())
         await self.policy.update()  # the first gate decision needs no wait for the follower
         # The imports' and setup's objects (tens of thousands of functions, tuples, dicts)
         # live as long as the process: frozen, a full garbage collection no longer walks them,
@@ -751,7 +760,13 @@ class Orchestrator:
         ]
         for task in loops:
             task.add_done_callback(self._abort_on_error)
+        metrics_server = None
         try:
+            if self.settings.metrics_port:
+                # Imported here: it reads through orchestrator.progress, which imports this module.
+                from orchestrator.exporter import serve_metrics
+
+                metrics_server = serve_metrics(self)
             await self.follow_records()
         finally:
             self._stopping.set()
@@ -765,6 +780,9 @@ class Orchestrator:
             self._monitor_thread.submit(self.monitors.close).result()
             self._monitor_thread.shutdown(wait=True)
             self.rollout_log.close()
+            if metrics_server is not None:
+                metrics_server.shutdown()
+                metrics_server.server_close()
         if isinstance(self._aborted, RunStateLost):
             path = Path(self.settings.output_dir) / "lost.json"
             path.write_text(json.dumps(self._aborted.report, indent=1))

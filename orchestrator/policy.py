@@ -17,7 +17,6 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Literal
 
 import redis.asyncio as aioredis
 
@@ -25,23 +24,10 @@ from orchestrator.settings import RunSettings
 from transport.keys import RunKeys
 from transport.store import DEFAULT_TTL_SECONDS
 
-PolicySource = Literal["redis", "broadcasts", "both"]
 NO_VERSION = -1  # nothing announced yet: below every version a step can wait for
 POLL_SECONDS = 0.05
 MIRROR_REFRESH_SECONDS = 60.0  # the mirror's expiry is renewed while the version stands still
 STABLE = "STABLE"
-
-
-def policy_source(settings: RunSettings) -> PolicySource:
-    """The run's source: as set, else Redis for rlship's trainers and the broadcast
-    directory for external (prime-rl) ones."""
-    if settings.policy_source is not None:
-        return settings.policy_source
-    return "redis" if settings.trainers == "builtin" else "broadcasts"
-
-
-def broadcast_dir(settings: RunSettings) -> Path:
-    return Path(settings.broadcast_dir or Path(settings.output_dir) / "broadcasts")
 
 
 def broadcast_version(directory: Path) -> int:
@@ -69,8 +55,9 @@ class PolicyVersion:
     trainer that prunes old broadcasts does not undo its progress)."""
 
     def __init__(self, settings: RunSettings, client: aioredis.Redis) -> None:
-        self.source = policy_source(settings)
-        self.directory = broadcast_dir(settings)
+        assert settings.policy_source is not None and settings.broadcast_dir is not None  # derived
+        self.source = settings.policy_source
+        self.directory = Path(settings.broadcast_dir)
         self.client = client
         self.keys = RunKeys(settings.run_id)
         self.version = NO_VERSION

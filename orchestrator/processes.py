@@ -3,18 +3,20 @@ stopped by PID (SIGTERM, then SIGKILL after a grace period), never by name."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
 
-from orchestrator.settings import RunSettings, mask_url
+from orchestrator.settings import RunSettings
+from tasks.logs import mask_secrets
 from transport.keys import RunKeys
 
 
@@ -139,7 +141,8 @@ def ensure_redis(url: str, group: ProcessGroup, data_dir: Path) -> None:
     while not redis_answers(url):
         if time.monotonic() > deadline:
             raise SystemExit(
-                f"rlship: redis_url={mask_url(url)!r}: no Redis answers, and the one started did not come up "
+                f"rlship: redis_url={mask_secrets(url)!r}: no Redis answers, and the one started did not "
+                "come up "
                 f"(its log: {group.log_dir / 'redis.log'})"
             )
         time.sleep(0.1)
@@ -181,14 +184,25 @@ def wait_for_workers(
     raise RuntimeError(f"workers did not answer a ping within {timeout:.0f} s; logs in {group.log_dir}")
 
 
+def delete_queues(client: redis.Redis, queues: Collection[str]) -> None:
+    """Every trace of one-off Celery queues: the lists, kombu's bindings of them, and the
+    messages a killed worker left unacknowledged for them (a live worker would restore
+    those, making the queue again, with no expiry)."""
+    owned = set(queues)
+    if not owned:
+        return
+    bindings = [f"_kombu.binding{kind}.{queue}" for kind in ("", "_permanent") for queue in owned]
+    client.unlink(*owned, *bindings)
+    # kombu keeps each unacknowledged message as JSON [message, exchange, routing key].
+    left = [tag for tag, entry in client.hscan_iter("unacked") if json.loads(entry)[-1] in owned]
+    if left:
+        client.pipeline().hdel("unacked", *left).zrem("unacked_index", *left).execute()
+
+
 def delete_run_keys(settings: RunSettings) -> None:
-    """Every key of the placement's run, and kombu's bindings of its one-off queues."""
+    """Every key of the placement's run, and the traces of its one-off queues."""
     client = redis.Redis.from_url(settings.redis_url)
     keys = list(client.scan_iter(match=RunKeys(settings.run_id).prefix + "*", count=1000))
-    keys += [
-        f"_kombu.binding{kind}.{queue}"
-        for kind in ("", "_permanent")
-        for queue in (settings.cpu_queue, settings.ship_queue)
-    ]
     for start in range(0, len(keys), 1000):
         client.unlink(*keys[start : start + 1000])
+    delete_queues(client, (settings.cpu_queue, settings.ship_queue))

@@ -49,19 +49,25 @@ class RolloutRejected(ValueError):
 
 
 # KEYS: the rollout stream, the produced and accounted counters, the refused-writes counter,
-# then one payload key per rollout. ARGV: the TTL, the backlog limit (-1: not admitted), the
-# room the policy gate leaves, then per rollout its arrays blob and its record. The call is
-# admitted whole or not at all, in the same step as the writes, so concurrent producers cannot
+# the run's next step, then one payload key per rollout. ARGV: the TTL, the backlog limit (-1:
+# not admitted), the room the policy gate leaves, the next step that room was worked out for
+# (as read, '' if unset), then per rollout its arrays blob and its record. The call is admitted
+# whole or not at all, in the same step as the writes, so concurrent producers cannot
 # overshoot: the backlog (produced, not yet accounted by the orchestrator: in the stream, in
-# open groups or pending) plus this call must fit both bounds. A payload is written only if
-# its key is new (a claim check is written once), and only then is its record appended: a
-# duplicate id can neither replace the original's arrays nor reach the orchestrator.
+# open groups or pending) plus this call must fit both bounds. A step cut since the room was
+# worked out (`moved`) shrinks both the backlog and the room: the caller works it out again.
+# A payload is written only if its key is new (a claim check is written once), and only then
+# is its record appended: a duplicate id can neither replace the original's arrays nor reach
+# the orchestrator.
 # Returns the verdict, the backlog, then the 1-based positions of the refused rollouts.
 _PRODUCE_LUA = """
 local limit = tonumber(ARGV[2])
 if limit >= 0 then
-  local calls = #KEYS - 4
+  local calls = #KEYS - 5
   local backlog = tonumber(redis.call('GET', KEYS[2]) or '0') - tonumber(redis.call('GET', KEYS[3]) or '0')
+  if (redis.call('GET', KEYS[5]) or '') ~= ARGV[4] then
+    return {'moved', backlog}
+  end
   if backlog + calls > limit then
     return {'backlog', backlog}
   end
@@ -70,20 +76,19 @@ if limit >= 0 then
   end
 end
 local reply = {'ok', 0}
-for i = 5, #KEYS do
-  local at = 4 + (i - 5) * 2
+for i = 6, #KEYS do
+  local at = 5 + (i - 6) * 2
   if redis.call('SET', KEYS[i], ARGV[at], 'NX', 'EX', ARGV[1]) then
     redis.call('XADD', KEYS[1], '*', 'record', ARGV[at + 1])
     redis.call('INCR', KEYS[2])
   else
     redis.call('INCR', KEYS[4])
-    table.insert(reply, i - 4)
+    table.insert(reply, i - 5)
   end
 end
 return reply
 """
 
-DEFAULT_LIMITS = RunSettings()
 ADMISSION_POLL_SECONDS = 0.05
 WAIT_REPORT_SECONDS = 5.0  # `rlship produce` says why it waits this often
 log = logging.getLogger("rlship.producer")
@@ -155,6 +160,7 @@ class _Gate:
     version: int
     next_step: int
     room: int
+    next_step_read: str  # as read ('' if unset): the script admits only while it stands
 
 
 def check_rollouts(rollouts: Rollouts, max_tokens: int, vocab_size: int) -> None:
@@ -197,8 +203,8 @@ class _Producer:
         client: redis.Redis | aioredis.Redis,
         run_id: str,
         ttl_seconds: int = DEFAULT_TTL_SECONDS,
-        max_tokens: int = DEFAULT_LIMITS.seq_len,
-        vocab_size: int = DEFAULT_LIMITS.vocab_size,
+        max_tokens: int = RunSettings.model_fields["seq_len"].default,
+        vocab_size: int = RunSettings.model_fields["vocab_size"].default,
         admission: Admission | None = None,
     ) -> None:
         self.client = client
@@ -232,6 +238,7 @@ class _Producer:
             self.keys.run_key("produced"),
             self.keys.run_key("accounted"),
             self.keys.refused_writes,
+            self.keys.run_key("next_step"),
         ]
         args: list[Any] = []
         for record, arrays in rollouts:
@@ -261,16 +268,20 @@ class _Producer:
                     f"than {oldest}, the oldest the run's next step {step} may train "
                     f"(max_off_policy_steps {self.admission.max_off_policy_steps})",
                 )
-        return _Gate(version, step, self.admission.gate_room(version, step))
+        read = next_step.decode() if next_step is not None else ""
+        return _Gate(version, step, self.admission.gate_room(version, step), read)
 
     def _call_arguments(self, gate: _Gate | None, data: list[Any]) -> list[Any]:
         if gate is None or self.admission is None:
-            return [self.ttl, -1, -1, *data]
-        return [self.ttl, self.admission.limit, gate.room, *data]
+            return [self.ttl, -1, -1, "", *data]
+        return [self.ttl, self.admission.limit, gate.room, gate.next_step_read, *data]
 
-    def _verdict(self, rollouts: Rollouts, gate: _Gate | None, reply: list[Any]) -> None:
-        """Raise what the script refused: the whole call (admission), or some of its ids."""
+    def _verdict(self, rollouts: Rollouts, gate: _Gate | None, reply: list[Any]) -> bool:
+        """Whether the call is done (False: a step was cut meanwhile, admission is worked out
+        again); raise what the script refused: the whole call, or some of its ids."""
         verdict, backlog, *refused = reply
+        if verdict == b"moved":
+            return False
         if verdict == b"backlog":
             assert self.admission is not None
             raise AdmissionRefused(
@@ -296,6 +307,7 @@ class _Producer:
                 "refused (the others of the call were written)"
             )
             raise RolloutRejected({rollouts[position - 1][0].rollout_id: problem for position in refused})
+        return True
 
 
 class RolloutProducer(_Producer):
@@ -313,7 +325,9 @@ class RolloutProducer(_Producer):
             try:
                 gate = self._gate(rollouts, *self.client.mget(self._gate_keys)) if self.admission else None
                 reply = self._produce(keys=keys, args=self._call_arguments(gate, data))
-                return self._verdict(rollouts, gate, reply)
+                if self._verdict(rollouts, gate, reply):
+                    return
+                continue
             except AdmissionRefused as exc:
                 if exc.reason not in PASSING_REFUSALS or time.monotonic() >= deadline:
                     raise
@@ -343,7 +357,9 @@ class AsyncRolloutProducer(_Producer):
                 known = await self.client.mget(self._gate_keys) if self.admission else None
                 gate = self._gate(rollouts, *known) if known is not None else None
                 reply = await self._produce(keys=keys, args=self._call_arguments(gate, data))
-                return self._verdict(rollouts, gate, reply)
+                if self._verdict(rollouts, gate, reply):
+                    return
+                continue
             except AdmissionRefused as exc:
                 if exc.reason not in PASSING_REFUSALS or time.monotonic() >= deadline:
                     raise

@@ -143,7 +143,7 @@ class StatusReader:
         # Only records published from now on: a resumed run's old records were shown before.
         last = client.xrevrange(self.keys.metrics_stream, count=1)
         self._cursor = last[0][0].decode() if last else "0-0"
-        self._last_record_step = -1
+        self._last_record_step = int(last[0][1][b"step"]) if last else -1
 
     def snapshot(self) -> Snapshot:
         pipe = self.client.pipeline(transaction=False)
@@ -193,13 +193,16 @@ class ProgressDisplay:
     """Prints one line per shipped step and the run's status: redrawn in place in a
     terminal, a plain line every `PLAIN_STATUS_SECONDS` otherwise."""
 
-    def __init__(self, reader: StatusReader, stream: TextIO, total_steps: int, ranks: int) -> None:
+    def __init__(
+        self, reader: StatusReader, stream: TextIO, total_steps: int, ranks: int, elapsed: float = 0.0
+    ) -> None:
+        """`elapsed`: how long the run has been going already (`rlship status` joins it late)."""
         self.reader = reader
         self.stream = stream
         self.total_steps = total_steps
         self.ranks = ranks
         self.tty = stream.isatty()
-        self.started = time.monotonic()
+        self.started = time.monotonic() - elapsed
         self._height = 0
         self._last_plain = self.started
         self._lag_peak_ms = 0.0

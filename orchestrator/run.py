@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import json
 import logging
-import secrets
 import signal
 import sys
 import time
@@ -29,13 +28,15 @@ from orchestrator.loop import ALIVE_SECONDS, EmptySteps, LeaseLost, Orchestrator
 from orchestrator.processes import ProcessGroup, ensure_redis, rlship_command, worker_commands
 from orchestrator.progress import REFRESH_SECONDS, ProgressDisplay, StatusReader
 from orchestrator.settings import (
+    RUN_DEFAULTS,
     RunSettings,
     add_settings_arguments,
-    mask_url,
     resolve_settings,
+    run_defaults,
     settings_from_args,
     settings_to_env,
 )
+from tasks.logs import mask_secrets
 from tasks.ship import RunState
 from transport.connection import OUTAGE_SECONDS, connect_redis, connect_redis_async
 from transport.keys import RunKeys
@@ -84,13 +85,13 @@ class ChildFailed(RuntimeError):
 
 def run_local(settings: RunSettings, summary_path: Path | None) -> dict[str, Any]:
     # The children run in the repository (`ProcessGroup`): a relative path would be theirs.
-    settings = settings.model_copy(
-        update={
-            "output_dir": Path(settings.output_dir).resolve(),
-            "record_rollouts": settings.record_rollouts and Path(settings.record_rollouts).resolve(),
-            "broadcast_dir": settings.broadcast_dir and Path(settings.broadcast_dir).resolve(),
-        }
-    )
+    given = {
+        name: Path(path).resolve()
+        for name in ("record_rollouts", "broadcast_dir")
+        if name in settings.model_fields_set and (path := getattr(settings, name)) is not None
+    }
+    # A derived broadcast_dir follows the resolved output_dir.
+    settings = settings.with_changes(output_dir=Path(settings.output_dir).resolve(), **given)
     output_dir = Path(settings.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     group = ProcessGroup(env=settings_to_env(settings), log_dir=output_dir / "logs")
@@ -249,7 +250,7 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_settings_arguments(parser)
+    add_settings_arguments(parser, RUN_DEFAULTS)
     parser.add_argument("--summary-json", type=Path, default=None, help="write the summary here")
 
 
@@ -259,14 +260,9 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    sources = resolve_settings(args).sources
-    if sources["run_id"] == "default":
-        args.run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-    settings = settings_from_args(args)
+    settings = run_defaults(resolve_settings(args))
     configure_logging(settings.log_json, logging.INFO, run_id=settings.run_id)
     signal.signal(signal.SIGTERM, _interrupt)
-    if sources["output_dir"] == "default":
-        settings = settings.model_copy(update={"output_dir": Path("runs") / settings.run_id})
     for check in preflight_run(settings):
         if not check.ok:
             log.warning("%s", check.line())
@@ -317,18 +313,18 @@ def orchestrate_main(args: argparse.Namespace) -> int:
         return 4
     except redis.exceptions.OutOfMemoryError as exc:
         print(
-            f"rlship orchestrate: Redis at {mask_url(settings.redis_url)} is out of memory ({exc}): raise "
-            "its maxmemory or free memory, then start again (the run resumes)",
+            f"rlship orchestrate: Redis at {mask_secrets(settings.redis_url)} is out of memory ({exc}): "
+            "raise its maxmemory or free memory, then start again (the run resumes)",
             file=sys.stderr,
         )
         return 3
     except redis.ResponseError as exc:
-        shown = mask_url(settings.redis_url)
+        shown = mask_secrets(settings.redis_url)
         print(f"rlship orchestrate: Redis at {shown} refused a command: {exc}", file=sys.stderr)
         return 3
     except redis.ConnectionError as exc:
         print(
-            f"rlship orchestrate: Redis at {mask_url(settings.redis_url)} stayed unreachable "
+            f"rlship orchestrate: Redis at {mask_secrets(settings.redis_url)} stayed unreachable "
             f"for {OUTAGE_SECONDS:.0f} s: {exc}",
             file=sys.stderr,
         )

@@ -8,31 +8,45 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
+import time
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from typing import Annotated, Any, Literal, get_args, get_origin
+from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from tasks.app import DEFAULT_REDIS_URL
+from tasks.logs import mask_secrets
 from tasks.manifest import ShipConfig
 from transport.numbering import PRIME_RL_FIRST_STEP
 
 CONFIG_ENV = "RLSHIP_CONFIG"
 REDIS_SCHEMES = ("redis", "rediss", "unix")
-# Settings whose values may hold credentials: shown and reported only through `mask_url`.
+# Settings whose values may hold credentials: shown and reported only through `mask_secrets`.
 SECRET_SETTINGS = frozenset({"redis_url"})
+# Settings that, left unset, follow others (`RunSettings._resolve_derived`).
+DERIVED_SETTINGS = ("first_step", "start_step", "policy_source", "broadcast_dir")
 
 
 class RunSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RLSHIP_", extra="ignore", populate_by_name=True)
 
-    run_id: str = Field(default="default", pattern=r"^[A-Za-z0-9_.\-]+$")
-    redis_url: str = Field(default=DEFAULT_REDIS_URL, validation_alias=AliasChoices("REDIS_URL", "redis_url"))
-    steps: int = Field(default=5, ge=1)
+    run_id: str = Field(
+        default="default",
+        pattern=r"^[A-Za-z0-9_.\-]+$",
+        description="names the run's Redis keys and worker names; a run resumes under the same id",
+    )
+    redis_url: str = Field(
+        default=DEFAULT_REDIS_URL,
+        validation_alias=AliasChoices("REDIS_URL", "redis_url"),
+        description="the run's one Redis: broker, result backend and every client",
+    )
+    steps: int = Field(default=5, ge=1, description="steps to ship, then stop")
     first_step: int | None = Field(
         default=None,
         ge=0,
@@ -46,22 +60,36 @@ class RunSettings(BaseSettings):
         description="the step the trainers expect next: a trainer resumed from a checkpoint "
         "expects its resume step (unset: first_step)",
     )
-    ranks: int = Field(default=2, ge=1)
-    transport: Literal["zmq", "fs"] = "zmq"
-    zmq_host: str = "127.0.0.1"
-    zmq_port: int = Field(default=5555, ge=1, le=65534)
-    batch_size: int = Field(default=64, ge=1)
-    group_size: int = Field(default=8, ge=1)
-    seq_len: int = Field(default=2048, ge=8)
-    pad_to_multiple: int = Field(default=1, ge=1)
-    vocab_size: int = Field(default=151_936, ge=2)
-    seed: int = 0
-    output_dir: Path = Path("runs/default")
-    envs: list[str] | None = Field(default=None, description="the run's envs; others are rejected")
-    max_async_level: int = Field(default=1, ge=0)
-    max_off_policy_steps: int = Field(default=8, ge=0)
-    normalize_advantages: bool = False
-    trainers: Literal["builtin", "external"] = "builtin"
+    ranks: int = Field(default=2, ge=1, description="trainer ranks; a step sends each its own payload")
+    transport: Literal["zmq", "fs"] = Field(
+        default="zmq", description="how batches reach the ranks: ZMQ sockets, or files in output_dir"
+    )
+    zmq_host: str = Field(default="127.0.0.1", description="the address the ship worker binds its sockets on")
+    zmq_port: int = Field(
+        default=5555, ge=1, le=65534, description="the ship worker's data port; the next one takes READY"
+    )
+    batch_size: int = Field(default=64, ge=1, description="rollouts per step")
+    group_size: int = Field(default=8, ge=1, description="rollouts per prompt (one advantage group)")
+    seq_len: int = Field(default=2048, ge=8, description="tokens per packed sample")
+    pad_to_multiple: int = Field(default=1, ge=1, description="packed lengths are padded to a multiple")
+    vocab_size: int = Field(default=151_936, ge=2, description="token ids must be below this")
+    seed: int = Field(default=0, description="seeds the synthetic producer")
+    output_dir: Path = Field(
+        default=Path("runs/default"), description="metrics.jsonl, samples/, logs/ and checkpoints of the run"
+    )
+    envs: Annotated[list[str] | None, NoDecode] = Field(
+        default=None, description="the run's envs, comma-separated; others are rejected (unset: any)"
+    )
+    max_async_level: int = Field(
+        default=1, ge=0, description="steps the ship path may run ahead of the trainers' policy"
+    )
+    max_off_policy_steps: int = Field(
+        default=8, ge=0, description="a rollout generated this many policy versions back is dropped"
+    )
+    normalize_advantages: bool = Field(default=False, description="divide advantages by the group's std")
+    trainers: Literal["builtin", "external"] = Field(
+        default="builtin", description="rlship's trainer ranks, or external ones (prime-rl)"
+    )
     policy_source: Literal["redis", "broadcasts", "both"] | None = Field(
         default=None,
         description="where the policy gate reads the trainers' version: redis (rlship trainer), "
@@ -71,15 +99,15 @@ class RunSettings(BaseSettings):
     broadcast_dir: Path | None = Field(
         default=None, description="prime-rl's weight-broadcast directory; unset: output_dir/broadcasts"
     )
-    cpu_workers: int = Field(default=2, ge=1)
+    cpu_workers: int = Field(default=2, ge=1, description="processes of the cpu worker (compute stages)")
     cpu_worker_max_memory_mib: int = Field(
         default=2048, ge=64, description="a cpu pool process grown past this is replaced after its task"
     )
-    cpu_queue: str = "cpu"
-    ship_queue: str = "ship"
+    cpu_queue: str = Field(default="cpu", description="the Celery queue of the compute stages")
+    ship_queue: str = Field(default="ship", description="the Celery queue of the send stage (one worker)")
     samples_per_step: int = Field(default=4, ge=0, description="rollouts per step written to samples/")
     wandb_project: str | None = Field(default=None, description="log records to Weights & Biases")
-    wandb_mode: Literal["online", "offline"] = "offline"
+    wandb_mode: Literal["online", "offline"] = Field(default="offline", description="the W&B mode")
     dedupe_horizon: int = Field(default=1 << 16, ge=1, description="rollout ids and groups remembered")
     record_rollouts: Path | None = Field(
         default=None, description="write one JSON line per finalized rollout"
@@ -105,6 +133,18 @@ class RunSettings(BaseSettings):
     allow_eviction: bool = Field(
         default=False, description="run on a Redis that may evict keys (warned, not refused)"
     )
+    # Operators' views (issue 15): the orchestrator's Prometheus endpoint.
+    metrics_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="serve Prometheus metrics on this port from the orchestrator (0: off, as "
+        "runs sharing a host would collide on any fixed port)",
+    )
+    metrics_host: str = Field(
+        default="127.0.0.1",
+        description="the address the Prometheus endpoint binds (0.0.0.0: every interface)",
+    )
 
     @field_validator(
         "wandb_project",
@@ -121,6 +161,17 @@ class RunSettings(BaseSettings):
         """An empty variable means unset, which is how `settings_to_env` passes None on."""
         return None if value == "" else value
 
+    @field_validator("envs", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        """A flag or variable gives a list as `math,code`; a JSON list (how `settings_to_env`
+        passes it on) is read too."""
+        if not isinstance(value, str) or not value.strip():
+            return value  # an empty one is unset (`_empty_is_unset`)
+        if value.lstrip().startswith("["):
+            return json.loads(value)
+        return [item.strip() for item in value.split(",") if item.strip()]
+
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, value: str) -> str:
@@ -133,17 +184,23 @@ class RunSettings(BaseSettings):
         return value
 
     @model_validator(mode="after")
-    def _resolve_step_numbers(self) -> RunSettings:
-        """Unset numbering follows the trainers: prime-rl's (external) count from 1, the
-        builtin trainer's run directories and checkpoints from 0. Resolved here, so every
-        consumer sees ints; a copy that changes `trainers`, `first_step` or `start_step`
-        must be made by `with_changes` (`model_copy` does not validate)."""
+    def _resolve_derived(self) -> RunSettings:
+        """Settings left unset follow others (`DERIVED_SETTINGS`). Numbering follows the
+        trainers: prime-rl's (external) count from 1, the builtin trainer's run directories
+        and checkpoints from 0; so does the policy source: Redis for rlship's trainers,
+        prime-rl's broadcast directory (in the output directory unless given) for external
+        ones. Resolved here, so every consumer sees values, and kept out of the fields set,
+        so a copy made by `with_changes` (`model_copy` does not validate) derives them afresh."""
+        unset = {name for name in DERIVED_SETTINGS if getattr(self, name) is None}
         if self.first_step is None:
             self.first_step = PRIME_RL_FIRST_STEP if self.trainers == "external" else 0
-            self.__pydantic_fields_set__.discard("first_step")  # derived, not set
         if self.start_step is None:
             self.start_step = self.first_step
-            self.__pydantic_fields_set__.discard("start_step")
+        if self.policy_source is None:
+            self.policy_source = "redis" if self.trainers == "builtin" else "broadcasts"
+        if self.broadcast_dir is None:
+            self.broadcast_dir = Path(self.output_dir) / "broadcasts"
+        self.__pydantic_fields_set__.difference_update(unset)
         if self.start_step < self.first_step:
             raise ValueError(
                 f"start_step: {self.start_step} must be >= first_step ({self.first_step}): "
@@ -162,14 +219,14 @@ class RunSettings(BaseSettings):
             )
         return self
 
-    def _derived_numbering(self) -> set[str]:
-        """The numbering settings `_resolve_step_numbers` derived rather than was given."""
-        return {"first_step", "start_step"} - self.model_fields_set
+    def derived(self) -> set[str]:
+        """The settings `_resolve_derived` derived rather than was given."""
+        return set(DERIVED_SETTINGS) - self.model_fields_set
 
     def with_changes(self, **changes: Any) -> RunSettings:
         """A copy with `changes`, validated again (`model_copy(update=...)` is not), the
-        numbering that was derived (not set) derived afresh from the new values."""
-        values = self.model_dump(exclude=self._derived_numbering() - changes.keys())
+        settings that were derived (not set) derived afresh from the new values."""
+        values = self.model_dump(exclude=self.derived() - changes.keys())
         return type(self).model_validate({**values, **changes})
 
     def ship_config(self) -> ShipConfig:
@@ -192,7 +249,7 @@ class RunSettings(BaseSettings):
     @property
     def step_numbers(self) -> range:
         """The steps this run ships: `steps` of them from `start_step`."""
-        assert self.start_step is not None  # resolved by _resolve_step_numbers
+        assert self.start_step is not None  # resolved by _resolve_derived
         return range(self.start_step, self.start_step + self.steps)
 
     @property
@@ -205,39 +262,56 @@ def env_name(name: str) -> str:
     return "REDIS_URL" if name == "redis_url" else f"RLSHIP_{name.upper()}"
 
 
-def mask_url(url: str) -> str:
-    """The URL with its password (in the user part or a `password=` query) replaced by ***."""
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    if parts.password is not None:
-        netloc = f"{parts.username or ''}:***@{netloc.rsplit('@', 1)[1]}"
-    query = parts.query
-    pairs = parse_qsl(query, keep_blank_values=True)
-    if any(key == "password" for key, _ in pairs):
-        query = urlencode([(k, "***" if k == "password" else v) for k, v in pairs], safe="*")
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
-
-
 def shown_value(name: str, value: Any) -> Any:
     """A setting's value as it may be printed or logged."""
-    return mask_url(value) if name in SECRET_SETTINGS and isinstance(value, str) else value
+    return mask_secrets(value) if name in SECRET_SETTINGS and isinstance(value, str) else value
 
 
-def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
+def fresh_run_id() -> str:
+    return f"run-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+# What `rlship run` uses for a setting left unset, where that is not the model's default
+# (`run_defaults`): shown by `rlship run --help`, `rlship config show` and the README table.
+RUN_DEFAULTS = {
+    "run_id": "a fresh id per run: run-YYYYMMDD-HHMMSS-XXXX",
+    "output_dir": "runs/RUN_ID",
+}
+
+
+def choices(annotation: Any) -> tuple[str, ...] | None:
+    """The values a `Literal` setting (optional or not) takes, for the flag's choices."""
+    literals = [arg for arg in (annotation, *get_args(annotation)) if get_origin(arg) is Literal]
+    return tuple(value for literal in literals for value in get_args(literal)) or None
+
+
+def default_text(name: str, defaults: Mapping[str, str]) -> str:
+    """A setting's default as a command uses it: `defaults` (such as `RUN_DEFAULTS`) first."""
+    if name in defaults:
+        return defaults[name]
+    default = RunSettings.model_fields[name].default
+    return "unset" if default is None else str(shown_value(name, default))
+
+
+def add_settings_arguments(
+    parser: argparse.ArgumentParser, defaults: Mapping[str, str] | None = None
+) -> None:
     """`--config` and one `--flag` per setting (default: unset, so the file's or the
-    environment's value stands)."""
+    environment's value stands); its help shows the description, the variable and the
+    default the command uses (`defaults` where it differs from the model's)."""
     parser.add_argument("--config", type=Path, default=None, help=f"TOML file of settings (env {CONFIG_ENV})")
     for name, field in RunSettings.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        default = shown_value(name, field.default)
-        help_text = f"{field.description + '; ' if field.description else ''}env {env_name(name)}"
-        help_text = f"{help_text}, default {default}".replace("%", "%%")
+        help_text = f"{field.description}; env {env_name(name)}; default {default_text(name, defaults or {})}"
+        help_text = help_text.replace("%", "%%")
         if field.annotation is bool:
             parser.add_argument(
                 flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
             )
         else:
-            parser.add_argument(flag, dest=name, default=None, help=help_text)
+            parser.add_argument(
+                flag, dest=name, default=None, choices=choices(field.annotation), help=help_text
+            )
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
@@ -284,19 +358,35 @@ def resolve_settings(args: argparse.Namespace) -> ResolvedSettings:
         else:
             sources[name] = "default"
     try:
-        return ResolvedSettings(RunSettings(**{**from_file, **flags}), sources)
+        settings = RunSettings(**{**from_file, **flags})
     except ValidationError as exc:
-        problems = []
-        for error in exc.errors():
-            if not error["loc"]:  # a check across settings: its message starts with the name
-                message = error["msg"].removeprefix("Value error, ")
-                problems.append(f"{message} (from {sources.get(message.split(':', 1)[0], 'input')})")
-                continue
-            name = str(error["loc"][0])
-            name = name if name in sources else name.lower()
-            value = shown_value(name, error.get("input"))
-            problems.append(f"{name}={value!r} (from {sources.get(name, 'input')}): {error['msg']}")
-        raise SystemExit(f"rlship: invalid setting: {'; '.join(problems)}") from exc
+        raise SystemExit(f"rlship: invalid setting: {validation_problems(exc, sources)}") from exc
+    return ResolvedSettings(settings, sources)
+
+
+def validation_problems(exc: ValidationError, sources: Mapping[str, str]) -> str:
+    """Each problem on one line's worth: the setting, its value (secrets masked), its source."""
+    problems = []
+    for error in exc.errors():
+        if not error["loc"]:  # a check across settings: its message starts with the name
+            message = error["msg"].removeprefix("Value error, ")
+            problems.append(f"{message} (from {sources.get(message.split(':', 1)[0], 'input')})")
+            continue
+        name = str(error["loc"][0])
+        name = name if name in sources else name.lower()
+        value = shown_value(name, error.get("input"))
+        problems.append(f"{name}={value!r} (from {sources.get(name, 'input')}): {error['msg']}")
+    return mask_secrets("; ".join(problems))
+
+
+def run_defaults(resolved: ResolvedSettings) -> RunSettings:
+    """The settings `rlship run` uses: `RUN_DEFAULTS` for the ones left unset."""
+    settings = resolved.settings
+    if resolved.sources["run_id"] == "default":
+        settings = settings.with_changes(run_id=fresh_run_id())
+    if resolved.sources["output_dir"] == "default":
+        settings = settings.with_changes(output_dir=Path("runs") / settings.run_id)
+    return settings
 
 
 def settings_from_args(args: argparse.Namespace) -> RunSettings:
@@ -307,9 +397,9 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
 def settings_to_env(settings: RunSettings) -> dict[str, str]:
     """The settings as environment variables, for child processes. None travels as an empty
     value, lists as JSON, and `RLSHIP_CONFIG` is emptied: the values are already resolved, and a child that
-    read the file again would let it override the parent's flags. Derived step numbering travels
-    unset too: the child derives the same values, and knows them as derived."""
-    values = {**settings.model_dump(mode="json"), **dict.fromkeys(settings._derived_numbering())}
+    read the file again would let it override the parent's flags. Derived settings travel unset
+    too: the child derives the same values, and knows them as derived."""
+    values = {**settings.model_dump(mode="json"), **dict.fromkeys(settings.derived())}
     env = {
         env_name(name): "" if value is None else json.dumps(value) if isinstance(value, list) else str(value)
         for name, value in values.items()

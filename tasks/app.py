@@ -18,10 +18,6 @@ CPU_QUEUE = "cpu"
 SHIP_QUEUE = "ship"
 
 
-def redis_url() -> str:
-    return os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
-
-
 def visibility_timeout() -> int:
     """Seconds before an unacknowledged task is delivered again. Every stage task is short
     (long waits are retries, not sleeps), so a few minutes bounds the recovery delay of a
@@ -29,7 +25,8 @@ def visibility_timeout() -> int:
     return int(os.environ.get("RLSHIP_VISIBILITY_TIMEOUT", "300"))
 
 
-app = Celery("rlship", broker=redis_url(), backend=redis_url(), include=["tasks.ship"])
+_environment_url = os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
+app = Celery("rlship", broker=_environment_url, backend=_environment_url, include=["tasks.ship"])
 app.conf.update(
     task_serializer="msgpack",
     result_serializer="msgpack",
@@ -59,3 +56,16 @@ app.conf.update(
     worker_hijack_root_logger=False,
 )
 
+
+def use_redis(url: str) -> None:
+    """Point the broker and the result backend at `url`. The app is built when this module is
+    imported, from REDIS_URL, before a command has read its flags and `--config` file; the
+    orchestrator calls this with the URL its settings resolved, so the tasks it enqueues go
+    to the Redis its keys are on. Call it before the first publish: a connection pool, once
+    made, stays."""
+    app.conf.update(broker_url=url, result_backend=url)
+
+
+def redis_url() -> str:
+    """The Redis this process's clients use: the app's broker (REDIS_URL in a worker)."""
+    return app.conf.broker_url

@@ -24,19 +24,31 @@ LOG_JSON_ENV = "RLSHIP_LOG_JSON"  # the `log_json` setting, as the workers read 
 _RECORD_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
     "message", "asctime", "taskName",
 }  # fmt: skip
-_URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^:/@\s]*:)[^@\s]+@", re.IGNORECASE)
+# Up to the last @ of the URL: a password may hold an unescaped @ (as `urlsplit` reads it).
+_URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^:/@\s]*:)[^\s\"']+@", re.IGNORECASE)
 _QUERY_PASSWORD = re.compile(r"(\bpassword=)[^&\s]+", re.IGNORECASE)
 
 
 def mask_secrets(text: str) -> str:
     """Passwords in URLs (`redis://user:secret@host`, `?password=secret`) replaced by ***: a
-    connection error quotes the URL it failed on."""
+    connection error quotes the URL it failed on. The one masking of every rlship output."""
     return _QUERY_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", text))
+
+
+class MaskingFormatter(logging.Formatter):
+    """Another formatter's lines (plain text: Celery's, or `%(message)s`), passwords masked."""
+
+    def __init__(self, inner: logging.Formatter | None = None) -> None:
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        return mask_secrets(self.inner.format(record))
 
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: time (UTC), level, logger, message, pid, then every extra
-    field (run_id, step, rank, task, ...) and the traceback, if any; passwords masked."""
+    field (run_id, step, rank, task, task_id, ...) and the traceback, if any; passwords masked."""
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
@@ -63,13 +75,15 @@ def _parameters(run: Callable[..., Any]) -> tuple[str, ...]:
 
 
 class TaskContext(logging.Filter):
-    """Adds the running task's name and its run_id, step and rank arguments (the ones it
-    takes) to each record logged while it runs."""
+    """Adds the running task's name, its Celery id (`task_id`: Flower's page of the task is
+    /task/{task_id}) and its run_id, step and rank arguments (the ones it takes) to each
+    record logged while it runs."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         task = current_task
         if task and task.request.id:
             record.task = task.name
+            record.task_id = task.request.id
             arguments = dict(zip(_parameters(task.run), task.request.args or (), strict=False))
             for name in CONTEXT_ARGUMENTS:
                 if name in arguments and not hasattr(record, name):
@@ -84,8 +98,11 @@ def log_json_enabled() -> bool:
 @signals.after_setup_logger.connect
 @signals.after_setup_task_logger.connect
 def _worker_log_format(logger: logging.Logger, **_: Any) -> None:
-    """Keep Celery's logging setup (level, handlers), with JSON lines when asked for."""
-    if log_json_enabled():
-        for handler in logger.handlers:
+    """Keep Celery's logging setup (level, handlers), with JSON lines when asked for, and
+    passwords masked either way."""
+    for handler in logger.handlers:
+        if log_json_enabled():
             handler.setFormatter(JsonFormatter())
             handler.addFilter(TaskContext())
+        elif not isinstance(handler.formatter, MaskingFormatter):
+            handler.setFormatter(MaskingFormatter(handler.formatter))

@@ -49,6 +49,10 @@ from transport.store import PayloadMissingError, PayloadStore
 log = logging.getLogger("rlship.tasks")
 
 RETRY_SECONDS = 0.05
+# A send waiting for its rank's previous step retries after 0.05, 0.1, 0.2, ... s, at most
+# this long: a short wait (the previous step's encode finishing late) still ends within
+# tens of ms, and a rank held for minutes costs one retry a second, not twenty.
+SEND_WAIT_MAX_SECONDS = 1.0
 READY_WAIT_SECONDS = 1.0
 BIND_RETRY_SECONDS = 1.0  # a port held by another process may be freed; retried until the run ends
 SHIP_PROBLEM_SECONDS = 10
@@ -84,6 +88,8 @@ class RunState:
         self.next_step = self.keys.run_key("next_step")
         # The orchestrator's live counters (pending, open groups, lag), for progress displays.
         self.status = self.keys.run_key("status")
+        # The run's shape (steps, ranks, queues), written by its orchestrator for `rlship status`.
+        self.info = self.keys.run_key("info")
         self.evicted = self.keys.run_key("payloads_evicted_unacknowledged")
         # Sends that found an earlier process's `sending` mark above `last_sent` (see send).
         self.interrupted_sends = self.keys.run_key("interrupted_sends")
@@ -367,7 +373,10 @@ def send(self: Task, run_id: str, step: int, rank: int) -> None:
     last_sent_raw = ctx.client.get(ctx.keys.last_sent(rank))
     last_sent = int(last_sent_raw) if last_sent_raw is not None else -1
     if last_sent < manifest.prev_step:
-        raise self.retry(countdown=RETRY_SECONDS, queue=manifest.config.ship_queue)
+        # Backing off, not blocking: the single ship process must stay free to send the
+        # step this one waits for (and every other rank's steps) meanwhile.
+        wait = min(RETRY_SECONDS * 2 ** min(self.request.retries, 10), SEND_WAIT_MAX_SECONDS)
+        raise self.retry(countdown=wait, queue=manifest.config.ship_queue)
     if last_sent < step and ctx.client.hexists(ctx.keys.received(rank), step):
         # The rank acknowledged it (a send that died before marking it): a trainer that has
         # its last step may have left, and must not be waited for.

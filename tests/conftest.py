@@ -21,11 +21,21 @@ from typing import Any
 import pytest
 import redis
 
-from orchestrator.processes import answering_workers, celery_worker_command, redis_answers
+from orchestrator.processes import answering_workers, celery_worker_command, delete_queues, redis_answers
 from tasks.app import DEFAULT_REDIS_URL
 from transport.store import PayloadStore
 
 REPO = Path(__file__).resolve().parent.parent
+
+SESSION_QUEUES: set[str] = set()
+
+
+def session_queue(name: str) -> str:
+    """A one-off Celery queue of this test session: its traces (the list, kombu's bindings,
+    messages a killed worker left unacknowledged) are deleted when the session ends, after
+    every process that could re-create them has stopped."""
+    SESSION_QUEUES.add(name)
+    return name
 
 
 def in_ci() -> bool:
@@ -88,8 +98,8 @@ class Workers:
     ) -> None:
         suffix = uuid.uuid4().hex[:8]
         self.max_memory_mib = max_memory_mib
-        self.cpu_queue = f"cpu-{suffix}"
-        self.ship_queue = f"ship-{suffix}"
+        self.cpu_queue = session_queue(f"cpu-{suffix}")
+        self.ship_queue = session_queue(f"ship-{suffix}")
         self.redis_url = redis_url
         self.log_dir = log_dir
         self.env = env or {}
@@ -134,9 +144,7 @@ class Workers:
                 process.wait()
         # A stopped worker puts back what it held (a retry waiting for its countdown): the
         # session's queues are its own, so they go with it.
-        queues = (self.cpu_queue, self.ship_queue)
-        bindings = [f"_kombu.binding{kind}.{queue}" for kind in ("", "_permanent") for queue in queues]
-        redis.Redis.from_url(self.redis_url).delete(*queues, *bindings)
+        delete_queues(redis.Redis.from_url(self.redis_url), (self.cpu_queue, self.ship_queue))
 
 
 @contextlib.contextmanager
@@ -174,6 +182,12 @@ def procs() -> Iterator[list[Any]]:
         if proc.is_alive():
             proc.kill()
             proc.join(timeout=5)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    url = os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
+    if SESSION_QUEUES and redis_answers(url):
+        delete_queues(redis.Redis.from_url(url), SESSION_QUEUES)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

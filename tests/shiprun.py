@@ -17,7 +17,6 @@ import redis
 import redis.asyncio as aioredis
 
 from orchestrator.loop import Orchestrator
-from orchestrator.policy import broadcast_dir
 from orchestrator.producer import RolloutProducer, run_producer
 from orchestrator.settings import RunSettings, settings_to_env
 from tests.conftest import REPO, Workers, python_command
@@ -54,7 +53,7 @@ def open_policy_gate(settings: RunSettings) -> None:
     nothing (no one reads, or the test reads the files afterwards) and that do not test
     the gate."""
     last = settings.step_numbers[-1]
-    stable = broadcast_dir(settings) / f"step_{version_after(last, settings.first_step)}" / "STABLE"
+    stable = Path(settings.broadcast_dir) / f"step_{version_after(last, settings.first_step)}" / "STABLE"
     stable.parent.mkdir(parents=True, exist_ok=True)
     stable.touch()
 

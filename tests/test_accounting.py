@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
-from orchestrator.reference import reference_records
 from tasks.stages.publish import build_record
+from tests.reference import reference_records
 
 # rejected 1 + discarded 2 + pending 3 + in open groups 4 + shipped 5 + dropped by workers 1
 BALANCED_ARRIVED = 16.0

@@ -11,8 +11,8 @@ import uuid
 
 import pytest
 
-from orchestrator.reference import compare, reference_records
-from tests.conftest import REPO
+from tests.conftest import REPO, session_queue
+from tests.reference import compare, reference_records
 from transport.zmq import free_port_pair
 
 
@@ -24,7 +24,7 @@ def test_rlship_run_ships_every_step_to_every_rank(redis_url, tmp_path):
         sys.executable, "-m", "orchestrator.cli", "run", "--steps", "3", "--ranks", "2",
         "--batch-size", "16", "--group-size", "4", "--seq-len", "512", "--run-id", run_id,
         "--zmq-port", str(free_port_pair()), "--output-dir", str(tmp_path),
-        "--cpu-queue", f"cpu-{run_id}", "--ship-queue", f"ship-{run_id}",
+        "--cpu-queue", session_queue(f"cpu-{run_id}"), "--ship-queue", session_queue(f"ship-{run_id}"),
         "--summary-json", str(summary_path), "--record-rollouts", str(tmp_path / "rollouts.jsonl"),
         "--log-json",
     ]  # fmt: skip

@@ -1,8 +1,12 @@
-"""compose.yaml and the Procfile kept true. No container engine runs here, so the compose file
-is checked for what would break it: every service's command is a real entry point of this
-project that accepts its options, every `RLSHIP_*` variable is a real setting, ports are on
-loopback, Redis keeps an append-only file, services wait for what they need and report
-health. The Procfile's commands pass the same checks, and `honcho start` runs it for real."""
+"""compose.yaml and the Procfile kept true. No container engine runs here (no `docker
+compose`), so the compose file is interpolated as Compose does it (`compose_interpolate`) and
+checked for what would break it: it loads with no variable set (`ps`, `logs`, `down` must
+work without any), every service's command is a real entry point of this project that
+accepts its options, every `RLSHIP_*` variable is a real setting, ports are on loopback,
+Redis keeps an append-only file, services wait for what they need and report health,
+workers restart, each run id has its own output directory, and Flower's container refuses
+to start without a login (its shell runs for real). The Procfile's commands pass the same
+checks, and `honcho start` runs it for real."""
 
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from flower.options import options as flower_options
 
 from orchestrator.cli import COMMANDS
 from orchestrator.settings import CONFIG_ENV, RunSettings, env_name
-from tests.conftest import REPO
+from tests.conftest import REPO, session_queue
 from transport.zmq import free_port_pair
 
 # Redis, the two kinds of workers, Flower, the orchestrator, the producer and the trainer ranks.
@@ -39,8 +43,57 @@ SERVICES = {"redis", "cpu-worker", "ship-worker", "flower", "orchestrator", "pro
 SETTINGS_ENV = {env_name(name) for name in RunSettings.model_fields} | {CONFIG_ENV}
 
 
-def compose() -> dict[str, Any]:
-    return yaml.safe_load((REPO / "compose.yaml").read_text())
+# Compose's interpolation (compose-spec "Interpolation"): `$$` is a literal `$`; `${VAR}` and
+# `$VAR`; `${VAR:-default}` / `${VAR-default}` (unset or empty / unset); `${VAR:?error}` /
+# `${VAR?error}` fail loading the file; `${VAR:+alternative}` / `${VAR+alternative}`.
+_VARIABLE = re.compile(
+    r"\$(?:(?P<escaped>\$)|(?P<plain>[A-Za-z_]\w*)|\{(?P<name>[A-Za-z_]\w*)(?:(?P<op>:?[-?+])(?P<arg>[^}]*))?\})"
+)
+
+
+class InterpolationError(ValueError):
+    """What `docker compose` (any subcommand) stops on when it loads the file."""
+
+
+def compose_interpolate(value: Any, env: dict[str, str]) -> Any:
+    """Every string in the loaded file interpolated as Compose does it against `env`."""
+    if isinstance(value, dict):
+        return {key: compose_interpolate(item, env) for key, item in value.items()}
+    if isinstance(value, list):
+        return [compose_interpolate(item, env) for item in value]
+    if not isinstance(value, str):
+        return value
+
+    def replace(match: re.Match[str]) -> str:
+        if match["escaped"]:
+            return "$"
+        name = match["plain"] or match["name"]
+        op, arg, current = match["op"] or "", match["arg"] or "", env.get(name)
+        missing = current is None or (op.startswith(":") and current == "")
+        if op.endswith("-"):
+            return arg if missing else current or ""
+        if op.endswith("?"):
+            if missing:
+                raise InterpolationError(f"required variable {name} is missing a value: {arg}")
+            return current or ""
+        if op.endswith("+"):
+            return "" if missing else arg
+        return current or ""
+
+    return _VARIABLE.sub(replace, value)
+
+
+def compose(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """compose.yaml as Compose sees it with `env` (default: no variable set)."""
+    return compose_interpolate(yaml.safe_load((REPO / "compose.yaml").read_text()), env or {})
+
+
+def container_argv(command: list[str]) -> list[str]:
+    """The program a service's container ends up running: its command, or what a
+    `sh -c` script `exec`s after its checks."""
+    if command[:2] == ["sh", "-c"]:
+        return shlex.split(command[2].rsplit("exec ", 1)[1])
+    return command
 
 
 def procfile() -> dict[str, list[str]]:
@@ -113,7 +166,7 @@ def test_compose_services_are_entry_points() -> None:
     assert redis["command"][0] == "redis-server"
     assert "--appendonly yes" in " ".join(redis["command"]), redis["command"]
     for name, service in services.items():
-        check_entry_point(service["command"])
+        check_entry_point(container_argv(service["command"]))
         healthcheck = service.get("healthcheck", {}).get("test", [])
         if healthcheck and healthcheck[0] == "CMD-SHELL" and healthcheck[1].startswith("celery"):
             check_celery(shlex.split(healthcheck[1].replace("$$", "$")))
@@ -146,7 +199,9 @@ def test_procfile_processes_are_entry_points() -> None:
     for argv in processes.values():
         check_entry_point(argv)
     # Flower shows the same columns however it is started.
-    compose_flower = {t for t in compose()["services"]["flower"]["command"] if t.startswith("--tasks")}
+    compose_flower = {
+        t for t in container_argv(compose()["services"]["flower"]["command"]) if t.startswith("--tasks")
+    }
     assert compose_flower == {t for t in processes["flower"] if t.startswith("--tasks")} != set()
 
 
@@ -176,8 +231,8 @@ def test_honcho_runs_the_procfile(redis_url: str, tmp_path: Path) -> None:
         "RLSHIP_GROUP_SIZE": "4",
         "RLSHIP_SEQ_LEN": "512",
         "RLSHIP_ZMQ_PORT": str(free_port_pair()),
-        "RLSHIP_CPU_QUEUE": f"cpu-honcho-{suffix}",
-        "RLSHIP_SHIP_QUEUE": f"ship-honcho-{suffix}",
+        "RLSHIP_CPU_QUEUE": session_queue(f"cpu-honcho-{suffix}"),
+        "RLSHIP_SHIP_QUEUE": session_queue(f"ship-honcho-{suffix}"),
         "RLSHIP_OUTPUT_DIR": str(tmp_path / "run"),
         "FLOWER_PORT": str(free_port_pair()),
     }
@@ -198,10 +253,66 @@ def test_honcho_runs_the_procfile(redis_url: str, tmp_path: Path) -> None:
     assert len(records) == 2, output[-4000:]
 
 
-def test_flower_beyond_loopback_asks_for_a_login():
-    """Where Flower listens on more than loopback, it has basic auth from the environment,
-    and compose refuses to start without the credentials."""
-    command = compose()["services"]["flower"]["command"]
-    options = dict(token[2:].split("=", 1) for token in command if token.startswith("--"))
+def test_compose_loads_with_no_variable_set() -> None:
+    """`docker compose ps`, `logs` and `down` load the file too: nothing in it may be required.
+    A `${VAR:?...}` anywhere would stop them (the interpolation's own check: it fails so)."""
+    compose({})
+    with pytest.raises(InterpolationError, match="FLOWER_BASIC_AUTH"):
+        compose_interpolate("--basic_auth=${FLOWER_BASIC_AUTH:?set it}", {})
+
+
+def test_each_run_id_has_its_own_output_dir() -> None:
+    """Every service of a run agrees on its id and writes under /data/runs/{run id}; a second
+    run (another id) shares no file with the first. Its Redis keys are under rlship:{run id}:."""
+    dirs = {}
+    for run in ("r1", "r2"):
+        services = compose({"RLSHIP_RUN_ID": run})["services"]
+        environments = [s["environment"] for name, s in services.items() if name != "redis"]
+        assert {e["RLSHIP_RUN_ID"] for e in environments} == {run}
+        (dirs[run],) = {e["RLSHIP_OUTPUT_DIR"] for e in environments}
+        assert RunSettings(run_id=run, output_dir=dirs[run]).output_dir.name == run
+    assert dirs == {"r1": "/data/runs/r1", "r2": "/data/runs/r2"}
+    assert "docker compose down -v" in (REPO / "README.md").read_text()
+
+
+def test_workers_restart_and_flower_does_not() -> None:
+    """A worker exits when its consumer dies under a restarting Redis: Compose starts it
+    again. Flower without a login exits on purpose: restarting it would only loop."""
+    services = compose()["services"]
+    for name in ("cpu-worker", "ship-worker"):
+        assert services[name].get("restart") in ("always", "unless-stopped", "on-failure"), name
+    assert services["flower"].get("restart", "no") == "no"
+
+
+def flower_container(env: dict[str, str], bin_dir: Path) -> subprocess.CompletedProcess[str]:
+    """Flower's container command, run by a real shell with `env` as the container's
+    environment (Compose's interpolation of FLOWER_BASIC_AUTH included); `celery` on its
+    PATH is a stand-in that prints the argv and the login it was started with."""
+    service = compose(env)["services"]["flower"]
+    environment = {k: v for k, v in service["environment"].items() if k == "FLOWER_BASIC_AUTH"}
+    return subprocess.run(
+        service["command"],
+        env={"PATH": f"{bin_dir}{os.pathsep}/usr/bin:/bin", **environment},
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+
+
+def test_flower_container_refuses_to_start_without_a_login(tmp_path: Path) -> None:
+    """Flower listens beyond loopback in its container: without FLOWER_BASIC_AUTH=user:password
+    the container exits at once with one line saying so; with it, Flower is started with the
+    login in its environment (where Flower reads it), not on its command line."""
+    celery = tmp_path / "celery"
+    celery.write_text('#!/bin/sh\nprintf "%s\\n" "$@"; echo "login=$FLOWER_BASIC_AUTH"\n')
+    celery.chmod(0o755)
+    for env in ({}, {"FLOWER_BASIC_AUTH": ""}, {"FLOWER_BASIC_AUTH": "no-password"}):
+        refused = flower_container(env, tmp_path)
+        assert refused.returncode != 0 and refused.stdout == "", (env, refused)
+        assert refused.stderr.count("\n") == 1 and "set FLOWER_BASIC_AUTH=user:password" in refused.stderr
+    started = flower_container({"FLOWER_BASIC_AUTH": "operator:s3cret"}, tmp_path)
+    assert started.returncode == 0, started.stderr
+    *argv, login = started.stdout.splitlines()
+    assert login == "login=operator:s3cret" and not any("s3cret" in token for token in argv)
+    check_celery(["celery", *argv])
+    options = dict(token[2:].split("=", 1) for token in argv if token.startswith("--"))
     assert options["address"] not in ("127.0.0.1", "localhost", "::1")
-    assert options["basic_auth"].startswith("${FLOWER_BASIC_AUTH:?"), "no login asked for"
+    assert "basic_auth" in flower_options  # Flower reads FLOWER_{OPTION} for each of its options

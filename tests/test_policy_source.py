@@ -28,7 +28,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from orchestrator.policy import NO_VERSION, PolicyVersion, broadcast_dir, broadcast_version, policy_source
+from orchestrator.policy import NO_VERSION, PolicyVersion, broadcast_version
 from orchestrator.producer import AdmissionRefused, AsyncRolloutProducer, RolloutProducer
 from orchestrator.settings import RunSettings, settings_to_env
 from tests.conftest import REPO, python_command
@@ -74,15 +74,19 @@ def test_broadcast_version_is_the_highest_step_with_stable(tmp_path):
 def test_policy_source_and_directory_defaults(tmp_path, monkeypatch):
     builtin = RunSettings(output_dir=tmp_path)
     external = RunSettings(output_dir=tmp_path, trainers="external")
-    assert policy_source(builtin) == "redis"
-    assert policy_source(external) == "broadcasts"
-    assert broadcast_dir(external) == tmp_path / "broadcasts"
+    assert (builtin.policy_source, external.policy_source) == ("redis", "broadcasts")
+    assert external.broadcast_dir == tmp_path / "broadcasts"
     named = RunSettings(output_dir=tmp_path, policy_source="both", broadcast_dir=tmp_path / "b")
-    assert (policy_source(named), broadcast_dir(named)) == ("both", tmp_path / "b")
+    assert (named.policy_source, named.broadcast_dir) == ("both", tmp_path / "b")
+    # Derived values follow what they derive from in a copy, given ones stay.
+    moved = external.with_changes(output_dir=tmp_path / "elsewhere", trainers="builtin")
+    assert (moved.policy_source, moved.broadcast_dir) == ("redis", tmp_path / "elsewhere" / "broadcasts")
+    assert named.with_changes(output_dir=tmp_path / "x").broadcast_dir == tmp_path / "b"
     for name, value in settings_to_env(external).items():  # as a child process gets them
         monkeypatch.setenv(name, value)
     child = RunSettings()
-    assert (child.policy_source, child.broadcast_dir, policy_source(child)) == (None, None, "broadcasts")
+    assert (child.policy_source, child.broadcast_dir) == ("broadcasts", tmp_path / "broadcasts")
+    assert not {"policy_source", "broadcast_dir"} & child.model_fields_set, "derived in the child too"
 
 
 def test_rlship_run_help_names_the_policy_source():
@@ -100,7 +104,7 @@ def test_each_source_and_the_mirror(source, expected, client, redis_url, run_id,
     )
     keys = RunKeys(run_id)
     client.set(keys.policy_version, 5)
-    stable(broadcast_dir(settings), "step_3")
+    stable(settings.broadcast_dir, "step_3")
 
     async def follow() -> int:
         aclient = aioredis.Redis.from_url(redis_url)
@@ -164,6 +168,40 @@ def test_gate_held_stale_and_too_large_are_named(client, redis_url, run_id):
         producer.produce(group("f", [1.0, 0.0] * 4 + [1.0], policy_version=4), timeout=30)
     assert large.value.reason == "too_large"
     assert client.xlen(keys.rollout_stream) == 16
+    PayloadStore(client, run_id).delete_all_rollouts()
+
+
+def test_a_step_cut_between_the_read_and_the_call_is_worked_out_again(client, redis_url, run_id, monkeypatch):
+    """A producer works the gate's room out from the next step it read; a step cut before
+    its call lands frees a batch of backlog (counted at the call) and takes a step of room
+    (not): the call is judged against the room after the cut."""
+    settings = admission_settings(run_id, redis_url)
+    keys = RunKeys(run_id)
+    producer = RolloutProducer.for_run(client, settings)
+    # Version 4 lets step 5 be cut (it needs 4), not step 6 (it needs 5): the room is
+    # 8 + 8 + 8 - 1 = 23 at next step 5, and 8 + 8 - 1 = 15 once step 5 is cut.
+    client.set(keys.run_key("next_step"), 5)
+    client.set(keys.known_policy_version, 4)
+    client.set(keys.run_key("produced"), 20)
+    client.set(keys.run_key("accounted"), 0)
+    read = client.mget
+
+    def read_then_cut(*args, **kwargs):
+        values = read(*args, **kwargs)
+        monkeypatch.setattr(client, "mget", read)
+        pipe = client.pipeline(transaction=True)  # the orchestrator's cut of step 5
+        pipe.incr(keys.run_key("next_step")).incrby(keys.run_key("accounted"), 8).execute()
+        return values
+
+    monkeypatch.setattr(client, "mget", read_then_cut)
+    # 12 outstanding after the cut and 4 more: 16, past 15 (though within the 23 read).
+    with pytest.raises(AdmissionRefused, match=r"gate_held.*12 rollouts.*the 15 .*step 6 needs version 5"):
+        producer.produce(group("late", [1.0, 0.0, 1.0, 0.0], policy_version=4))
+    assert int(client.get(keys.run_key("produced"))) == 20 and client.xlen(keys.rollout_stream) == 0
+    assert not client.exists(keys.rollout("late-r0"))
+    client.set(keys.known_policy_version, 5)  # step 6 may be cut: a batch more fits
+    producer.produce(group("late", [1.0, 0.0, 1.0, 0.0], policy_version=4))
+    assert int(client.get(keys.run_key("produced"))) == 24 and client.xlen(keys.rollout_stream) == 4
     PayloadStore(client, run_id).delete_all_rollouts()
 
 
@@ -255,6 +293,13 @@ def payload_keys(client: redis.Redis, keys: RunKeys) -> int:
     return sum(1 for _ in client.scan_iter(match=keys.rollout("*"), count=1000))
 
 
+def run_memory(client: redis.Redis, keys: RunKeys) -> int:
+    """The bytes the run's own keys take (MEMORY USAGE of each, every element counted): the
+    server is shared, and other runs' keys come and go."""
+    held = client.scan_iter(match=keys.prefix + "*", count=1000)
+    return sum(client.memory_usage(key, samples=0) or 0 for key in held)
+
+
 def test_external_trainers_gate_holds_while_unannounced_and_memory_stays_flat(
     client, redis_url, run_id, workers, tmp_path, caplog
 ):
@@ -285,7 +330,7 @@ def test_external_trainers_gate_holds_while_unannounced_and_memory_stays_flat(
     orchestrator = threading.Thread(
         target=lambda: outcome.update(result=asyncio.run(run_orchestrator(settings, timeout=280)))
     )
-    samples: list[tuple[int, ...]] = []  # stream, payload keys, memory (2), produced, backlog
+    samples: list[tuple[int, ...]] = []  # stream, payload keys, run memory, produced, backlog
     try:
         orchestrator.start()
         published = f"rlship:{run_id}:published"
@@ -302,20 +347,19 @@ def test_external_trainers_gate_holds_while_unannounced_and_memory_stays_flat(
         held = HELD.search(client.hget(status, "policy_gate").decode())
         assert held, client.hget(status, "policy_gate")
         step, needed, directory, have = int(held[1]), int(held[2]), held[3], held[4]
-        assert directory == str(broadcast_dir(settings))
+        assert directory == str(settings.broadcast_dir)
         assert needed == step - 1 - settings.max_async_level, "prime-rl's gate for its step s: s - 1 - level"
-        assert int(have) == broadcast_version(broadcast_dir(settings)) < needed
+        assert int(have) == broadcast_version(settings.broadcast_dir) < needed
         assert client.hlen(published) < STEPS
 
         paused_at = time.monotonic()
         while time.monotonic() - paused_at < PAUSE_SECONDS:
-            memory = client.info("memory")
             produced_now, accounted = (
                 int(v or 0) for v in client.mget(keys.run_key("produced"), keys.run_key("accounted"))
             )
             samples.append((
-                client.xlen(keys.rollout_stream), payload_keys(client, keys), memory["used_memory"],
-                memory["used_memory"] - memory["mem_clients_normal"], produced_now, produced_now - accounted,
+                client.xlen(keys.rollout_stream), payload_keys(client, keys), run_memory(client, keys),
+                produced_now, produced_now - accounted,
             ))  # fmt: skip
             time.sleep(1.0)
         assert client.hget(status, "policy_gate"), "still held after the pause"
@@ -346,24 +390,22 @@ def test_external_trainers_gate_holds_while_unannounced_and_memory_stays_flat(
     waits = producer_log.read_text()
     assert "producer waits: produce refused (gate_held)" in waits or "(backlog)" in waits, waits[-2000:]
 
-    stream, payloads, memory, held_memory, produced, backlog = (list(c) for c in zip(*samples, strict=True))
+    stream, payloads, memory, produced, backlog = (list(c) for c in zip(*samples, strict=True))
     print(
         f"held {len(samples)} s at step {step} (version {needed} awaited, {have} announced): stream "
         f"{min(stream)}..{max(stream)} entries, payload keys {min(payloads)}..{max(payloads)}, "
-        f"used_memory {min(memory)}..{max(memory)} B (less client buffers {min(held_memory)}.."
-        f"{max(held_memory)} B), produced {produced[0]}..{produced[-1]}, backlog {max(backlog)}"
+        f"the run's keys {min(memory)}..{max(memory)} B, produced {produced[0]}..{produced[-1]}, "
+        f"backlog {max(backlog)}"
     )
     # Bounds from the settings: the backlog is what the held gate leaves room for (a batch
     # and a call less one rollout), well under the backlog limit; payloads held are the
     # backlog plus the steps cut and not yet released; nothing is produced while the gate
-    # holds, so the stream stands still; the memory Redis holds (less its clients' transient
-    # query and reply buffers, which come and go with every call) moves by less than one
-    # more backlog of payloads.
+    # holds, so the stream stands still; the memory the run's keys take moves by less than
+    # one more backlog of payloads.
     held_room = settings.batch_size + max(settings.batch_size, settings.group_size) - 1
     assert max(backlog) <= held_room < settings.outstanding_limit
     in_flight = (settings.max_async_level + 3) * settings.batch_size
     assert max(payloads) <= settings.outstanding_limit + in_flight
     assert produced[-1] == produced[0] and max(stream) == min(stream), "not one rollout while held"
     backlog_bytes = settings.outstanding_limit * settings.seq_len * (4 + 1 + 4)  # ids, mask, logprobs
-    # Growth over the hold (the server is shared: other runs' keys expiring may lower it).
-    assert max(held_memory) - held_memory[0] < backlog_bytes
+    assert max(memory) - min(memory) < backlog_bytes

@@ -20,7 +20,8 @@ import redis
 
 from orchestrator.settings import RunSettings
 from tests.conftest import REPO
-from tests.test_compose import compose, procfile
+from tests.test_compose import compose, container_argv, procfile
+from transport.store import PayloadStore
 from transport.zmq import free_port_pair
 
 DEADLINE_SECONDS = 30
@@ -192,8 +193,32 @@ def test_default_ports_never_collide():
     taken = {zmq_port, zmq_port + 1}
     flower_port = [t for t in procfile()["flower"] if t.startswith("--port=")]
     assert flower_port and int(flower_port[0].split("=")[1]) not in taken
-    compose_flower = [t for t in compose()["services"]["flower"]["command"] if t.startswith("--port=")]
+    services = compose()["services"]
+    compose_flower = [t for t in container_argv(services["flower"]["command"]) if t.startswith("--port=")]
     assert compose_flower and int(compose_flower[0].split("=")[1]) not in taken
+    metrics_port = int(services["orchestrator"]["environment"]["RLSHIP_METRICS_PORT"])
+    assert metrics_port not in taken | {int(compose_flower[0].split("=")[1])}
+
+
+def test_a_metrics_port_in_use_stops_the_run_and_the_orchestrator(redis_url, tmp_path):
+    """`rlship run` refuses before it starts anything; `rlship orchestrate` when it would serve."""
+    run_id = f"pre-{uuid.uuid4().hex[:8]}"
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = str(holder.getsockname()[1])
+        done = rlship("run", "--steps", "1", "--run-id", run_id, "--metrics-port", port,
+                      "--output-dir", str(tmp_path), "--zmq-port", str(free_port_pair()))  # fmt: skip
+        assert done.returncode == 2
+        refused(done, f"metrics_port 127.0.0.1:{port} cannot be bound", "--metrics-port")
+        assert left_running(run_id) == []
+        assert redis.Redis.from_url(redis_url).keys(f"rlship:{run_id}:*") == []
+        done = rlship("orchestrate", "--run-id", run_id, "--metrics-port", port,
+                      "--output-dir", str(tmp_path))  # fmt: skip
+    refused(done, f"metrics_port: cannot serve Prometheus metrics on 127.0.0.1:{port}")
+    client = redis.Redis.from_url(redis_url)
+    assert not client.exists(f"rlship:{run_id}:orchestrator_lease")  # the run can start again
+    PayloadStore(client, run_id).expire_run(60)
 
 
 def test_doctor_says_what_is_wrong_one_line_each(start_redis, workers, redis_url, tmp_path):

@@ -14,9 +14,9 @@ import pytest
 import redis
 
 from orchestrator.producer import RolloutProducer
-from orchestrator.reference import check_advantages, compare, reference_records
 from orchestrator.settings import RunSettings
 from tests.factories import rollout
+from tests.reference import check_advantages, compare, reference_records
 from tests.shiprun import open_policy_gate, run_orchestrator, ship_settings
 from transport.store import PayloadStore, pack_arrays
 

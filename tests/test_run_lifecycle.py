@@ -17,10 +17,11 @@ import uuid
 import psutil
 import pytest
 
+from orchestrator.processes import delete_queues
 from tasks.cohort import CohortBuilder
 from tasks.manifest import ShipConfig, StepManifest
 from tasks.ship import send
-from tests.conftest import REPO
+from tests.conftest import REPO, session_queue
 from transport.zmq import free_port_pair
 
 DEADLINE_SECONDS = 180
@@ -40,7 +41,8 @@ def run_command(run_id: str, steps: int, tmp_path, port: int) -> list[str]:
     return [
         sys.executable, "-m", "orchestrator.cli", "run", "--steps", str(steps), "--run-id", run_id,
         "--batch-size", "16", "--group-size", "4", "--seq-len", "512", "--zmq-port", str(port),
-        "--output-dir", str(tmp_path), "--cpu-queue", f"cpu-{run_id}", "--ship-queue", f"ship-{run_id}",
+        "--output-dir", str(tmp_path), "--cpu-queue", session_queue(f"cpu-{run_id}"),
+        "--ship-queue", session_queue(f"ship-{run_id}"),
     ]  # fmt: skip
 
 
@@ -55,10 +57,9 @@ def processes_of(run_id: str) -> list[str]:
 
 
 def forget_run(client, run_id: str) -> None:
-    """The run's keys, its queues and kombu's bindings of them (its queues are its own)."""
-    queues = [f"cpu-{run_id}", f"ship-{run_id}"]
-    bindings = [f"_kombu.binding{kind}.{queue}" for kind in ("", "_permanent") for queue in queues]
-    client.delete(*client.keys(f"rlship:{run_id}:*"), *queues, *bindings)
+    """The run's keys and the traces of its queues (its queues are its own)."""
+    client.delete(*client.keys(f"rlship:{run_id}:*"))
+    delete_queues(client, [f"cpu-{run_id}", f"ship-{run_id}"])
 
 
 def keys_without_expiry(client, run_id: str) -> list[str]:

@@ -18,11 +18,11 @@ from orchestrator.cli import main as rlship
 from orchestrator.settings import (
     RunSettings,
     add_settings_arguments,
-    mask_url,
     resolve_settings,
     settings_from_args,
     settings_to_env,
 )
+from tasks.logs import mask_secrets
 from tests.conftest import REPO
 
 
@@ -97,7 +97,7 @@ def test_children_get_the_resolved_settings(monkeypatch: pytest.MonkeyPatch, tmp
     ],
 )
 def test_mask_url(url: str, masked: str) -> None:
-    assert mask_url(url) == masked
+    assert mask_secrets(url) == masked
 
 
 @pytest.mark.parametrize("url", ["redis://:secret@host:6379/0", "rediss://user:secret@host:6380/1"])
@@ -108,10 +108,10 @@ def test_config_show_masks_the_password(
     assert rlship(["config", "show", "--ranks", "3"]) == 0
     shown = capsys.readouterr().out
     assert "secret" not in shown
-    assert f'redis_url = "{mask_url(url)}"' in shown
+    assert f'redis_url = "{mask_secrets(url)}"' in shown
     assert rlship(["config", "show", "--json"]) == 0
     values = json.loads(capsys.readouterr().out)
-    assert values["redis_url"] == mask_url(url) and values["ranks"] == 2
+    assert values["redis_url"] == mask_secrets(url) and values["ranks"] == 2
 
 
 def test_config_show_reads_back_as_config(

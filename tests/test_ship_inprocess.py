@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import redis
 
+from orchestrator.processes import delete_queues
 from tasks import ship
 from tasks.cohort import NUMERIC_COLUMNS, CohortBuilder
 from tasks.manifest import ShipConfig, StepManifest
@@ -59,13 +60,8 @@ def shipped_step(
     try:
         yield store, config
     finally:
-        queues = [config.cpu_queue, config.ship_queue]
-        keys = [
-            *client.scan_iter(f"rlship:{run_id}:*"),
-            *client.scan_iter(f"_kombu.binding*-{run_id}"),
-            *queues,
-        ]
-        client.delete(*keys)
+        client.delete(*client.scan_iter(f"rlship:{run_id}:*"))
+        delete_queues(client, [config.cpu_queue, config.ship_queue])
 
 
 def _enqueued(client: redis.Redis, queue: str) -> list[tuple[str, list]]:

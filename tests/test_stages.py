@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator import reference
 from orchestrator.groups import TRAINABLE, decide_group, group_advantages
 from tasks.cohort import Cohort, CohortBuilder
 from tasks.manifest import ShipConfig, StepManifest
@@ -17,6 +16,7 @@ from tasks.stages.finalize import check_rollout_arrays, finalize_step
 from tasks.stages.metrics import distribution, step_metrics, train_metrics
 from tasks.stages.pack import first_fit_decreasing, pack_samples, split_to_multiple
 from tasks.stages.prune import prune_samples
+from tests import reference
 from tests.factories import group, rollout
 
 

@@ -22,7 +22,7 @@ from orchestrator.diagnosis import redis_out_of_memory
 from orchestrator.loop import Orchestrator
 from orchestrator.producer import RolloutProducer
 from orchestrator.settings import RunSettings
-from tests.conftest import REPO
+from tests.conftest import REPO, session_queue
 from tests.factories import group
 from tests.shiprun import ship_settings, start_trainers, stop
 from tests.test_preflight import refused, start_redis  # noqa: F401  (a fixture)
@@ -95,7 +95,7 @@ def test_a_rank_that_never_announced_is_named(client, redis_url, run_id, workers
 
 @pytest.mark.timeout(180)
 def test_a_queue_no_worker_consumes_is_named(client, redis_url, run_id, workers, tmp_path):
-    nobody = f"nobody-{run_id}"
+    nobody = session_queue(f"nobody-{run_id}")
     settings = ship_settings(
         run_id, redis_url, workers, tmp_path, steps=1, batch_size=8, group_size=4, cpu_queue=nobody
     )

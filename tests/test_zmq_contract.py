@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import zmq
@@ -140,12 +141,11 @@ def test_a_later_step_on_the_wire_pulls_the_missing_ones_from_replay() -> None:
 
 
 class FakeSocket:
-    """A `socket.socket` stand-in for `free_port_pair`: `bind((host, 0))` hands out the next
-    scripted port; binding one of `taken` raises OSError. Every bind is recorded."""
+    """A `socket.socket` stand-in for `free_port_pair`: binding one of `taken` raises
+    OSError. Every bind is recorded."""
 
-    def __init__(self, script: list[int], taken: set[int], binds: list[tuple[str, int]]) -> None:
-        self.script, self.taken, self.binds = script, taken, binds
-        self.port = -1
+    def __init__(self, taken: set[int], binds: list[tuple[str, int]]) -> None:
+        self.taken, self.binds = taken, binds
 
     def __enter__(self) -> FakeSocket:
         return self
@@ -155,45 +155,48 @@ class FakeSocket:
 
     def bind(self, address: tuple[str, int]) -> None:
         self.binds.append(address)
-        _host, port = address
-        if port == 0:
-            port = self.script.pop(0)
-        if port in self.taken:
+        if address[1] in self.taken:
             raise OSError("taken")
-        self.port = port
-
-    def getsockname(self) -> tuple[str, int]:
-        return ("127.0.0.1", self.port)
 
 
 def fake_sockets(
-    monkeypatch: pytest.MonkeyPatch, script: list[int], taken: set[int]
+    monkeypatch: pytest.MonkeyPatch, candidates: list[int], taken: set[int]
 ) -> list[tuple[str, int]]:
     binds: list[tuple[str, int]] = []
-    monkeypatch.setattr(transport_zmq.socket, "socket", lambda: FakeSocket(script, taken, binds))
+    monkeypatch.setattr(transport_zmq, "candidate_ports", lambda: candidates)
+    monkeypatch.setattr(transport_zmq.socket, "socket", lambda: FakeSocket(taken, binds))
     return binds
 
 
-def test_free_port_pair_skips_the_last_port_and_a_taken_neighbour(monkeypatch: pytest.MonkeyPatch) -> None:
-    binds = fake_sockets(monkeypatch, [65535, 5000, 6000], taken={5001})
-    assert free_port_pair("10.0.0.9") == 6000
-    # 65535 has no neighbour: not even tried; 5001 taken: 5000 skipped; 6000 and 6001 free.
+def test_free_port_pair_skips_a_taken_port_and_a_taken_neighbour(monkeypatch: pytest.MonkeyPatch) -> None:
+    binds = fake_sockets(monkeypatch, [5000, 6000, 7000], taken={5000, 6001})
+    assert free_port_pair("10.0.0.9") == 7000
+    # 5000 taken: its neighbour not tried; 6001 taken: 6000 skipped; 7000 and 7001 free.
     assert binds == [
-        ("10.0.0.9", 0),
-        ("10.0.0.9", 0),
-        ("10.0.0.9", 5001),
-        ("10.0.0.9", 0),
+        ("10.0.0.9", 5000),
+        ("10.0.0.9", 6000),
         ("10.0.0.9", 6001),
+        ("10.0.0.9", 7000),
+        ("10.0.0.9", 7001),
     ]
 
 
-def test_free_port_pair_gives_up_after_100_tries(monkeypatch: pytest.MonkeyPatch) -> None:
-    binds = fake_sockets(
-        monkeypatch, [7000 + 2 * i for i in range(101)], taken={7001 + 2 * i for i in range(101)}
-    )
+def test_free_port_pair_gives_up_after_its_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
+    binds = fake_sockets(monkeypatch, [7000 + 2 * i for i in range(3)], taken={7001, 7003, 7005})
     with pytest.raises(RuntimeError, match=r"^no free port pair on 10\.0\.0\.9$"):
         free_port_pair("10.0.0.9")
-    assert binds == [b for i in range(100) for b in (("10.0.0.9", 0), ("10.0.0.9", 7001 + 2 * i))]
+    assert binds == [b for i in range(3) for b in (("10.0.0.9", 7000 + 2 * i), ("10.0.0.9", 7001 + 2 * i))]
+
+
+def test_port_pairs_lie_below_the_ephemeral_range() -> None:
+    """A rank that dials a port inside the kernel's ephemeral range before the sender binds
+    can be handed that port as its own source port (a TCP self-connect) and hold it."""
+    floor = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    candidates = transport_zmq.candidate_ports()
+    assert len(candidates) == 100 and len(set(candidates)) > 50
+    assert all(port >= 20000 and port + 1 < floor for port in candidates)
+    ports = [free_port_pair() for _ in range(50)]
+    assert all(port >= 20000 and port + 1 < floor for port in ports)
 
 
 @pytest.mark.timeout(60)

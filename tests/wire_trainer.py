@@ -1,4 +1,4 @@
-"""A trainer rank written from SPEC.md's wire section with plain pyzmq, for tests whose
+"""A trainer rank written from docs/transports.md's ZMQ section with plain pyzmq, for tests whose
 oracle must not be the code under test: no rlship receiver, no dedup, no replay. It keeps
 every message exactly as it arrived, duplicates included, so a test can count what a
 trainer really got and decode the bytes itself."""

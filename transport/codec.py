@@ -1,6 +1,6 @@
 """MessagePack codec for a rank's step payload: a MessagePack array of MicroBatch arrays.
 
-Encoding is canonical (SPEC.md): the bytes equal `msgpack.packb` of the same values as
+Encoding is canonical (docs/wire-format.md): the bytes equal `msgpack.packb` of the same values as
 plain lists, whether the micro-batches are encoded together or one at a time. It is
 computed from the numpy arrays without Python lists of tokens: `wire_size` first, then one
 buffer of exactly that size, filled in place (`encode_microbatches_into`). Peak memory is

@@ -1,4 +1,4 @@
-"""Filesystem step transport (SPEC.md, "Wire format", Filesystem), for trainers that share a
+"""Filesystem step transport (docs/transports.md, "Filesystem"), for trainers that share a
 directory with the ship workers instead of a network path.
 
 Layout: `{output_dir}/rollouts/step_{step}/rank_{rank}.bin`. A payload is written to a

@@ -1,7 +1,7 @@
 """The wire schema: what one trainer rank receives for one step.
 
 A step's payload for a rank is a list of `MicroBatch`. The 16 fields and their order are
-fixed by the prime-rl trainer wire format (SPEC.md, "Wire format"). Fields are held as
+fixed by the prime-rl trainer wire format (docs/wire-format.md). Fields are held as
 numpy arrays so the packer and encoder never build Python lists of tokens; validation
 runs at construction, so a malformed batch fails where it is built, naming the field.
 """
@@ -67,9 +67,6 @@ class RoutedExperts:
     def from_array(cls, array: np.ndarray) -> RoutedExperts:
         array = np.ascontiguousarray(array)
         return cls(data=array.tobytes(), shape=array.shape, dtype=array.dtype.name)
-
-    def to_array(self) -> np.ndarray:
-        return np.frombuffer(self.data, dtype=self.dtype).reshape(self.shape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,50 +330,3 @@ class MicroBatch:
             elif mine != theirs:
                 return False
         return True
-
-
-@dataclass(slots=True, eq=False)
-class TrainingSample:
-    """One rollout's trainable sequence before packing: prompt and completion tokens with
-    their per-token masks and logprobs, the group advantage, and where it came from."""
-
-    input_ids: np.ndarray
-    loss_mask: np.ndarray
-    inference_logprobs: np.ndarray
-    advantage: float
-    temperature: float
-    env_name: str
-    ref_logprobs: np.ndarray | None = None
-    routed_experts: np.ndarray | None = None
-    rl_weights: np.ndarray | None = None
-    ce_weights: np.ndarray | None = None
-
-    def __post_init__(self) -> None:
-        for name in (
-            "input_ids",
-            "loss_mask",
-            "inference_logprobs",
-            "ref_logprobs",
-            "rl_weights",
-            "ce_weights",
-        ):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(self, name, as_array(name, value))
-        if self.routed_experts is not None:
-            self.routed_experts = np.asarray(self.routed_experts)
-        self.advantage = float(self.advantage)
-        self.temperature = float(self.temperature)
-        if not isinstance(self.env_name, str):
-            raise SchemaError(f"env_name: expected str, got {self.env_name!r}")
-        num_tokens = len(self.input_ids)
-        for name in ("loss_mask", "inference_logprobs", "ref_logprobs", "rl_weights", "ce_weights"):
-            value = getattr(self, name)
-            if value is not None and len(value) != num_tokens:
-                raise SchemaError(f"{name}: length {len(value)}, expected {num_tokens} (len(input_ids))")
-        if self.routed_experts is not None:
-            check_routed_experts_shape(self.routed_experts.shape, num_tokens)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.input_ids)

@@ -235,34 +235,10 @@ class AsyncPayloadStore:
         self.keys = RunKeys(run_id)
         self.ttl = ttl_seconds
 
-    async def put_rollouts(self, rollouts: Mapping[str, Mapping[str, np.ndarray]]) -> list[str]:
-        """See `PayloadStore.put_rollouts`."""
-        pipe = self.client.pipeline(transaction=False)
-        _queue_rollout_writes(pipe, self.keys, rollouts, self.ttl)
-        refused = _refused(rollouts, await pipe.execute())
-        if refused:
-            await self.client.incrby(self.keys.refused_writes, len(refused))
-        return refused
-
-    async def get_rollouts(self, rollout_ids: Iterable[str]) -> dict[str, dict[str, np.ndarray]]:
-        keys = [self.keys.rollout(r) for r in rollout_ids]
-        return _decode_rollouts(keys, await self.client.mget(keys) if keys else [])
-
     async def delete_rollouts(self, rollout_ids: Iterable[str]) -> int:
         """Release rollouts that will never ship (UNLINK frees them off Redis's main thread)."""
         keys = [self.keys.rollout(r) for r in rollout_ids]
         return int(await self.client.unlink(*keys)) if keys else 0
-
-    async def register_step_keys(self, step: int, keys: Iterable[str]) -> None:
-        keys = list(keys)
-        if keys:
-            pipe = self.client.pipeline(transaction=True)
-            pipe.sadd(self.keys.step_keys(step), *keys)
-            pipe.expire(self.keys.step_keys(step), self.ttl)
-            await pipe.execute()
-
-    async def delete_step(self, step: int) -> int:
-        return int(await _unlink_step_keys(self.client, self.keys, step))
 
     async def release_payloads(self, ranks: int, through_step: int, evict_through: int) -> ReleasedPayloads:
         """See `PayloadStore.release_payloads`."""

@@ -1,4 +1,4 @@
-"""ZMQ step transport (SPEC.md, "Wire format", ZMQ): one bound publisher, one SUB per rank.
+"""ZMQ step transport (docs/transports.md, "ZMQ"): one bound publisher, one SUB per rank.
 
 Sender: an XPUB socket at host:port and a PULL socket at host:port+1. Each message is two
 frames, `data_rank|{rank}|{step}` and the payload. Nothing is published to a rank before
@@ -37,9 +37,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import random
 import socket
 import time
 from collections import deque
+from pathlib import Path
 from typing import Protocol
 
 import zmq
@@ -87,13 +89,38 @@ class AnnouncementLog(Protocol):
     def add(self, rank: int) -> None: ...
 
 
+EPHEMERAL_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PAIR_PORT = 20000
+
+
+def ephemeral_port_floor() -> int:
+    """The lowest port the kernel hands out for outgoing connections (Linux's default where
+    the range cannot be read)."""
+    try:
+        return int(EPHEMERAL_PORT_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def candidate_ports(tries: int = 100) -> list[int]:
+    """Random ports from LOWEST_PAIR_PORT up to below the ephemeral range, each with room
+    for its neighbour there too."""
+    floor = max(ephemeral_port_floor(), LOWEST_PAIR_PORT + 2)
+    return [random.randrange(LOWEST_PAIR_PORT, floor - 1) for _ in range(tries)]
+
+
 def free_port_pair(host: str = "127.0.0.1") -> int:
-    """A port p with p and p + 1 free on `host`: the data and control ports of a sender."""
-    for _ in range(100):
+    """A port p with p and p + 1 free on `host`: the data and control ports of a sender.
+
+    Chosen below the kernel's ephemeral range: a stock prime-rl rank connects before the
+    sender binds, and while it retries, its own source port is ephemeral; with the pair
+    inside that range the kernel can give the rank the very port it dials (a TCP
+    self-connect), which then holds the port the sender must bind."""
+    for port in candidate_ports():
         with socket.socket() as first:
-            first.bind((host, 0))
-            port = first.getsockname()[1]
-            if port >= 65535:
+            try:
+                first.bind((host, port))
+            except OSError:
                 continue
             with socket.socket() as second:
                 try:

@@ -16,6 +16,7 @@ import argparse
 import gc
 import json
 import statistics
+import sys
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -149,12 +150,19 @@ def _peak_bytes(call: Callable[[], Any], trials: int) -> int:
     return max(peaks)
 
 
-def _measure(calls: dict[str, Callable[[], Any]], trials: int) -> dict[str, dict[str, float]]:
+def progress(message: str) -> None:
+    """A line on stderr as the bench goes (a whole run takes minutes); stdout keeps the tables."""
+    print(f"bench encode: {message}", file=sys.stderr, flush=True)
+
+
+def _measure(calls: dict[str, Callable[[], Any]], trials: int, label: str) -> dict[str, dict[str, float]]:
+    progress(f"{label}: timing {', '.join(calls)} ({trials} trials)")
     seconds = _seconds(calls, trials)
-    return {
-        name: {"seconds": seconds[name], "peak_bytes": _peak_bytes(call, trials)}
-        for name, call in calls.items()
-    }
+    peaks = {}
+    for name, call in calls.items():
+        progress(f"{label}: peak memory of {name}")
+        peaks[name] = _peak_bytes(call, trials)
+    return {name: {"seconds": seconds[name], "peak_bytes": peaks[name]} for name in calls}
 
 
 def numpy_wire_values(batch: MicroBatch, values: list[Any]) -> list[Any]:
@@ -201,8 +209,8 @@ def run_case(name: str, batches: list[MicroBatch], trials: int) -> dict[str, Any
         "microbatches": len(batches),
         "tokens": sum(b.num_tokens for b in batches),
         "identical": identical,
-        **_measure(encoders, trials),
-        "decode": _measure(decoders, trials),
+        **_measure(encoders, trials, f"{name} encode"),
+        "decode": _measure(decoders, trials, f"{name} decode"),
     }
 
 
@@ -258,7 +266,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(args.seed)
     results = []
-    for name, sizes in CASES.items():
+    for number, (name, sizes) in enumerate(CASES.items(), 1):
+        progress(f"case {number}/{len(CASES)} {name}: building {sum(sizes):.0f} MiB of micro-batches")
         batches = make_payload(rng, sizes)
         results.append(run_case(name, batches, max(args.trials, 1)))
         del batches

@@ -1,7 +1,7 @@
 """Metrics: the step's statistics over `all` (every rollout finalized since the previous
 cut, whatever became of it) and `effective` (exactly the rollouts shipped in this step).
 
-Keys follow `train/{scope}/{subset}/{name}/{stat}` (SPEC.md, "Metrics record"). Every
+Keys follow `train/{scope}/{subset}/{name}/{stat}` (docs/metrics.md). Every
 observation of the window is kept, so percentiles are exact (numpy's linear
 interpolation between closest ranks); rates keep their denominators as `.../count`.
 """

@@ -9,7 +9,7 @@ generated for the step, errored and zero-advantage ones included (it filters not
 before the trainer); rlship discards those before shipping, so prime-rl's batch statistics
 are computed over rlship's `all` subset (every rollout finalized since the previous cut)
 and its progress counts (what was sent to the trainer) come from the shipped step. Its
-per-example statistics group by `example_id`: here, a task of an env. The README's table lists
+per-example statistics group by `example_id`: here, a task of an env. docs/metrics.md's table lists
 each name, its meaning, its rlship source, and what rlship does not have.
 
 Two pure functions: `from_step` (in the metrics stage, from the step's `all` cohort and the

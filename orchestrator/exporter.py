@@ -1,0 +1,109 @@
+"""The orchestrator's Prometheus endpoint (`metrics_port`): the run's gauges and counters,
+read when scraped, on the HTTP server's thread. Most come from Redis (the status hash, the
+step marks, the queues, as `rlship status` reads them), so a scrape costs the event loop
+nothing; the loop's worst lag and the records mirrored come from the orchestrator object."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import redis
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from orchestrator.progress import STAGES, StatusReader, in_flight
+from orchestrator.run_info import RunInfo
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from orchestrator.loop import Orchestrator
+
+
+class RunCollector(Collector):
+    def __init__(self, orchestrator: Orchestrator) -> None:
+        self.orchestrator = orchestrator
+        settings = orchestrator.settings
+        self.info = RunInfo.from_settings(settings)
+        self.client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        self._reader: StatusReader | None = None
+        self._lock = threading.Lock()  # scrapes may overlap; the reader keeps a cursor
+
+    def _metric(self, kind: type[Metric], name: str, text: str, *labels: str) -> Metric:
+        return kind(name, text, labels=["run_id", *labels])
+
+    def payload_bytes(self) -> int:
+        """Bytes of the per-rank payloads Redis holds (cut steps' and those kept for replay)."""
+        keys = self.orchestrator.keys
+        steps = [int(s) for s in self.client.zrange(keys.retained_payloads, 0, -1)]
+        pipe = self.client.pipeline(transaction=False)
+        for step in steps:
+            for rank in range(self.info.ranks):
+                pipe.strlen(keys.payload(step, rank))
+        return sum(pipe.execute()) if steps else 0
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            if self._reader is None:
+                self._reader = StatusReader(self.client, self.info.run_id, self.info.queues, self.info.ranks)
+            snapshot = self._reader.snapshot()
+            published = int(self.client.hlen(self.orchestrator.state.published))
+            payload_bytes = self.payload_bytes()
+        status, run = snapshot.status, [self.info.run_id]
+        start = self.info.start_step
+        values: list[tuple[type[Metric], str, str, float]] = [
+            (CounterMetricFamily, "rlship_steps_shipped", "steps whose record is published", published),
+            (CounterMetricFamily, "rlship_steps_cut", "steps cut and handed to the workers",
+             status.get("next_step", start) - start),
+            (CounterMetricFamily, "rlship_records", "records this orchestrator wrote to metrics.jsonl",
+             self.orchestrator.records_published),
+            (CounterMetricFamily, "rlship_rollouts_arrived", "rollout records read from the stream",
+             status.get("arrived", 0)),
+            (GaugeMetricFamily, "rlship_steps_wanted", "steps the run ships", self.info.steps),
+            (GaugeMetricFamily, "rlship_rollouts_pending", "trainable rollouts waiting for a step",
+             status.get("pending", 0)),
+            (GaugeMetricFamily, "rlship_rollouts_open", "rollouts whose group is not complete",
+             status.get("in_open_groups", 0)),
+            (GaugeMetricFamily, "rlship_stalled_ranks", "ranks the policy gate waits on",
+             len(snapshot.stalled_ranks)),
+            (GaugeMetricFamily, "rlship_payload_bytes", "bytes of encoded per-rank payloads held in Redis",
+             payload_bytes),
+            (GaugeMetricFamily, "rlship_event_loop_lag_seconds",
+             "the orchestrator's worst event-loop lag over the last status interval",
+             status.get("loop_lag_max_ms", 0.0) / 1000),
+            (GaugeMetricFamily, "rlship_event_loop_lag_max_seconds",
+             "the orchestrator's worst event-loop lag since it started",
+             self.orchestrator.probe.max_ms / 1000),
+        ]  # fmt: skip
+        for kind, name, text, value in values:
+            metric = self._metric(kind, name, text)
+            metric.add_metric(run, value)
+            yield metric
+        tasks = self._metric(GaugeMetricFamily, "rlship_tasks_in_flight", "tasks queued or running", "stage")
+        counts = in_flight(snapshot.steps, self.info.ranks)
+        for stage in STAGES:
+            tasks.add_metric([*run, stage], counts[stage])
+        yield tasks
+        queued = self._metric(GaugeMetricFamily, "rlship_queue_depth", "messages in a Celery queue", "queue")
+        for queue, length in snapshot.queued.items():
+            queued.add_metric([*run, queue], length)
+        yield queued
+
+
+def serve_metrics(orchestrator: Orchestrator) -> WSGIServer:
+    """Start the endpoint on `metrics_host:metrics_port`; a port that cannot be bound stops
+    start-up naming the setting."""
+    settings = orchestrator.settings
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RunCollector(orchestrator))
+    try:
+        server, _thread = start_http_server(settings.metrics_port, settings.metrics_host, registry)
+    except OSError as exc:
+        raise OSError(
+            f"metrics_port: cannot serve Prometheus metrics on {settings.metrics_host}:"
+            f"{settings.metrics_port}: {exc.strerror or exc}"
+        ) from None
+    return server

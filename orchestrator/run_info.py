@@ -1,0 +1,43 @@
+"""What a run is, as its orchestrator writes it to Redis when it starts: read by `rlship
+status` and the Prometheus endpoint, which follow the run from other processes and know
+only its id."""
+
+from __future__ import annotations
+
+import redis
+from pydantic import BaseModel
+
+from orchestrator.settings import RunSettings
+from tasks.ship import RunState
+
+
+class RunInfo(BaseModel):
+    run_id: str
+    start_step: int
+    steps: int
+    ranks: int
+    cpu_queue: str
+    ship_queue: str
+    output_dir: str
+
+    @classmethod
+    def from_settings(cls, settings: RunSettings) -> RunInfo:
+        return cls(
+            run_id=settings.run_id,
+            start_step=settings.step_numbers.start,
+            steps=settings.steps,
+            ranks=settings.ranks,
+            cpu_queue=settings.cpu_queue,
+            ship_queue=settings.ship_queue,
+            output_dir=str(settings.output_dir),
+        )
+
+    @property
+    def queues(self) -> list[str]:
+        return [self.cpu_queue, self.ship_queue]
+
+    @classmethod
+    def read(cls, client: redis.Redis, run_id: str) -> RunInfo | None:
+        """The run's info, or None if Redis holds none (no orchestrator of it started)."""
+        raw = client.get(RunState(run_id).info)
+        return None if raw is None else cls.model_validate_json(raw)

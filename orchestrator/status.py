@@ -1,0 +1,137 @@
+"""`rlship status [RUN_ID]`: a run followed from another terminal, with the display `rlship
+run` draws (orchestrator.progress); without a run id, the runs Redis holds and their state.
+
+A run is `running` while an orchestrator holds its lease (renewed every second, gone
+within `LEASE_SECONDS` of its death), `finished` once it shipped every step, `stopped`
+otherwise (interrupted, failed or killed: the same run id resumes it). Everything is read
+from Redis; the run's keys expire a day after it ends, and so it leaves the list."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import redis
+
+from orchestrator.progress import REFRESH_SECONDS, ProgressDisplay, StatusReader
+from orchestrator.run_info import RunInfo
+from orchestrator.settings import add_settings_arguments, settings_from_args
+from tasks.logs import mask_secrets
+from tasks.ship import RunState
+from transport.keys import RunKeys
+
+RUNNING, FINISHED, STOPPED = "running", "finished", "stopped"
+
+
+@dataclass(frozen=True)
+class RunRow:
+    """One run as the list shows it."""
+
+    run_id: str
+    state: str
+    shipped: int
+    steps: int | None  # None: no orchestrator of the run wrote its info
+    started_at: float
+    updated_at: float | None  # the orchestrator's last status write
+
+    def line(self, now: float) -> str:
+        wanted = "?" if self.steps is None else str(self.steps)
+        updated = "never" if self.updated_at is None else f"{max(0.0, now - self.updated_at):.1f} s ago"
+        return (
+            f"{self.run_id:<32} {self.state:<9} {f'{self.shipped}/{wanted}':>9}  "
+            f"{updated:>14}  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.started_at))}"
+        )
+
+
+HEADER = f"{'RUN_ID':<32} {'STATE':<9} {'SHIPPED':>9}  {'STATUS UPDATED':>14}  STARTED"
+
+
+def run_row(client: redis.Redis, run_id: str) -> RunRow | None:
+    """The run's state, or None if Redis holds no run of that id."""
+    state = RunState(run_id)
+    pipe = client.pipeline(transaction=False)
+    pipe.get(state.run_marker)
+    pipe.exists(state.finished)
+    pipe.exists(state.orchestrator_lease)
+    pipe.hlen(state.published)
+    pipe.hget(state.status, "updated_at")
+    started, finished, leased, shipped, updated = pipe.execute()
+    if started is None:
+        return None
+    info = RunInfo.read(client, run_id)
+    return RunRow(
+        run_id,
+        FINISHED if finished else RUNNING if leased else STOPPED,
+        int(shipped),
+        None if info is None else info.steps,
+        float(started),
+        None if updated is None else float(updated),
+    )
+
+
+def list_runs(client: redis.Redis) -> list[RunRow]:
+    """Every run Redis holds (its start mark), oldest first."""
+    marker = RunState("x").run_marker.removeprefix(RunKeys("x").prefix)
+    run_ids = {
+        key.decode().removeprefix("rlship:").removesuffix(f":{marker}")
+        for key in client.scan_iter(match=f"rlship:*:{marker}", count=1000)
+    }
+    rows = [row for run_id in run_ids if (row := run_row(client, run_id)) is not None]
+    return sorted(rows, key=lambda row: row.started_at)
+
+
+def follow(client: redis.Redis, row: RunRow, info: RunInfo, once: bool) -> None:
+    """The run's live status (records as they are published), until it is no longer
+    running or Ctrl-C; with `once`, one frame."""
+    reader = StatusReader(client, info.run_id, info.queues, info.ranks)
+    # The run's time so far; an ended run's, up to its orchestrator's last status.
+    until = time.time() if row.state == RUNNING or row.updated_at is None else row.updated_at
+    display = ProgressDisplay(reader, sys.stdout, info.steps, info.ranks, until - row.started_at)
+    while not once and (current := run_row(client, info.run_id)) is not None and current.state == RUNNING:
+        display.update()
+        time.sleep(REFRESH_SECONDS)
+    display.update(final=True)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", nargs="?", default=None, metavar="RUN_ID",
+                        help="the run to follow; without it, the list of runs")  # fmt: skip
+    parser.add_argument("--list", action="store_true", help="list the runs Redis holds (the default)")
+    parser.add_argument("--once", action="store_true", help="print the run's status once and exit")
+    parser.add_argument("--json", action="store_true", help="the list as JSON")
+    add_settings_arguments(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+    where = f"Redis at {mask_secrets(settings.redis_url)}"
+    if args.run is None or args.list:
+        rows = list_runs(client)
+        if args.json:
+            print(json.dumps([asdict(row) for row in rows]))
+        elif not rows:
+            print(f"no runs in {where}")
+        else:
+            now = time.time()
+            print("\n".join([HEADER, *(row.line(now) for row in rows)]))
+        return 0
+    row = run_row(client, args.run)
+    info = RunInfo.read(client, args.run)
+    if row is None or info is None:
+        missing = "no run" if row is None else "no orchestrator's description of run"
+        print(
+            f"rlship status: {where} holds {missing} {args.run!r} (`rlship status` lists the runs)",
+            file=sys.stderr,
+        )
+        return 1
+    print(HEADER)
+    print(row.line(time.time()))
+    try:
+        follow(client, row, info, args.once)
+    except KeyboardInterrupt:
+        return 130
+    return 0
