@@ -112,10 +112,10 @@ def candidate_ports(tries: int = 100) -> list[int]:
 def free_port_pair(host: str = "127.0.0.1") -> int:
     """A port p with p and p + 1 free on `host`: the data and control ports of a sender.
 
-    Chosen below the kernel's ephemeral range: a stock prime-rl rank connects before the
-    sender binds, and while it retries, its own source port is ephemeral; with the pair
-    inside that range the kernel can give the rank the very port it dials (a TCP
-    self-connect), which then holds the port the sender must bind."""
+    Chosen below the kernel's ephemeral range, which the pair is free of until the sender
+    binds it: inside it, any process's next outgoing connection may take the port first (a
+    worker's Redis connection did, in the bench), or a stock prime-rl rank dialling it
+    before the sender binds may be given it as its own source port (a TCP self-connect)."""
     for port in candidate_ports():
         with socket.socket() as first:
             try:

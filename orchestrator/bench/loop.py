@@ -20,11 +20,9 @@ import argparse
 import contextlib
 import json
 import os
-import random
 import resource
 import secrets
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,7 +54,6 @@ from transport.keys import RunKeys
 from transport.zmq import free_port_pair
 
 TRAINER_IDLE_SECONDS = 300
-EPHEMERAL_FLOOR = 20000  # ports from here up to the ephemeral range are tried for the ZMQ pair
 TRAINER_DRAIN_SECONDS = 120.0
 
 
@@ -204,23 +201,6 @@ def reference_payloads(
 # -- one placement: trainers, workers, the orchestrator process, the producer ----------------
 
 
-def port_pair_below_ephemeral(host: str = "127.0.0.1", tries: int = 200) -> int:
-    """A free port pair below the kernel's ephemeral range. `free_port_pair` finds one inside
-    it, where any process's next outgoing connection may take it before the ship worker
-    binds: here one of the bench's own workers' Redis connections took the READY port, twice
-    in an hour on a busy machine, and the placement waited out its timeout."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for port in random.sample(range(EPHEMERAL_FLOOR, low - 1), min(tries, max(0, low - 1 - EPHEMERAL_FLOOR))):
-        with contextlib.ExitStack() as sockets:
-            try:
-                for candidate in (port, port + 1):
-                    sockets.enter_context(socket.socket()).bind((host, candidate))
-            except OSError:
-                continue
-        return port
-    return free_port_pair(host)
-
-
 def _prioritized(
     command: list[str], niceness: int, idle_class: bool = False, fifo: bool = False
 ) -> list[str]:
@@ -241,7 +221,7 @@ def run_placement(
     settings = base.model_copy(
         update={
             "run_id": f"bench-loop-{placement}-{token}",
-            "zmq_port": port_pair_below_ephemeral(),
+            "zmq_port": free_port_pair(),
             "cpu_queue": f"bench-cpu-{token}",
             "ship_queue": f"bench-ship-{token}",
             "output_dir": log_dir,
