@@ -1,7 +1,8 @@
 """The orchestrator's Prometheus endpoint (`metrics_port`): the run's gauges and counters,
 read when scraped, on the HTTP server's thread. Most come from Redis (the status hash, the
 step marks, the queues, as `rlship status` reads them), so a scrape costs the event loop
-nothing; the loop's worst lag and the records mirrored come from the orchestrator object."""
+nothing; the loop's worst lag and the records mirrored come from the orchestrator's
+components (its lag probe and record follower)."""
 
 from __future__ import annotations
 
@@ -16,17 +17,23 @@ from prometheus_client.registry import Collector
 
 from orchestrator.progress import STAGES, StatusReader, in_flight
 from orchestrator.run_info import RunInfo
+from tasks.ship import RunState
+from transport.keys import RunKeys
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
-    from orchestrator.loop import Orchestrator
+    from orchestrator.follower import RecordFollower
+    from orchestrator.lag_probe import LagProbe
+    from orchestrator.settings import RunSettings
 
 
 class RunCollector(Collector):
-    def __init__(self, orchestrator: Orchestrator) -> None:
-        self.orchestrator = orchestrator
-        settings = orchestrator.settings
+    def __init__(self, settings: RunSettings, follower: RecordFollower, probe: LagProbe) -> None:
+        self.follower = follower
+        self.probe = probe
+        self.keys = RunKeys(settings.run_id)
+        self.state = RunState(settings.run_id)
         self.info = RunInfo.from_settings(settings)
         self.client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
         self._reader: StatusReader | None = None
@@ -37,7 +44,7 @@ class RunCollector(Collector):
 
     def payload_bytes(self) -> int:
         """Bytes of the per-rank payloads Redis holds (cut steps' and those kept for replay)."""
-        keys = self.orchestrator.keys
+        keys = self.keys
         steps = [int(s) for s in self.client.zrange(keys.retained_payloads, 0, -1)]
         pipe = self.client.pipeline(transaction=False)
         for step in steps:
@@ -50,7 +57,7 @@ class RunCollector(Collector):
             if self._reader is None:
                 self._reader = StatusReader(self.client, self.info.run_id, self.info.queues, self.info.ranks)
             snapshot = self._reader.snapshot()
-            published = int(self.client.hlen(self.orchestrator.state.published))
+            published = int(self.client.hlen(self.state.published))
             payload_bytes = self.payload_bytes()
         status, run = snapshot.status, [self.info.run_id]
         start = self.info.start_step
@@ -59,7 +66,7 @@ class RunCollector(Collector):
             (CounterMetricFamily, "rlship_steps_cut", "steps cut and handed to the workers",
              status.get("next_step", start) - start),
             (CounterMetricFamily, "rlship_records", "records this orchestrator wrote to metrics.jsonl",
-             self.orchestrator.records_published),
+             self.follower.records_published),
             (CounterMetricFamily, "rlship_rollouts_arrived", "rollout records read from the stream",
              status.get("arrived", 0)),
             (GaugeMetricFamily, "rlship_steps_wanted", "steps the run ships", self.info.steps),
@@ -76,7 +83,7 @@ class RunCollector(Collector):
              status.get("loop_lag_max_ms", 0.0) / 1000),
             (GaugeMetricFamily, "rlship_event_loop_lag_max_seconds",
              "the orchestrator's worst event-loop lag since it started",
-             self.orchestrator.probe.max_ms / 1000),
+             self.probe.max_ms / 1000),
         ]  # fmt: skip
         for kind, name, text, value in values:
             metric = self._metric(kind, name, text)
@@ -93,12 +100,11 @@ class RunCollector(Collector):
         yield queued
 
 
-def serve_metrics(orchestrator: Orchestrator) -> WSGIServer:
+def serve_metrics(settings: RunSettings, follower: RecordFollower, probe: LagProbe) -> WSGIServer:
     """Start the endpoint on `metrics_host:metrics_port`; a port that cannot be bound stops
     start-up naming the setting."""
-    settings = orchestrator.settings
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(RunCollector(orchestrator))
+    registry.register(RunCollector(settings, follower, probe))
     try:
         server, _thread = start_http_server(settings.metrics_port, settings.metrics_host, registry)
     except OSError as exc:

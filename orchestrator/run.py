@@ -23,8 +23,10 @@ import redis
 
 from orchestrator.checks import preflight_client, preflight_run, rank_in_run, require
 from orchestrator.diagnosis import RedisOutOfMemory
+from orchestrator.errors import EmptySteps, LeaseLost, RunStateLost
+from orchestrator.lease import ALIVE_SECONDS
 from orchestrator.logs import configure_logging
-from orchestrator.loop import ALIVE_SECONDS, EmptySteps, LeaseLost, Orchestrator, RunStateLost
+from orchestrator.orchestrator import Orchestrator
 from orchestrator.processes import ProcessGroup, ensure_redis, rlship_command, worker_commands
 from orchestrator.progress import REFRESH_SECONDS, ProgressDisplay, StatusReader
 from orchestrator.settings import (
@@ -211,7 +213,6 @@ def _summarize(
             "loop_lag_max_ms": max([summary.get("loop_lag_max_ms", 0.0), *lag_ms]),
             "steps_wanted": settings.steps,
             "steps_shipped": shipped,
-            "records_published": shipped,
             "steps_shipped_before": shipped_before,
             "stopped": stopped,
             "interrupted": stopped.startswith("interrupted"),
@@ -230,8 +231,8 @@ def print_summary(summary: dict[str, Any]) -> None:
     before = summary.get("steps_shipped_before", 0)
     resumed = f", {before} of them before this start" if before else ""
     print(
-        f"\nrlship run {run_id}: {summary['steps_shipped']} steps shipped{resumed} "
-        f"({summary['records_published']} records), {summary.get('tokens_shipped', 0):,} tokens in "
+        f"\nrlship run {run_id}: {summary['steps_shipped']} steps shipped{resumed}, "
+        f"{summary.get('tokens_shipped', 0):,} tokens in "
         f"{summary['wall_seconds']:.1f} s; event-loop lag max {summary.get('loop_lag_max_ms', 0.0):.1f} ms"
     )
     for rank, received in sorted(summary.get("ranks", {}).items()):

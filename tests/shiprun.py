@@ -16,7 +16,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from orchestrator.loop import Orchestrator
+from orchestrator.orchestrator import Orchestrator
 from orchestrator.producer import RolloutProducer, run_producer
 from orchestrator.settings import RunSettings, settings_to_env
 from tests.conftest import REPO, Workers, python_command
@@ -96,7 +96,7 @@ async def run_orchestrator(settings: RunSettings, timeout: float = 120.0) -> Shi
     try:
         orchestrator = Orchestrator(settings, client)
         summary = await asyncio.wait_for(orchestrator.run(), timeout)
-        return ShipResult(summary, list(orchestrator.records), orchestrator)
+        return ShipResult(summary, list(orchestrator.follower.records), orchestrator)
     finally:
         await client.aclose()
 

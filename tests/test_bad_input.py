@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.loop import Orchestrator
+from orchestrator.orchestrator import Orchestrator
 from orchestrator.producer import RolloutProducer, RolloutRejected
 from orchestrator.settings import RunSettings
 from tasks.app import app
@@ -128,8 +128,8 @@ def test_a_fuzzed_record_is_rejected_or_accepted_never_crashes(raw, caplog):
     orchestrator = _orchestrator()
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="rlship.orchestrator"):
-        orchestrator._take_record("1-0", raw)
-    rejected = sum(orchestrator.accounting.rejected.values())
+        orchestrator.ingest.take_record("1-0", raw)
+    rejected = sum(orchestrator.ingest.accounting.rejected.values())
     if acceptable(raw):
         assert rejected == 0, raw
     else:
@@ -150,9 +150,9 @@ def test_bad_records_beside_a_group_leave_it_whole(caplog):
         rollout("g1-r9", "g1", 1.0, env="math")[0].model_dump_json().encode(),  # the group is complete
     ]
     with caplog.at_level(logging.WARNING, logger="rlship.orchestrator"):
-        released = [orchestrator._take_record(f"{i + 1}-0", raw) for i, raw in enumerate(feed)]
-    assert orchestrator.pending.rollout_ids == ["g1-r0", "g1-r1"], "the good group trains"
-    assert dict(orchestrator.accounting.rejected) == {
+        released = [orchestrator.ingest.take_record(f"{i + 1}-0", raw) for i, raw in enumerate(feed)]
+    assert orchestrator.ingest.pending.rollout_ids == ["g1-r0", "g1-r1"], "the good group trains"
+    assert dict(orchestrator.ingest.accounting.rejected) == {
         "invalid_field": 1, "unknown_env": 1, "duplicate_rollout": 1, "group_overflow": 1,
     }  # fmt: skip
     assert released[3] == [], "a duplicate's payload belongs to the original: kept"

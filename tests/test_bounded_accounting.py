@@ -65,12 +65,12 @@ def test_memory_stays_flat_while_most_groups_are_discarded(client, redis_url, ru
     async def observe(orchestrator) -> None:
         seen = -1
         while True:
-            if orchestrator.records_published != seen:
-                seen = orchestrator.records_published
+            if orchestrator.follower.records_published != seen:
+                seen = orchestrator.follower.records_published
                 keys = sum(1 for _ in client.scan_iter(match=store.keys.rollout("*"), count=1000))
                 redis_bytes = run_bytes(client, store.keys)
                 samples.append((
-                    orchestrator.accounting.arrived, keys, redis_bytes,
+                    orchestrator.ingest.accounting.arrived, keys, redis_bytes,
                     tracemalloc.get_traced_memory()[0], psutil.Process().memory_info().rss,
                 ))  # fmt: skip
             await asyncio.sleep(0.005)

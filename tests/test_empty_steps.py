@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import redis
 
-from orchestrator.loop import Orchestrator
+from orchestrator.dispatcher import Dispatcher
 from orchestrator.producer import RolloutProducer
 from orchestrator.settings import settings_to_env
 from tasks.cohort import LABEL_COLUMNS, NUMERIC_COLUMNS, Cohort
@@ -178,11 +178,11 @@ def test_a_restarted_orchestrator_takes_back_its_predecessors_empty_cut(
     produce_groups(client, run_id, 6, corrupt={0, 1})
     open_policy_gate(settings)  # the files are read afterwards: no trainer announces a policy
 
-    async def die_before_the_verdict(self: Orchestrator, step: int) -> None:
-        self._abort(Killed(f"killed after cutting step {step}"))
+    async def die_before_the_verdict(self: Dispatcher, step: int) -> None:
+        self.on_fatal(Killed(f"killed after cutting step {step}"))
 
     with monkeypatch.context() as patch:
-        patch.setattr(Orchestrator, "settle", die_before_the_verdict)
+        patch.setattr(Dispatcher, "settle", die_before_the_verdict)
         with pytest.raises(Killed):
             asyncio.run(run_orchestrator(settings))
     assert int(client.get(RunKeys(run_id).run_key("next_step"))) == 1, "step 0 was cut"

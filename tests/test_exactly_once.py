@@ -14,7 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 from celery.result import AsyncResult
 
-from orchestrator.loop import Orchestrator
+from orchestrator.orchestrator import Orchestrator
 from orchestrator.producer import RolloutProducer
 from orchestrator.settings import RunSettings
 from tasks.ship import RunState, encode, finalize, metrics, pack, prune, publish, release, send

@@ -10,7 +10,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from orchestrator.loop import Orchestrator
+from orchestrator.orchestrator import Orchestrator
 from orchestrator.producer import RolloutProducer
 from orchestrator.records import RecordRejected, parse_record
 from orchestrator.settings import RunSettings
@@ -46,11 +46,11 @@ def _settings(run_id: str, redis_url: str, tmp_path, **overrides) -> RunSettings
 
 
 async def _ingest(orchestrator: Orchestrator, records: int) -> None:
-    task = asyncio.create_task(orchestrator.ingest())
+    task = asyncio.create_task(orchestrator.ingest.run())
     try:
 
         async def done() -> bool:
-            return orchestrator.accounting.arrived >= records
+            return orchestrator.ingest.accounting.arrived >= records
 
         await _until(done)
     finally:
@@ -73,7 +73,7 @@ def test_discarded_rollouts_are_released_at_once_and_counted(client, redis_url, 
     async def scenario() -> Orchestrator:
         aclient = aioredis.Redis.from_url(redis_url)
         orchestrator = Orchestrator(settings, aclient)
-        orchestrator.next_step = 3  # policy version 0 is now 3 steps behind: stale (limit 2)
+        orchestrator.dispatcher.next_step = 3  # policy version 0 is now 3 steps behind: stale (limit 2)
         try:
             await _ingest(orchestrator, len(rollouts) + 1)
         finally:
@@ -84,11 +84,11 @@ def test_discarded_rollouts_are_released_at_once_and_counted(client, redis_url, 
     keys = RunState(run_id).keys
     alive = {r.rollout_id for r, _ in rollouts if client.exists(keys.rollout(r.rollout_id))}
     assert alive == {"live-r0", "live-r1"}, "only the trainable payloads are still held"
-    assert orchestrator.pending.rollout_ids == ["live-r0", "live-r1"]
+    assert orchestrator.ingest.pending.rollout_ids == ["live-r0", "live-r1"]
     # err-r0 is alone in its group's baseline once err-r1 errored: zero advantage.
-    assert dict(orchestrator.accounting.discarded) == {"zero_advantage": 3, "error": 1, "stale": 2}
-    assert dict(orchestrator.accounting.rejected) == {"invalid_field": 1}
-    window = orchestrator.window.build()
+    assert dict(orchestrator.ingest.accounting.discarded) == {"zero_advantage": 3, "error": 1, "stale": 2}
+    assert dict(orchestrator.ingest.accounting.rejected) == {"invalid_field": 1}
+    window = orchestrator.ingest.window.build()
     assert len(window) == 8, "every finalized rollout keeps its scalars for `all`"
     assert sorted(window.labels["error"]) == ["", "", "", "", "", "", "", "timeout"]
     assert window.numeric["is_trainable"].sum() == 2
@@ -111,7 +111,7 @@ def test_trainable_payloads_stay_until_shipped(client, redis_url, run_id, tmp_pa
 
     orchestrator = asyncio.run(scenario())
     keys = RunState(run_id).keys
-    assert orchestrator.pending.rollout_ids == ["a-r0", "a-r1"]
+    assert orchestrator.ingest.pending.rollout_ids == ["a-r0", "a-r1"]
     assert client.exists(keys.rollout("a-r0"), keys.rollout("a-r1")) == 2
     assert client.exists(keys.rollout("b-r0"), keys.rollout("b-r1")) == 0
     PayloadStore(client, run_id).delete_all_rollouts()
@@ -128,8 +128,9 @@ def test_empty_batch_publishes_nothing_and_does_not_advance(client, redis_url, r
             await _ingest(orchestrator, 4)
             # Both groups have zero advantage: nothing is pending, so dispatch has nothing
             # to cut, and a cut forced now writes nothing.
-            assert len(orchestrator.pending) == 0 and orchestrator.accounting.discarded["zero_advantage"] == 4
-            assert await orchestrator.cut(0) is None and orchestrator.next_step == 0
+            ingest = orchestrator.ingest
+            assert len(ingest.pending) == 0 and ingest.accounting.discarded["zero_advantage"] == 4
+            assert await orchestrator.dispatcher.cut(0) is None and orchestrator.dispatcher.next_step == 0
         finally:
             await aclient.aclose()
 
@@ -165,13 +166,13 @@ def test_policy_wait_is_reported_with_the_step_it_finished_during(
             trainers = start_trainers(settings)
 
             async def published(step: int) -> bool:
-                return len(orchestrator.records) > step
+                return len(orchestrator.follower.records) > step
 
             await _until(lambda: published(0), timeout=60)
             await aclient.incrbyfloat(state.policy_wait, 0.5)  # after step 0's record
             producer.produce([*group("s1a", [1.0, 0.0]), *group("s1b", [0.0, 1.0])])
             await asyncio.wait_for(run, 60)
-            return list(orchestrator.records)
+            return list(orchestrator.follower.records)
         finally:
             run.cancel()
             stop(trainers)

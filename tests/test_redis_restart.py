@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from orchestrator.loop import STALL_CHECK_SECONDS, Orchestrator
+from orchestrator.orchestrator import Orchestrator
 from orchestrator.processes import redis_answers
+from orchestrator.watchdog import STALL_CHECK_SECONDS
 from tasks.ship import RunState
 from tests.conftest import REPO, Workers, running_workers
 from tests.shiprun import deterministic_run, ship_settings, start_trainers, stop
@@ -70,7 +71,7 @@ def test_rlship_run_survives_its_redis_being_killed(tmp_path):
     out = (tmp_path / "out.log").read_text()
     assert "redis exited with -9; starting it again" in out
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["records_published"] == steps
+    assert summary["steps_shipped"] == steps
     for rank, received in summary["ranks"].items():
         assert received["steps"] == list(range(steps)), f"rank {rank}"
         for step, checksum in zip(received["steps"], received["checksums"], strict=True):
@@ -139,13 +140,13 @@ def test_a_lost_release_message_is_enqueued_again(client, redis_url, run_id, tmp
         connection = connect_redis_async(redis_url)
         orchestrator = Orchestrator(settings, connection)
         try:
-            await orchestrator.schedule_release(0)
+            await orchestrator.releases.schedule(0)
             assert client.llen(pool.cpu_queue) == 1
             client.delete(pool.cpu_queue)  # the message is gone; no worker ever saw it
             pool.start("cpu")
             pool.start("ship")
             await asyncio.get_running_loop().run_in_executor(None, pool.wait_ready)
-            await asyncio.wait_for(orchestrator.drain_release(), 60)
+            await asyncio.wait_for(orchestrator.releases.drain(), 60)
         finally:
             await connection.aclose()
 
@@ -169,8 +170,8 @@ def test_a_stuck_step_is_enqueued_again_less_and_less_often(client, redis_url, r
     async def scenario() -> None:
         connection = connect_redis_async(redis_url)
         orchestrator = Orchestrator(settings, connection)
-        orchestrator.next_step = 1  # step 0 is in flight and nothing will ever move it
-        watchdog = asyncio.create_task(orchestrator.watch_stalled_steps())
+        orchestrator.dispatcher.next_step = 1  # step 0 is in flight and nothing will ever move it
+        watchdog = asyncio.create_task(orchestrator.watchdog.watch())
         try:
             await asyncio.sleep(STALL_CHECK_SECONDS * 8.5)
         finally:

@@ -19,7 +19,7 @@ import redis
 import redis.asyncio as aioredis
 
 from orchestrator.diagnosis import redis_out_of_memory
-from orchestrator.loop import Orchestrator
+from orchestrator.orchestrator import Orchestrator
 from orchestrator.producer import RolloutProducer
 from orchestrator.settings import RunSettings
 from tests.conftest import REPO, session_queue

@@ -32,9 +32,11 @@ import psutil
 import redis.asyncio as aioredis
 
 from orchestrator.accounting import Accounting, outcome_row
+from orchestrator.dispatcher import Dispatcher
+from orchestrator.gate import POLL_SECONDS
 from orchestrator.groups import TRAINABLE, Outcome, decide_group
 from orchestrator.lag_probe import LagProbe
-from orchestrator.loop import POLL_SECONDS, Orchestrator
+from orchestrator.orchestrator import Orchestrator
 from orchestrator.producer import SyntheticWorkload
 from orchestrator.records import RolloutRecord
 from orchestrator.settings import RunSettings
@@ -248,20 +250,20 @@ class TimedOrchestrator(Orchestrator):
     is seen, with a lag probe that keeps its timeline."""
 
     def __init__(self, settings: RunSettings, client: aioredis.Redis) -> None:
-        super().__init__(settings, client)
-        self.probe = LagProbe(keep_timeline=True)
+        super().__init__(settings, client, probe=LagProbe(keep_timeline=True))
         self.windows: dict[int, list[float]] = {}
+        self.dispatcher.cut = self._timed_cut  # type: ignore[method-assign]
 
-    async def cut(self, step: int) -> StepManifest | None:
+    async def _timed_cut(self, step: int) -> StepManifest | None:
         started = asyncio.get_running_loop().time()
-        manifest = await super().cut(step)
+        manifest = await Dispatcher.cut(self.dispatcher, step)
         if manifest is not None:
             self.windows[step] = [started, started]
         return manifest
 
-    async def schedule_release(self, step: int) -> None:
+    async def _published(self, step: int) -> None:
         self.windows[step][1] = asyncio.get_running_loop().time()
-        await super().schedule_release(step)
+        await super()._published(step)
 
 
 # -- one placement, in this process ----------------------------------------------------------

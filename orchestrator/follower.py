@@ -1,0 +1,90 @@
+"""Follow records: the published step records, as the finalizer writes them to Redis.
+
+Each new record goes to the monitors (metrics.jsonl, W&B; on a thread of their own) and
+to the terminal as one line, and its step is handed on (`on_published`: the rollout log,
+the dispatcher's room in flight, the step's release). The follower owns the run's
+`last_published` step, and stops once the run's last step is published.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import deque
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import redis.asyncio as aioredis
+
+from orchestrator.monitors import Monitors
+from orchestrator.progress import format_step_line
+from orchestrator.settings import RunSettings
+from tasks.ship import RunState
+from transport.keys import RunKeys
+
+READ_BLOCK_MS = 100
+RECENT_RECORDS = 8
+
+
+class RecordFollower:
+    def __init__(
+        self,
+        settings: RunSettings,
+        client: aioredis.Redis,
+        stopping: asyncio.Event,
+        on_published: Callable[[int], Awaitable[None]],
+    ) -> None:
+        # Given.
+        self.settings = settings
+        self.client = client
+        self.keys = RunKeys(settings.run_id)
+        self.state = RunState(settings.run_id)
+        self.stopping = stopping
+        self.on_published = on_published
+        self.start_step: int = settings.step_numbers.start
+        self.end_step: int = settings.step_numbers.stop
+        # Moved on by every record followed (and by `resume`).
+        self.last_published = self.start_step - 1
+        # The most recent records (the stream holds them all): bounded on a run of any length.
+        self.records: deque[dict[str, float]] = deque(maxlen=RECENT_RECORDS)
+        self.records_published = 0
+        self.tokens_shipped = 0
+        # Opened by `open` when the run starts (it creates files, and W&B's run).
+        self.monitors: Monitors | None = None
+        self._monitor_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlship-monitors")
+
+    def open(self) -> None:
+        self.monitors = Monitors(self.settings)
+
+    async def resume(self) -> None:
+        """Continue after the last step a previous orchestrator of the run followed."""
+        self.last_published = int(await self.client.get(self.state.followed) or self.start_step - 1)
+
+    async def follow(self) -> None:
+        """Mirror published records to metrics.jsonl, print a line each, hand each step on."""
+        assert self.monitors is not None, "open() first"
+        cursor = "0-0"
+        loop = asyncio.get_running_loop()
+        while self.last_published < self.end_step - 1 and not self.stopping.is_set():
+            response = await self.client.xread(
+                {self.keys.metrics_stream: cursor}, count=16, block=READ_BLOCK_MS
+            )
+            for entry_id, fields in response[0][1] if response else []:
+                cursor = entry_id.decode()
+                record = json.loads(fields[b"record"])
+                step = int(record["step"])
+                if step <= self.last_published:
+                    continue
+                await loop.run_in_executor(self._monitor_thread, self.monitors.log, record)
+                print(format_step_line(record), flush=True)
+                self.records.append(record)
+                self.records_published += 1
+                self.tokens_shipped += int(record.get("progress/tokens", 0.0))
+                self.last_published = step
+                await self.on_published(step)
+                await self.client.set(self.state.followed, step)
+
+    def close(self) -> None:
+        if self.monitors is not None:
+            self._monitor_thread.submit(self.monitors.close).result()
+        self._monitor_thread.shutdown(wait=True)

@@ -1,0 +1,197 @@
+"""Ingest: rollout records from the run's Redis stream, into groups, into fates.
+
+A record joins its group; a complete group's rollouts get their fates (orchestrator.groups):
+trainable ones wait in `pending` for a cut, the others are counted and their payloads
+released at once. Every finalized rollout also goes to the `window` of `all` statistics
+the next cut carries. Ingest owns the stream cursor, the open groups and their stream
+entries, `pending`, `window` and the accounting; the cut takes from them through
+`take`, `take_window` and `put_back`, and restarts from `checkpoint`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+
+from orchestrator.accounting import Accounting, outcome_row
+from orchestrator.checkpoint import Checkpoint
+from orchestrator.groups import TRAINABLE, GroupBuffer, decide_group
+from orchestrator.records import IDENTIFIER, RecordRejected, parse_record
+from orchestrator.rollout_log import RolloutLog
+from orchestrator.settings import RunSettings
+from tasks.cohort import Cohort, CohortBuilder
+from tasks.manifest import StepManifest
+from tasks.ship import RunState
+from transport.keys import RunKeys
+from transport.numbering import staleness
+
+log = logging.getLogger("rlship.orchestrator")
+
+READ_BATCH = 128  # records handled per turn of the loop: a few ms, then other tasks run
+READ_BLOCK_MS = 100
+
+
+class Ingest:
+    def __init__(
+        self,
+        settings: RunSettings,
+        client: aioredis.Redis,
+        rollout_log: RolloutLog,
+        stopping: asyncio.Event,
+        work: asyncio.Event,
+        next_step: Callable[[], int],
+        status: Callable[[], dict[str, float]],
+    ) -> None:
+        # Given.
+        self.settings = settings
+        self.client = client
+        self.keys = RunKeys(settings.run_id)
+        self.state = RunState(settings.run_id)
+        self.rollout_log = rollout_log
+        self.stopping = stopping
+        self.work = work  # set once there are rollouts enough for a cut
+        self.next_step = next_step  # the step the next cut makes: staleness counts from it
+        self.status = status  # the run's status, written every turn
+        # Read and taken; `resume` replaces pending and accounting with the checkpoint's.
+        self.groups = GroupBuffer(settings.group_size, memory=settings.dedupe_horizon)
+        self.pending = CohortBuilder()  # trainable rows, in completion order, cut from the front
+        self.window = CohortBuilder()  # every rollout finalized since the last cut
+        self.accounting = Accounting()
+        self.stream_cursor = "0-0"
+        # Stream entry of every rollout in an open group, oldest first (insertion order):
+        # the stream is trimmed no further than the oldest, so a restart can re-read them.
+        self.open_entries: dict[str, str] = {}
+        self.resumed_from: Checkpoint | None = None
+
+    async def run(self) -> None:
+        """Read rollout records until stopped; complete groups; release what cannot train."""
+        while not self.stopping.is_set():
+            response = await self.client.xread(
+                {self.keys.rollout_stream: self.stream_cursor}, count=READ_BATCH, block=READ_BLOCK_MS
+            )
+            if not response:
+                # No rollouts (the gate holds the producers, or they are done): the status
+                # still says what was cut and published since, for `rlship status`.
+                await self.client.hset(self.state.status, mapping=self.status())
+                continue
+            entries = response[0][1]
+            release_ids: list[str] = []
+            for entry_id, fields in entries:
+                release_ids.extend(self.take_record(entry_id.decode(), fields.get(b"record", b"")))
+            self.stream_cursor = entries[-1][0].decode()
+            pipe = self.client.pipeline(transaction=False)
+            if release_ids:
+                pipe.unlink(*(self.keys.rollout(r) for r in release_ids))
+            pipe.set(self.keys.run_key("accounted"), self.accounting.accounted)
+            pipe.hset(self.state.status, mapping=self.status())
+            await pipe.execute()
+            if len(self.pending) >= self.settings.batch_size:
+                self.work.set()
+
+    def take_record(self, entry_id: str, raw: bytes) -> list[str]:
+        """Account one stream record; return the rollout ids whose payloads to release.
+
+        After a restart, a record the checkpoint covers is taken again only if its rollout
+        was in an open group then (it was counted as arrived already)."""
+        if self.resumed_from is not None and self.resumed_from.covers(entry_id):
+            if _rollout_id_of(raw) not in self.resumed_from.open_rollouts:
+                return []
+        else:
+            self.accounting.arrived += 1
+        try:
+            record = parse_record(raw)
+            envs = self.settings.envs
+            if envs is not None and record.env not in envs:
+                raise RecordRejected(
+                    "unknown_env", f"env: {record.env!r} is not one of the run's envs {envs}"
+                )
+            group = self.groups.add(record)
+        except RecordRejected as exc:
+            self.accounting.rejected[exc.reason] += 1
+            log.warning("rollout record rejected (%s): %s", exc.reason, exc)
+            rollout_id = _rollout_id_of(raw)
+            return [rollout_id] if rollout_id and exc.reason != "duplicate_rollout" else []
+        if group is None:
+            self.open_entries[record.rollout_id] = entry_id
+            return []
+        for member in group:
+            self.open_entries.pop(member.rollout_id, None)
+        released = []
+        for outcome in decide_group(
+            group,
+            self.next_step(),
+            self.settings.max_off_policy_steps,
+            self.settings.normalize_advantages,
+            self.settings.first_step,
+        ):
+            self.window.append(*outcome_row(outcome))
+            self.rollout_log.finalized(outcome)
+            if outcome.fate == TRAINABLE:
+                self.pending.append(*outcome_row(outcome))
+            else:
+                self.accounting.discard(outcome.fate)
+                released.append(outcome.record.rollout_id)
+        return released
+
+    # -- what the cut takes, and gives back --------------------------------------------
+
+    def drop_stale(self, step: int) -> list[str]:
+        """Pending rollouts that went stale while waiting are discarded at the cut."""
+        versions = self.pending.column("policy_version")
+        stale = staleness(step, versions, self.settings.first_step) > self.settings.max_off_policy_steps
+        if not stale.any():
+            return []
+        removed = self.pending.remove(stale)
+        self.accounting.discard("stale", len(removed))
+        return removed.labels["rollout_id"]
+
+    def take(self, count: int) -> Cohort:
+        """The oldest `count` pending rollouts (all, if fewer), counted as cut."""
+        batch = self.pending.take(count)
+        self.accounting.cut += len(batch)
+        return batch
+
+    def take_window(self) -> Cohort:
+        """The `all` statistics since the last cut; the next window starts empty."""
+        window, self.window = self.window.build(), CohortBuilder()
+        return window
+
+    def put_back(self, manifest: StepManifest) -> None:
+        """Undo a cut the workers emptied: its rollouts are discarded (`empty_step`) and its
+        window goes to the next cut."""
+        self.accounting.empty_cut(len(manifest.effective))
+        self.accounting.stale_in_window += int(manifest.counters.get("off_policy/stale_dropped", 0))
+        self.window = CohortBuilder.from_cohort(Cohort.concat([manifest.window, self.window.build()]))
+
+    def oldest_held(self) -> str:
+        """The oldest stream entry a restart must re-read: the stream is trimmed to it."""
+        return next(iter(self.open_entries.values()), self.stream_cursor)
+
+    def checkpoint(self) -> Checkpoint:
+        """The restart point as of now (orchestrator.checkpoint)."""
+        return Checkpoint(
+            cursor=self.stream_cursor,
+            open_rollouts=frozenset(self.open_entries),
+            pending=self.pending.build(),
+            accounting=self.accounting.to_wire(),
+        )
+
+    def resume(self, checkpoint: Checkpoint) -> None:
+        """Start from a previous orchestrator's checkpoint: its counters and pending rollouts;
+        the records it read are taken again only for the rollouts then in open groups."""
+        self.resumed_from = checkpoint
+        self.pending = CohortBuilder.from_cohort(checkpoint.pending)
+        self.accounting = Accounting.from_wire(checkpoint.accounting)
+
+
+def _rollout_id_of(raw: bytes) -> str | None:
+    """The rollout id of a rejected record, if it names a well-formed one (to release it)."""
+    try:
+        value = json.loads(raw).get("rollout_id")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) and IDENTIFIER.fullmatch(value) else None

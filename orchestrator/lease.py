@@ -1,0 +1,81 @@
+"""The run's orchestrator lease: one orchestrator per run at a time.
+
+A second orchestrator of the same run (a restart racing a live one) waits for the lease
+instead of cutting the same steps. While held, the lease also renews the run-alive mark
+that keeps the run's queued tasks worth running, and notices a Redis that came back empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from orchestrator.errors import LeaseLost, RunStateLost
+from tasks.ship import RunState
+
+log = logging.getLogger("rlship.orchestrator")
+
+LEASE_SECONDS = 5  # a killed orchestrator's successor waits at most this long to start
+# The run-alive mark outlives its orchestrator by this much: a restarted one (which waits out
+# the lease) finds its tasks still running; a run killed for good has its tasks dropped after.
+ALIVE_SECONDS = 30
+
+
+class Lease:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        run_id: str,
+        stopping: asyncio.Event,
+        on_lost: Callable[[Exception], None],
+        loss_report: Callable[[], dict[str, Any]],
+    ) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.state = RunState(run_id)
+        self.stopping = stopping
+        self.on_lost = on_lost  # stops the run with the error that ended the lease
+        self.loss_report = loss_report  # what a Redis that came back empty took with it
+        self.token = f"{socket.gethostname()}:{os.getpid()}:{id(self)}"
+        self.acquired = asyncio.Event()
+
+    async def hold(self) -> None:
+        """Take the lease (waiting while another orchestrator holds it), then renew it and
+        the alive mark until stopped; release it at the end."""
+        token = self.token
+        waiting_logged = False
+        while not self.acquired.is_set():
+            if await self.client.set(self.state.orchestrator_lease, token, nx=True, ex=LEASE_SECONDS):
+                await self.client.set(self.state.run_marker, time.time(), nx=True)
+                await self.client.set(self.state.alive, token, ex=ALIVE_SECONDS)
+                self.acquired.set()
+                break
+            if not waiting_logged:
+                log.warning("run %s: another orchestrator holds the lease; waiting", self.run_id)
+                waiting_logged = True
+            await asyncio.sleep(LEASE_SECONDS / 5)
+        while not self.stopping.is_set():
+            pipe = self.client.pipeline(transaction=False)
+            pipe.exists(self.state.run_marker)
+            pipe.set(self.state.orchestrator_lease, token, nx=True, ex=LEASE_SECONDS)
+            pipe.get(self.state.orchestrator_lease)
+            pipe.set(self.state.alive, token, ex=ALIVE_SECONDS)
+            marker, _, holder, _ = await pipe.execute()
+            if not marker:
+                self.on_lost(RunStateLost(self.run_id, self.loss_report()))
+                return
+            if holder != token.encode():
+                self.on_lost(LeaseLost(f"run {self.run_id}: another orchestrator took the lease"))
+                return
+            await self.client.expire(self.state.orchestrator_lease, LEASE_SECONDS)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), LEASE_SECONDS / 5)
+        await self.client.delete(self.state.orchestrator_lease)

@@ -1,0 +1,103 @@
+"""Release bookkeeping: each shipped step's release task, and what is left at the end.
+
+A shipped step's per-rank payloads and rollouts are released by its `release` task. At
+most one release is pending: the next waits for it, and its message is enqueued again if
+it is not done after `stall_seconds` (a Redis that dies can lose it; release is
+idempotent). At the end of the run the retained payloads and every rollout still held go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import redis.asyncio as aioredis
+
+from orchestrator.gate import POLL_SECONDS
+from orchestrator.publisher import Publisher
+from orchestrator.settings import RunSettings
+from tasks.ship import RunState, release
+from transport.store import AsyncPayloadStore
+
+log = logging.getLogger("rlship.orchestrator")
+
+
+class Releases:
+    def __init__(
+        self,
+        settings: RunSettings,
+        client: aioredis.Redis,
+        store: AsyncPayloadStore,
+        publisher: Publisher,
+        stopping: asyncio.Event,
+    ) -> None:
+        self.settings = settings
+        self.client = client
+        self.store = store
+        self.keys = store.keys
+        self.state = RunState(settings.run_id)
+        self.publisher = publisher
+        self.stopping = stopping
+        self.pending: asyncio.Task[None] | None = None
+
+    async def schedule(self, step: int) -> None:
+        """At most one release pending: wait for the previous one, then enqueue this one."""
+        await self.drain()
+        await self._enqueue_release(step)
+        self.pending = asyncio.create_task(self._await_released(step))
+
+    async def _enqueue_release(self, step: int) -> None:
+        await self.publisher.enqueue(release, step, self.settings.ranks, self.settings.replay_steps)
+
+    async def _await_released(self, step: int) -> None:
+        """Until the step is released; its task is enqueued again after `stall_seconds`
+        (the message can be lost with a Redis that dies, and release is idempotent)."""
+        loop = asyncio.get_running_loop()
+        resend_at = loop.time() + self.settings.stall_seconds
+        while not await self.client.hexists(self.state.released, step):
+            if self.stopping.is_set():
+                return
+            if loop.time() >= resend_at:
+                log.warning(
+                    "step %d not released after %.0f s; enqueueing it again",
+                    step,
+                    self.settings.stall_seconds,
+                )
+                await self._enqueue_release(step)
+                resend_at = loop.time() + self.settings.stall_seconds
+            await asyncio.sleep(POLL_SECONDS)
+
+    async def drain(self) -> None:
+        if self.pending is not None:
+            await self.pending
+            self.pending = None
+
+    async def acknowledged_payloads(self, last_published: int) -> list[int]:
+        """At the end of the run, give the ranks `ack_timeout` seconds to acknowledge the
+        last steps, then release every retained payload; return the steps never acknowledged.
+        External trainers acknowledge nothing to Redis: their payloads go at once."""
+        builtin = self.settings.trainers == "builtin"
+        deadline = time.monotonic() + (self.settings.ack_timeout if builtin else 0.0)
+        while await self.store.unacknowledged_steps() and time.monotonic() < deadline:
+            await self.store.release_payloads(self.settings.ranks, last_published, evict_through=-1)
+            await asyncio.sleep(POLL_SECONDS * 10)
+        released = await self.store.release_payloads(
+            self.settings.ranks, last_published, evict_through=last_published
+        )
+        if released.evicted_unacknowledged and builtin:
+            log.error(
+                "steps %s were never acknowledged by every rank within %.0f s",
+                released.evicted_unacknowledged,
+                self.settings.ack_timeout,
+            )
+        return released.evicted_unacknowledged if builtin else []
+
+    async def unshipped(self) -> int:
+        """At the end of the run every rollout still held (pending, in open groups, or not
+        yet read from the stream) will never ship: release the payloads and the stream."""
+        deleted = await self.store.delete_all_rollouts()
+        await self.client.unlink(self.keys.rollout_stream, self.state.checkpoint)
+        if deleted:
+            log.info("released %d unshipped rollouts at shutdown", deleted)
+        return deleted
