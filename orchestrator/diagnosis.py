@@ -1,6 +1,6 @@
 """Why a step makes no progress, in one line, within seconds.
 
-The stall watchdog (`Orchestrator.watch_stalled_steps`) asks after `DIAGNOSE_SECONDS`
+The stall watchdog (`StallWatchdog.watch`, orchestrator.watchdog) asks after `DIAGNOSE_SECONDS`
 without progress; the answer comes from what the ship worker reported (a port it cannot
 bind, a trainer rank that has not announced READY), from Redis (out of memory), and from
 the workers themselves (a queue no worker consumes). Runs on a thread: it makes blocking
