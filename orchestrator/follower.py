@@ -16,13 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import redis.asyncio as aioredis
 
+from orchestrator.ingest import READ_BLOCK_MS
 from orchestrator.monitors import Monitors
 from orchestrator.progress import format_step_line
 from orchestrator.settings import RunSettings
 from tasks.ship import RunState
 from transport.keys import RunKeys
 
-READ_BLOCK_MS = 100
 RECENT_RECORDS = 8
 
 

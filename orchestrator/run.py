@@ -215,7 +215,6 @@ def _summarize(
             "steps_shipped": shipped,
             "steps_shipped_before": shipped_before,
             "stopped": stopped,
-            "interrupted": stopped.startswith("interrupted"),
             "ranks": received_by_rank(client, settings.run_id, settings.ranks),
             "sent_checksums": sent_checksums(client, settings.run_id),
             "tasks_dropped": {
