@@ -116,7 +116,7 @@ class Orchestrator:
             loss_report=self.loss_report,
         )
         self.releases = Releases(settings, client, self.store, self.publisher, self._stopping)
-        self.follower = RecordFollower(settings, client, self._stopping, self._published)
+        self.follower = RecordFollower(settings, client, self._stopping, self.step_published)
         self.lease = Lease(client, settings.run_id, self._stopping, self._abort, self.loss_report)
         self.watchdog = StallWatchdog(
             settings,
@@ -153,7 +153,7 @@ class Orchestrator:
             "updated_at": time.time(),
         }
 
-    async def _published(self, step: int) -> None:
+    async def step_published(self, step: int) -> None:
         """A step's record is published: tell the rollout log which of its rollouts shipped
         (read before the release deletes the step's keys), wake the dispatcher (there is
         room in flight) and release the step."""

@@ -61,17 +61,17 @@ class Attacker(Orchestrator):
     (the next step is not cut yet: max_async_level 0), step N's tasks are enqueued again
     (not released yet), then step N-1's (released by then)."""
 
-    async def _log_shipped(self, step: int) -> None:
-        await super()._log_shipped(step)
+    async def step_published(self, step: int) -> None:
         loop = asyncio.get_running_loop()
         if step in ATTACKED:
             copies = ALONE if step == 0 else CONCURRENT
             await loop.run_in_executor(None, attack, self.settings, step, copies, False)
         if step - 1 in ATTACKED:
-            await self.drain_release()
+            await self.releases.drain()
             assert await self.client.hexists(self.state.released, step - 1)
             copies = ALONE if step - 1 == 0 else CONCURRENT
             await loop.run_in_executor(None, attack, self.settings, step - 1, copies, True)
+        await super().step_published(step)  # the step's release is scheduled only now
 
 
 def attack(settings: RunSettings, step: int, copies: int, with_release: bool) -> None:

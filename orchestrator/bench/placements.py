@@ -261,9 +261,9 @@ class TimedOrchestrator(Orchestrator):
             self.windows[step] = [started, started]
         return manifest
 
-    async def _published(self, step: int) -> None:
+    async def step_published(self, step: int) -> None:
         self.windows[step][1] = asyncio.get_running_loop().time()
-        await super()._published(step)
+        await super().step_published(step)
 
 
 # -- one placement, in this process ----------------------------------------------------------
