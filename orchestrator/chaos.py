@@ -56,8 +56,7 @@ from orchestrator.processes import (
 )
 from orchestrator.producer import RolloutProducer, SyntheticWorkload
 from orchestrator.settings import RunSettings, settings_to_env
-from tasks.faults import arm, fault_field, faults_key
-from tasks.ship import RunState
+from tasks.faults import arm, fault_field
 from transport.keys import RunKeys
 from transport.store import PayloadStore
 from transport.zmq import free_port_pair
@@ -251,7 +250,7 @@ def run_system(
             hung = wait_for_stock_ranks(settings, HANG_SECONDS)
     finally:
         group.stop_all()
-    fired = {f.decode() for f in client.hkeys(faults_key(settings.run_id))}
+    fired = {f.decode() for f in client.hkeys(RunKeys(settings.run_id).faults)}
     for kill in kills:
         if kill.target == "stage-fault":
             kill.fired = fault_field(kill.stage, kill.step, kill.rank) not in fired
@@ -300,7 +299,7 @@ def kill_one(
     """The next kill of the rotation (module docstring). The orchestrator dies once it has
     published two steps; the ship worker once four are, and again every few steps after
     (`plan.ship_kills` in all), so both die mid-run."""
-    published = client.hlen(RunState(settings.run_id).published)
+    published = client.hlen(RunKeys(settings.run_id).published)
     done = Counter(kill.target for kill in kills)
     if not done["orchestrator"] and published >= 2:
         group.processes["orchestrator"].send_signal(signal.SIGKILL)
@@ -318,12 +317,12 @@ def kill_one(
             return None
         rng.choice(children).kill()
         return Kill(seconds, "cpu-worker-child")
-    step = int(client.get(RunState(settings.run_id).next_step) or settings.start_step)
+    step = int(client.get(RunKeys(settings.run_id).next_step) or settings.start_step)
     if step >= settings.step_numbers.stop:
         return None
     stage = rng.choice(plan.stages)
     rank = rng.randrange(settings.ranks) if stage in PER_RANK_STAGES else None
-    if client.hexists(faults_key(settings.run_id), fault_field(stage, step, rank)):
+    if client.hexists(RunKeys(settings.run_id).faults, fault_field(stage, step, rank)):
         return None  # armed already: one fault per stage of a step
     arm(client, settings.run_id, stage, step, rank)
     return Kill(seconds, "stage-fault", stage, step, rank)
@@ -364,7 +363,7 @@ def observe_stock(settings: RunSettings, client: redis.Redis) -> dict[str, Any]:
             "order": [r["topic_step"] for r in got],
         }
     seen = observe(settings, client)
-    interrupted = client.hgetall(RunState(settings.run_id).interrupted_sends)
+    interrupted = client.hgetall(RunKeys(settings.run_id).interrupted_sends)
     return {
         **seen,
         "ranks": ranks,

@@ -50,7 +50,7 @@ class RunCollector(Collector):
             if self._reader is None:
                 self._reader = StatusReader(self.client, self.info.run_id, self.info.queues, self.info.ranks)
             snapshot = self._reader.snapshot()
-            published = int(self.client.hlen(self.orchestrator.state.published))
+            published = int(self.client.hlen(self.orchestrator.keys.published))
             payload_bytes = self.payload_bytes()
         status, run = snapshot.status, [self.info.run_id]
         start = self.info.start_step

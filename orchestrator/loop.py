@@ -46,9 +46,10 @@ from orchestrator.settings import RunSettings
 from tasks.app import use_redis
 from tasks.cohort import Cohort, CohortBuilder
 from tasks.manifest import StepManifest
-from tasks.ship import RunState, finalize, release
+from tasks.ship import finalize, release
 from tasks.stages.finalize import StepVerdict
 from transport.connection import connect_redis
+from transport.keys import StepValue
 from transport.numbering import required_version, staleness, step_reaching, version_after
 from transport.store import AsyncPayloadStore
 
@@ -110,7 +111,6 @@ class Orchestrator:
         self.client = client
         self.store = AsyncPayloadStore(client, settings.run_id)
         self.keys = self.store.keys
-        self.state = RunState(settings.run_id)
         self.config = settings.ship_config()
         self.policy = PolicyVersion(settings, client)
         self.groups = GroupBuffer(settings.group_size, memory=settings.dedupe_horizon)
@@ -169,7 +169,7 @@ class Orchestrator:
             if not response:
                 # No rollouts (the gate holds the producers, or they are done): the status
                 # still says what was cut and published since, for `rlship status`.
-                await self.client.hset(self.state.status, mapping=self.status())
+                await self.client.hset(self.keys.status, mapping=self.status())
                 continue
             entries = response[0][1]
             release_ids: list[str] = []
@@ -179,8 +179,8 @@ class Orchestrator:
             pipe = self.client.pipeline(transaction=False)
             if release_ids:
                 pipe.unlink(*(self.keys.rollout(r) for r in release_ids))
-            pipe.set(self.keys.run_key("accounted"), self.accounting.accounted)
-            pipe.hset(self.state.status, mapping=self.status())
+            pipe.set(self.keys.accounted, self.accounting.accounted)
+            pipe.hset(self.keys.status, mapping=self.status())
             await pipe.execute()
             if len(self.pending) >= self.settings.batch_size:
                 self._work.set()
@@ -264,10 +264,10 @@ class Orchestrator:
                 reported = True
             await self.policy.moved(min(1.0, max(POLL_SECONDS, next_report - time.perf_counter())))
         if reported:
-            await self.client.hdel(self.state.status, "stalled_ranks", "policy_gate")
+            await self.client.hdel(self.keys.status, "stalled_ranks", "policy_gate")
             log.warning("step %d: the policy gate opened after %.1f s", step, time.perf_counter() - started)
         waited = time.perf_counter() - started
-        await self.client.incrbyfloat(self.state.policy_wait, waited)
+        await self.client.incrbyfloat(self.keys.policy_wait, waited)
         return waited
 
     async def _report_policy_wait(self, step: int, needed: int, seconds: float) -> None:
@@ -282,9 +282,9 @@ class Orchestrator:
             awaited_step = step_reaching(needed, self.settings.first_step)
             acknowledged = {int(r) for r in await self.client.smembers(self.keys.trained(awaited_step))}
             stalled = sorted(set(range(self.settings.ranks)) - acknowledged)
-            await self.client.hset(self.state.status, "stalled_ranks", json.dumps(stalled))
+            await self.client.hset(self.keys.status, "stalled_ranks", json.dumps(stalled))
             held += f"; rank(s) {stalled} have not acknowledged step {awaited_step}"
-        await self.client.hset(self.state.status, "policy_gate", held)
+        await self.client.hset(self.keys.status, "policy_gate", held)
         log.warning("%s", held)
 
     def _drop_stale_pending(self, step: int) -> list[str]:
@@ -347,14 +347,14 @@ class Orchestrator:
         manifest and one SADD argument per rollout key take 50 ms, one pause on the loop;
         here the loop gets the GIL back between the pieces (`packb_in_pieces`)."""
         step = manifest.step
-        manifest_key = self.keys.step(step, "manifest")
+        manifest_key = self.keys.step(step, StepValue.MANIFEST)
         pipe = self._publisher_client.pipeline(transaction=True)
         pipe.set(manifest_key, manifest.to_bytes(), ex=self.store.ttl)
         pipe.sadd(self.keys.step_keys(step), manifest_key, *(self.keys.rollout(r) for r in batch_ids))
         pipe.expire(self.keys.step_keys(step), self.store.ttl)
-        pipe.set(self.state.next_step, step + 1)
-        pipe.set(self.state.checkpoint, checkpoint.to_bytes())
-        pipe.set(self.keys.run_key("accounted"), accounted)
+        pipe.set(self.keys.next_step, step + 1)
+        pipe.set(self.keys.checkpoint, checkpoint.to_bytes())
+        pipe.set(self.keys.accounted, accounted)
         pipe.xtrim(self.keys.rollout_stream, minid=oldest_held)
         pipe.execute()
 
@@ -408,7 +408,7 @@ class Orchestrator:
         while verdict is None and step > self.last_published:
             if self._stopping.is_set():
                 return
-            raw = await self.client.get(self.keys.step(step, "verdict"))
+            raw = await self.client.get(self.keys.step(step, StepValue.VERDICT))
             if raw is None:
                 await asyncio.sleep(POLL_SECONDS)
             else:
@@ -440,7 +440,7 @@ class Orchestrator:
             )
 
     async def _found_empty(self, step: int) -> bool:
-        raw = await self.client.get(self.keys.step(step, "verdict"))
+        raw = await self.client.get(self.keys.step(step, StepValue.VERDICT))
         return raw is not None and StepVerdict.from_wire(msgpack.unpackb(raw, raw=False)).empty
 
     async def _take_back(self, step: int) -> None:
@@ -460,12 +460,12 @@ class Orchestrator:
         step_keys = await self.client.smembers(self.keys.step_keys(step))
         pipe = self.client.pipeline(transaction=True)
         pipe.unlink(self.keys.step_keys(step), *step_keys)
-        pipe.set(self.state.next_step, step)
-        pipe.set(self.state.checkpoint, self._checkpoint().to_bytes())
+        pipe.set(self.keys.next_step, step)
+        pipe.set(self.keys.checkpoint, self._checkpoint().to_bytes())
         await pipe.execute()
 
     async def _read_manifest(self, step: int) -> bytes:
-        raw = await self.client.get(self.keys.step(step, "manifest"))
+        raw = await self.client.get(self.keys.step(step, StepValue.MANIFEST))
         if raw is None:
             raise RunStateLost(self.settings.run_id, self.loss_report())
         return raw
@@ -487,7 +487,7 @@ class Orchestrator:
             pipe = self.client.pipeline(transaction=False)
             for step in steps:
                 pipe.scard(self.keys.step_keys(step))
-                pipe.scard(self.keys.step(step, "sent"))
+                pipe.scard(self.keys.sent(step))
             counts = await pipe.execute()
             now = time.monotonic()
             for index, step in enumerate(steps):
@@ -517,7 +517,7 @@ class Orchestrator:
                 del progress[step]
             if self._stall_reason and all(seen.diagnosed < seen.since for seen in progress.values()):
                 self._stall_reason = None
-                await self.client.hdel(self.state.status, "stall_reason")
+                await self.client.hdel(self.keys.status, "stall_reason")
 
     async def _diagnose(self, step: int, seconds: float) -> None:
         """Say why a step makes no progress (status `stall_reason` and the log); a Redis out
@@ -531,7 +531,7 @@ class Orchestrator:
         if reason != self._stall_reason:
             log.warning("%s", reason)
         self._stall_reason = reason
-        await self.client.hset(self.state.status, "stall_reason", reason)
+        await self.client.hset(self.keys.status, "stall_reason", reason)
         if "Redis is out of memory" in reason:
             self._abort(RedisOutOfMemory(reason))
 
@@ -560,14 +560,15 @@ class Orchestrator:
                 await self._log_shipped(step)
                 self._work.set()
                 await self.schedule_release(step)
-                await self.client.set(self.state.followed, step)
+                await self.client.set(self.keys.followed, step)
         await self.drain_release()
 
     async def _log_shipped(self, step: int) -> None:
         """Tell the rollout log which of the step's rollouts shipped (read before release)."""
         rollout_ids = self._cut_rollouts.pop(step, [])
         if self.rollout_log.enabled:
-            dropped = msgpack.unpackb(await self.client.get(self.keys.step(step, "dropped")) or b"\x80")
+            raw_dropped = await self.client.get(self.keys.step(step, StepValue.DROPPED))
+            dropped = msgpack.unpackb(raw_dropped or b"\x80")
             self.rollout_log.shipped(step, rollout_ids, dropped)
 
     async def schedule_release(self, step: int) -> None:
@@ -584,7 +585,7 @@ class Orchestrator:
         (the message can be lost with a Redis that dies, and release is idempotent)."""
         loop = asyncio.get_running_loop()
         resend_at = loop.time() + self.settings.stall_seconds
-        while not await self.client.hexists(self.state.released, step):
+        while not await self.client.hexists(self.keys.released, step):
             if self._stopping.is_set():
                 return
             if loop.time() >= resend_at:
@@ -626,7 +627,7 @@ class Orchestrator:
         """At the end of the run every rollout still held (pending, in open groups, or not
         yet read from the stream) will never ship: release the payloads and the stream."""
         deleted = await self.store.delete_all_rollouts()
-        await self.client.unlink(self.keys.rollout_stream, self.state.checkpoint)
+        await self.client.unlink(self.keys.rollout_stream, self.keys.checkpoint)
         if deleted:
             log.info("released %d unshipped rollouts at shutdown", deleted)
         return deleted
@@ -635,15 +636,15 @@ class Orchestrator:
         """The run shipped every step: its tasks still queued are dropped (no alive mark), its
         id is marked used, and every key it leaves expires (`DEFAULT_TTL_SECONDS`)."""
         pipe = self.client.pipeline(transaction=True)
-        pipe.unlink(self.state.alive)
-        pipe.set(self.state.finished, time.time())
+        pipe.unlink(self.keys.alive)
+        pipe.set(self.keys.finished, time.time())
         await pipe.execute()
         await self.store.expire_run()
 
     async def end_failed_run(self) -> None:
         """The run cannot go on (resuming it would meet the same input): its queued tasks are
         dropped (no alive mark), its held rollouts released, and every key it leaves expires."""
-        await self.client.unlink(self.state.alive)
+        await self.client.unlink(self.keys.alive)
         await self.release_unshipped()
         await self.store.expire_run()
 
@@ -655,9 +656,9 @@ class Orchestrator:
         token = f"{socket.gethostname()}:{os.getpid()}:{id(self)}"
         waiting_logged = False
         while not acquired.is_set():
-            if await self.client.set(self.state.orchestrator_lease, token, nx=True, ex=LEASE_SECONDS):
-                await self.client.set(self.state.run_marker, time.time(), nx=True)
-                await self.client.set(self.state.alive, token, ex=ALIVE_SECONDS)
+            if await self.client.set(self.keys.orchestrator_lease, token, nx=True, ex=LEASE_SECONDS):
+                await self.client.set(self.keys.run_marker, time.time(), nx=True)
+                await self.client.set(self.keys.alive, token, ex=ALIVE_SECONDS)
                 acquired.set()
                 break
             if not waiting_logged:
@@ -666,10 +667,10 @@ class Orchestrator:
             await asyncio.sleep(LEASE_SECONDS / 5)
         while not self._stopping.is_set():
             pipe = self.client.pipeline(transaction=False)
-            pipe.exists(self.state.run_marker)
-            pipe.set(self.state.orchestrator_lease, token, nx=True, ex=LEASE_SECONDS)
-            pipe.get(self.state.orchestrator_lease)
-            pipe.set(self.state.alive, token, ex=ALIVE_SECONDS)
+            pipe.exists(self.keys.run_marker)
+            pipe.set(self.keys.orchestrator_lease, token, nx=True, ex=LEASE_SECONDS)
+            pipe.get(self.keys.orchestrator_lease)
+            pipe.set(self.keys.alive, token, ex=ALIVE_SECONDS)
             marker, _, holder, _ = await pipe.execute()
             if not marker:
                 self._abort(RunStateLost(self.settings.run_id, self.loss_report()))
@@ -677,10 +678,10 @@ class Orchestrator:
             if holder != token.encode():
                 self._abort(LeaseLost(f"run {self.settings.run_id}: another orchestrator took the lease"))
                 return
-            await self.client.expire(self.state.orchestrator_lease, LEASE_SECONDS)
+            await self.client.expire(self.keys.orchestrator_lease, LEASE_SECONDS)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), LEASE_SECONDS / 5)
-        await self.client.delete(self.state.orchestrator_lease)
+        await self.client.delete(self.keys.orchestrator_lease)
 
     def _abort(self, error: Exception) -> None:
         """Stop every loop at its next turn; `run` raises `error` once they have."""
@@ -701,12 +702,12 @@ class Orchestrator:
         """Pick up the run where a previous orchestrator left it (orchestrator.checkpoint):
         its counters and held rollouts, and the cut steps not yet published (their first
         task is enqueued again; the stages are idempotent)."""
-        self.next_step = int(await self.client.get(self.state.next_step) or self.start_step)
-        self.last_published = int(await self.client.get(self.state.followed) or self.start_step - 1)
+        self.next_step = int(await self.client.get(self.keys.next_step) or self.start_step)
+        self.last_published = int(await self.client.get(self.keys.followed) or self.start_step - 1)
         resumed_version = version_after(self.start_step - 1, self.settings.first_step)
         if resumed_version > 0:  # trainers resumed at start_step hold the steps before it
             await self.client.set(self.keys.policy_version, resumed_version, nx=True)
-        raw = await self.client.get(self.state.checkpoint)
+        raw = await self.client.get(self.keys.checkpoint)
         if raw is None:
             return
         checkpoint = Checkpoint.from_bytes(raw)
@@ -716,7 +717,7 @@ class Orchestrator:
         unpublished = [
             step
             for step in range(self.last_published + 1, self.next_step)
-            if not await self.client.hexists(self.state.published, step)
+            if not await self.client.hexists(self.keys.published, step)
         ]
         for step in unpublished:
             await self._enqueue(finalize, step)
@@ -744,7 +745,7 @@ class Orchestrator:
             acquired.cancel()
             lease.result()  # the error that kept the lease from being taken (a Redis refusing writes)
         await self.resume()
-        await self.client.set(self.state.info, RunInfo.from_settings(self.settings).model_dump_json())
+        await self.client.set(self.keys.info, RunInfo.from_settings(self.settings).model_dump_json())
         await self.policy.update()  # the first gate decision needs no wait for the follower
         # The imports' and setup's objects (tens of thousands of functions, tuples, dicts)
         # live as long as the process: frozen, a full garbage collection no longer walks them,

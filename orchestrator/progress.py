@@ -21,7 +21,7 @@ from typing import TextIO
 import redis
 
 from orchestrator.loop import format_step_line
-from tasks.ship import RunState
+from transport.keys import RunKeys, stage_field
 
 STAGES = ("finalize", "prune", "metrics", "pack", "encode", "send", "publish")
 # Steps in flight are bounded by max_async_level; this bounds the reads if that is large.
@@ -136,8 +136,7 @@ class StatusReader:
 
     def __init__(self, client: redis.Redis, run_id: str, queues: Sequence[str], ranks: int) -> None:
         self.client = client
-        self.state = RunState(run_id)
-        self.keys = self.state.keys
+        self.keys = RunKeys(run_id)
         self.queues = list(queues)
         self.ranks = ranks
         # Only records published from now on: a resumed run's old records were shown before.
@@ -147,7 +146,7 @@ class StatusReader:
 
     def snapshot(self) -> Snapshot:
         pipe = self.client.pipeline(transaction=False)
-        pipe.hgetall(self.state.status)
+        pipe.hgetall(self.keys.status)
         for queue in self.queues:
             pipe.llen(queue)
         raw_status, *lengths = pipe.execute()
@@ -157,11 +156,13 @@ class StatusReader:
             status["last_published"] = max(status.get("last_published", -1), self._last_record_step)
         first = int(status.get("last_published", -1)) + 1
         steps = range(first, min(int(status.get("next_step", 0)), first + MAX_STEPS_READ))
-        stages = ["finalize", "prune", "metrics", "pack", *(f"encode:{r}" for r in range(self.ranks))]
+        per_step = ("finalize", "prune", "metrics", "pack")
+        marked = [*((stage, None) for stage in per_step), *(("encode", r) for r in range(self.ranks))]
+        stages = [stage_field(stage, rank) for stage, rank in marked]
         for step in steps:
-            for stage in stages:
-                pipe.exists(self.keys.step(step, f"done:{stage}"))
-            pipe.smembers(self.keys.step(step, "sent"))
+            for stage, rank in marked:
+                pipe.exists(self.keys.done(step, stage, rank))
+            pipe.smembers(self.keys.sent(step))
         replies = pipe.execute() if steps else []
         marks = []
         for i, step in enumerate(steps):

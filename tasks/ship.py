@@ -43,7 +43,7 @@ from tasks.stages.samples import choose_samples, sample_lines, write_samples
 from transport.base import StepSender
 from transport.checksum import payload_checksum
 from transport.connection import connect_redis
-from transport.keys import RunKeys
+from transport.keys import StepValue, stage_field, stage_of_field
 from transport.store import PayloadMissingError, PayloadStore
 
 log = logging.getLogger("rlship.tasks")
@@ -71,46 +71,6 @@ def redis_client() -> redis.Redis:
     return connect_redis(redis_url(), large_replies=True, socket_timeout=120, health_check_interval=30)
 
 
-class RunState:
-    """Run-wide bookkeeping keys shared by the tasks and the orchestrator."""
-
-    def __init__(self, run_id: str) -> None:
-        self.keys = RunKeys(run_id)
-        self.published = self.keys.run_key("published")
-        self.released = self.keys.run_key("released")
-        self.totals = self.keys.run_key("totals")
-        self.policy_wait = self.keys.run_key("policy_wait_seconds")
-        self.sent_checksums = self.keys.run_key("sent_checksums")
-        self.stage_calls = self.keys.run_key("stage_calls")
-        # Per stage, the deliveries that came after their step was done (redeliveries,
-        # re-enqueues by the stall watchdog or a restarted orchestrator): skipped quietly.
-        self.redundant = self.keys.run_key("redundant_deliveries")
-        self.next_step = self.keys.run_key("next_step")
-        # The orchestrator's live counters (pending, open groups, lag), for progress displays.
-        self.status = self.keys.run_key("status")
-        # The run's shape (steps, ranks, queues), written by its orchestrator for `rlship status`.
-        self.info = self.keys.run_key("info")
-        self.evicted = self.keys.run_key("payloads_evicted_unacknowledged")
-        # Sends that found an earlier process's `sending` mark above `last_sent` (see send).
-        self.interrupted_sends = self.keys.run_key("interrupted_sends")
-        # The orchestrator's restart point (orchestrator.checkpoint), the newest step whose
-        # record it has mirrored and released, and the lease only one live orchestrator holds.
-        self.checkpoint = self.keys.run_key("checkpoint")
-        self.followed = self.keys.run_key("followed")
-        self.orchestrator_lease = self.keys.run_key("orchestrator_lease")
-        # Written once when the run starts; its absence means Redis lost the run.
-        self.run_marker = self.keys.run_key("started_at")
-        # Set while an orchestrator of the run lives (with an expiry, so a killed run's ends
-        # too): a task of a run without it is dropped (`_skip`), counted in `tasks_dropped`.
-        self.alive = self.keys.run_key("alive")
-        self.tasks_dropped = self.keys.run_key("tasks_dropped")
-        # Set when the run shipped all its steps: its id is not reused.
-        self.finished = self.keys.run_key("finished")
-        # Why the ship worker cannot send (a port it cannot bind, a rank not announced): read
-        # by the orchestrator when a step makes no progress; short-lived, cleared by a send.
-        self.ship_problem = self.keys.run_key("ship_problem")
-
-
 @functools.lru_cache(maxsize=4)
 def _decoded_manifest(data: bytes) -> StepManifest:
     """Every task of a step reads its manifest; a process decodes each one once. Keyed by
@@ -127,14 +87,13 @@ class StepContext:
         self.client = redis_client()
         self.store = PayloadStore(self.client, run_id)
         self.keys = self.store.keys
-        self.state = RunState(run_id)
 
     @functools.cached_property
     def manifest(self) -> StepManifest:
-        return _decoded_manifest(bytes(self.store.get_step_value(self.step, "manifest")))
+        return _decoded_manifest(bytes(self.store.get_step_value(self.step, StepValue.MANIFEST)))
 
     def is_published(self, step: int | None = None) -> bool:
-        return bool(self.client.hexists(self.state.published, self.step if step is None else step))
+        return bool(self.client.hexists(self.keys.published, self.step if step is None else step))
 
     def put(self, name: str, value: Any) -> None:
         self.store.put_step_value(self.step, name, msgpack.packb(value, use_bin_type=True))
@@ -157,8 +116,8 @@ class StepContext:
         What `compute` returns (name -> value) is stored with the mark, in one transaction.
         With `watch`, that transaction is guarded by the key: if it changed meanwhile (the
         step was found empty and cut again), nothing is written and False is returned."""
-        name = stage if rank is None else f"{stage}:{rank}"
-        mark = self.keys.step(self.step, f"done:{name}")
+        name = stage_field(stage, rank)
+        mark = self.keys.done(self.step, stage, rank)
         with self.client.pipeline(transaction=True) as pipe:
             if watch is not None:
                 pipe.watch(watch)
@@ -177,12 +136,12 @@ class StepContext:
                     ex=self.store.ttl,
                 )
                 pipe.sadd(self.keys.step_keys(self.step), self.keys.step(self.step, output))
-            pipe.hset(self.keys.step(self.step, "times"), name, seconds)
-            pipe.sadd(self.keys.step_keys(self.step), self.keys.step(self.step, "times"))
+            pipe.hset(self.keys.times(self.step), name, seconds)
+            pipe.sadd(self.keys.step_keys(self.step), self.keys.times(self.step))
             pipe.set(mark, seconds, ex=self.store.ttl)
             pipe.sadd(self.keys.step_keys(self.step), mark)
             pipe.expire(self.keys.step_keys(self.step), self.store.ttl)
-            pipe.hincrby(self.state.stage_calls, f"{socket.gethostname()}:{os.getpid()}:{stage}", 1)
+            pipe.hincrby(self.keys.stage_calls, f"{socket.gethostname()}:{os.getpid()}:{stage}", 1)
             try:
                 pipe.execute()
             except redis.WatchError:
@@ -192,7 +151,7 @@ class StepContext:
 
 def _skip_redundant(ctx: StepContext, task: str, done: str) -> None:
     log.info("step %d: %s arrived after the step was %s; nothing to do", ctx.step, task, done)
-    ctx.client.hincrby(ctx.state.redundant, task, 1)
+    ctx.client.hincrby(ctx.keys.redundant, task, 1)
 
 
 def _skip(ctx: StepContext, task: str) -> bool:
@@ -201,13 +160,13 @@ def _skip(ctx: StepContext, task: str) -> bool:
     dropped and counted, never retried: workers serve many runs, and a dead run's retrying
     sends would otherwise loop forever."""
     pipe = ctx.client.pipeline(transaction=False)
-    pipe.exists(ctx.state.alive)
-    pipe.hexists(ctx.state.published, ctx.step)
+    pipe.exists(ctx.keys.alive)
+    pipe.hexists(ctx.keys.published, ctx.step)
     alive, published = pipe.execute()
     if not alive:
         log.warning("run %s has ended: %s of step %d dropped", ctx.run_id, task, ctx.step)
-        pipe.hincrby(ctx.state.tasks_dropped, task, 1)
-        pipe.expire(ctx.state.tasks_dropped, ctx.store.ttl)
+        pipe.hincrby(ctx.keys.tasks_dropped, task, 1)
+        pipe.expire(ctx.keys.tasks_dropped, ctx.store.ttl)
         pipe.execute()
         return True
     if published:
@@ -230,13 +189,13 @@ def finalize(run_id: str, step: int) -> None:
         for rollout_id, reason in result.failures.items():
             log.warning("step %d: rollout %s dropped: %s", step, rollout_id, reason)
         return {
-            "finalized": {"samples": result.samples.to_wire(), "failures": result.failures},
-            "verdict": step_verdict(result).to_wire(),
+            StepValue.FINALIZED: {"samples": result.samples.to_wire(), "failures": result.failures},
+            StepValue.VERDICT: step_verdict(result).to_wire(),
         }
 
     try:
-        written = ctx.run_stage("finalize", compute, watch=ctx.keys.step(step, "manifest"))
-        verdict = StepVerdict.from_wire(ctx.get("verdict")) if written else None
+        written = ctx.run_stage("finalize", compute, watch=ctx.keys.step(step, StepValue.MANIFEST))
+        verdict = StepVerdict.from_wire(ctx.get(StepValue.VERDICT)) if written else None
     except PayloadMissingError:
         verdict = None
     if verdict is None:
@@ -256,11 +215,11 @@ def prune(run_id: str, step: int) -> None:
         return
 
     def compute() -> None:
-        finalized = ctx.get("finalized")
+        finalized = ctx.get(StepValue.FINALIZED)
         samples, pruned = prune_samples(Cohort.from_wire(finalized["samples"]))
-        ctx.put("pruned", {"samples": samples.to_wire()})
+        ctx.put(StepValue.PRUNED, {"samples": samples.to_wire()})
         # Apart from the samples: the orchestrator's rollout log reads just this.
-        ctx.put("dropped", worker_drops(finalized["failures"], pruned))
+        ctx.put(StepValue.DROPPED, worker_drops(finalized["failures"], pruned))
 
     ctx.run_stage("prune", compute)
     metrics.apply_async((run_id, step), queue=ctx.manifest.config.cpu_queue)
@@ -274,9 +233,10 @@ def metrics(run_id: str, step: int) -> None:
         return
 
     def compute() -> None:
-        pruned = ctx.get("pruned")
+        pruned = ctx.get(StepValue.PRUNED)
         shipped = Cohort.from_wire(pruned["samples"])
-        ctx.put("metrics", step_metrics(ctx.manifest, shipped, list(ctx.get("dropped").values())))
+        dropped = list(ctx.get(StepValue.DROPPED).values())
+        ctx.put(StepValue.METRICS, step_metrics(ctx.manifest, shipped, dropped))
         config = ctx.manifest.config
         positions = choose_samples(len(shipped), config.samples_per_step, step)
         if positions:
@@ -296,11 +256,11 @@ def pack(run_id: str, step: int) -> None:
     config = ctx.manifest.config
 
     def compute() -> None:
-        samples = Cohort.from_wire(ctx.get("pruned")["samples"])
+        samples = Cohort.from_wire(ctx.get(StepValue.PRUNED)["samples"])
         plan = pack_samples(
             samples.numeric["num_tokens"], config.ranks, config.seq_len, config.pad_to_multiple
         )
-        ctx.put("plan", plan.to_wire())
+        ctx.put(StepValue.PLAN, plan.to_wire())
 
     ctx.run_stage("pack", compute)
     for rank in range(config.ranks):
@@ -314,12 +274,12 @@ def encode(run_id: str, step: int, rank: int) -> None:
         return
 
     def compute() -> None:
-        plans = PackPlan.from_wire(ctx.get("plan")).ranks[rank]
-        samples = Cohort.from_wire(ctx.get("pruned")["samples"])
+        plans = PackPlan.from_wire(ctx.get(StepValue.PLAN)).ranks[rank]
+        samples = Cohort.from_wire(ctx.get(StepValue.PRUNED)["samples"])
         arrays = ctx.store.get_rollouts(rank_rollout_ids(plans, samples))
         payload = encode_rank(plans, samples, arrays)
         ctx.store.put_payload(step, rank, payload)
-        ctx.client.hset(ctx.state.sent_checksums, f"{step}:{rank}", payload_checksum(payload))
+        ctx.client.hset(ctx.keys.sent_checksums, f"{step}:{rank}", payload_checksum(payload))
 
     ctx.run_stage("encode", compute, rank)
     send.apply_async((run_id, step, rank), queue=ctx.manifest.config.ship_queue)
@@ -414,11 +374,11 @@ def send(self: Task, run_id: str, step: int, rank: int) -> None:
         ctx.crash_if_armed("send", rank)  # left the process, not yet marked: the window
         pipe = ctx.client.pipeline(transaction=True)
         pipe.set(ctx.keys.last_sent(rank), step)
-        pipe.hset(ctx.keys.step(step, "times"), f"send:{rank}", seconds)
-        pipe.unlink(ctx.state.ship_problem)
+        pipe.hset(ctx.keys.times(step), stage_field("send", rank), seconds)
+        pipe.unlink(ctx.keys.ship_problem)
         pipe.execute()
         _intents.discard((run_id, step, rank))
-    sent_key = ctx.keys.step(step, "sent")
+    sent_key = ctx.keys.sent(step)
     pipe = ctx.client.pipeline(transaction=True)
     pipe.sadd(sent_key, rank)
     pipe.sadd(ctx.keys.step_keys(step), sent_key)
@@ -435,7 +395,7 @@ def _mark_intent(ctx: StepContext, step: int, rank: int) -> None:
     previous = ctx.client.getset(ctx.keys.sending(rank), step)
     _intents.add(intent)
     if previous is not None and int(previous) == step:
-        ctx.client.hincrby(ctx.state.interrupted_sends, f"{step}:{rank}", 1)
+        ctx.client.hincrby(ctx.keys.interrupted_sends, f"{step}:{rank}", 1)
         log.warning(
             "step %d rank %d: the previous send died before marking it sent; sending again "
             "(a receiver without duplicate checks gets it twice only if that process died "
@@ -448,15 +408,15 @@ def _mark_intent(ctx: StepContext, step: int, rank: int) -> None:
 def _report_ship_problem(ctx: StepContext, problem: str) -> None:
     """Say why sends do not go out, for the orchestrator's diagnosis of a stuck step."""
     log.info("step %d: %s", ctx.step, problem)
-    ctx.client.set(ctx.state.ship_problem, problem, ex=SHIP_PROBLEM_SECONDS)
+    ctx.client.set(ctx.keys.ship_problem, problem, ex=SHIP_PROBLEM_SECONDS)
 
 
 def _publish_when_complete(ctx: StepContext) -> None:
     """Fan-in: whoever sees every rank sent and the metrics done enqueues publish (more than
     one may; publish itself is exactly-once)."""
     pipe = ctx.client.pipeline(transaction=False)
-    pipe.scard(ctx.keys.step(ctx.step, "sent"))
-    pipe.exists(ctx.keys.step(ctx.step, "done:metrics"))
+    pipe.scard(ctx.keys.sent(ctx.step))
+    pipe.exists(ctx.keys.done(ctx.step, "metrics"))
     sent, metrics_done = pipe.execute()
     if sent >= ctx.manifest.config.ranks and metrics_done:
         publish.apply_async((ctx.run_id, ctx.step), queue=ctx.manifest.config.cpu_queue)
@@ -466,7 +426,7 @@ def _stage_seconds(times: dict[bytes, bytes]) -> dict[str, float]:
     """Per-stage seconds; a per-rank stage counts as its slowest rank."""
     out: dict[str, float] = {}
     for field, value in times.items():
-        stage = field.decode().split(":")[0]
+        stage = stage_of_field(field.decode())
         out[stage] = max(out.get(stage, 0.0), float(value))
     return out
 
@@ -480,33 +440,33 @@ def publish(self: Task, run_id: str, step: int) -> None:
     manifest = ctx.manifest
     if manifest.prev_step >= 0 and not ctx.is_published(manifest.prev_step):
         raise self.retry(countdown=RETRY_SECONDS, queue=manifest.config.cpu_queue)
-    step_record = ctx.get("metrics")
-    stage_seconds = _stage_seconds(ctx.client.hgetall(ctx.keys.step(step, "times")))
-    state = ctx.state
+    step_record = ctx.get(StepValue.METRICS)
+    stage_seconds = _stage_seconds(ctx.client.hgetall(ctx.keys.times(step)))
+    keys = ctx.keys
     with ctx.client.pipeline(transaction=True) as pipe:
         while True:
             try:
-                pipe.watch(state.published, state.policy_wait, state.totals)
-                if pipe.hexists(state.published, step):  # a concurrent copy won the race
+                pipe.watch(keys.published, keys.policy_wait, keys.totals)
+                if pipe.hexists(keys.published, step):  # a concurrent copy won the race
                     pipe.unwatch()
                     _skip_redundant(ctx, "publish", "published")
                     return
-                waited = float(pipe.get(state.policy_wait) or 0.0)
-                previous = {k.decode(): float(v) for k, v in pipe.hgetall(state.totals).items()}
+                waited = float(pipe.get(keys.policy_wait) or 0.0)
+                previous = {k.decode(): float(v) for k, v in pipe.hgetall(keys.totals).items()}
                 totals = running_totals(previous, step_record)
                 record = build_record(
                     step, step_record, stage_seconds, time.time() - manifest.cut_time, waited, totals
                 )
                 pipe.multi()
                 pipe.xadd(
-                    ctx.keys.metrics_stream,
+                    keys.metrics_stream,
                     {"step": step, "record": json.dumps(record)},
                     maxlen=RECORDS_KEPT,
                     approximate=True,
                 )
-                pipe.hset(state.published, step, time.time())
-                pipe.incrbyfloat(state.policy_wait, -waited)
-                pipe.hset(state.totals, mapping=totals)
+                pipe.hset(keys.published, step, time.time())
+                pipe.incrbyfloat(keys.policy_wait, -waited)
+                pipe.hset(keys.totals, mapping=totals)
                 pipe.execute()
                 ctx.crash_if_armed("publish")
                 return
@@ -520,7 +480,7 @@ def release(run_id: str, step: int, ranks: int, replay_steps: int) -> None:
     of every step all ranks have acknowledged (and, past the retention bound, of older steps
     regardless); trim the heap; mark the step released."""
     ctx = StepContext(run_id, step)
-    if ctx.client.hexists(ctx.state.released, step):
+    if ctx.client.hexists(ctx.keys.released, step):
         _skip_redundant(ctx, "release", "released")
         return
     deleted = ctx.store.delete_step(step)
@@ -531,9 +491,9 @@ def release(run_id: str, step: int, ranks: int, replay_steps: int) -> None:
             "a rank restarting now cannot replay them",
             payloads.evicted_unacknowledged,
         )
-        ctx.client.hincrby(ctx.state.evicted, "steps", len(payloads.evicted_unacknowledged))
+        ctx.client.hincrby(ctx.keys.evicted, "steps", len(payloads.evicted_unacknowledged))
     ctx.crash_if_armed("release")
     trim_process_memory()
-    ctx.client.hset(ctx.state.released, step, time.time())
-    ctx.client.hincrby(ctx.state.stage_calls, f"{socket.gethostname()}:{os.getpid()}:release", 1)
+    ctx.client.hset(ctx.keys.released, step, time.time())
+    ctx.client.hincrby(ctx.keys.stage_calls, f"{socket.gethostname()}:{os.getpid()}:release", 1)
     log.info("step %d released: %d keys deleted, payloads of %d steps", step, deleted, payloads.steps)

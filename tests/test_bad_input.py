@@ -20,8 +20,8 @@ from orchestrator.loop import Orchestrator
 from orchestrator.producer import RolloutProducer, RolloutRejected
 from orchestrator.settings import RunSettings
 from tasks.app import app
-from tasks.ship import RunState
 from tests.factories import group, rollout
+from transport.keys import RunKeys
 
 GOOD = rollout("good", "g", 1.0)[0].model_dump()
 FIELDS = sorted(GOOD)
@@ -204,7 +204,7 @@ def test_the_producer_refuses_bad_arrays_and_writes_nothing(case, client, run_id
 def test_workers_refuse_pickle(client, run_id, workers):
     """A pickled task is refused by the worker (never deserialized: it logs the refusal and
     drops the message); a msgpack one runs."""
-    released = RunState(run_id).released
+    released = RunKeys(run_id).released
     app.send_task("rlship.release", args=(run_id, 0, 1, 8), queue=workers.cpu_queue, serializer="pickle")
     app.send_task("rlship.release", args=(run_id, 1, 1, 8), queue=workers.cpu_queue)
 

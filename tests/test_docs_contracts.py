@@ -1,6 +1,6 @@
 """The contracts in docs/ against the code they describe; the documents are the oracle.
 
-A Redis key accessor added to (or removed from) `RunKeys` or `RunState` without its row in
+A Redis key accessor added to (or removed from) `RunKeys`, or a `StepValue`, without its row in
 docs/redis-keys.md, or a wire field moved, renamed or made optional in transport/schema.py
 without docs/wire-format.md saying so, fails here. Pure: no Redis, no workers.
 """
@@ -12,8 +12,7 @@ import inspect
 import re
 from pathlib import Path
 
-from tasks.ship import RunState
-from transport.keys import RunKeys
+from transport.keys import RunKeys, StepValue
 from transport.schema import MICROBATCH_FIELDS, OPTIONAL_FIELDS
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -33,22 +32,22 @@ def run_keys_accessors() -> set[str]:
     return {name for name, _ in inspect.getmembers(RunKeys) if not name.startswith("_")} - built_from
 
 
-def run_state_keys() -> set[str]:
-    """RunState's attributes that hold a key name."""
-    return {name for name, value in vars(RunState("contract")).items() if isinstance(value, str)}
+def step_values() -> set[str]:
+    """The names of the values a step stores."""
+    return {value.name for value in StepValue}
 
 
 def test_every_run_keys_accessor_has_its_row_in_redis_keys_md():
     assert run_keys_accessors() - named_in("redis-keys.md", "RunKeys") == set()
 
 
-def test_every_run_state_key_has_its_row_in_redis_keys_md():
-    assert run_state_keys() - named_in("redis-keys.md", "RunState") == set()
+def test_every_step_value_has_its_row_in_redis_keys_md():
+    assert step_values() - named_in("redis-keys.md", "StepValue") == set()
 
 
 def test_redis_keys_md_names_no_key_the_code_does_not_have():
     assert named_in("redis-keys.md", "RunKeys") - run_keys_accessors() == set()
-    assert named_in("redis-keys.md", "RunState") - run_state_keys() == set()
+    assert named_in("redis-keys.md", "StepValue") - step_values() == set()
 
 
 def test_wire_format_md_lists_the_16_fields_in_schema_order():

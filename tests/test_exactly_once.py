@@ -17,7 +17,7 @@ from celery.result import AsyncResult
 from orchestrator.loop import Orchestrator
 from orchestrator.producer import RolloutProducer
 from orchestrator.settings import RunSettings
-from tasks.ship import RunState, encode, finalize, metrics, pack, prune, publish, release, send
+from tasks.ship import encode, finalize, metrics, pack, prune, publish, release, send
 from tests.factories import group
 from tests.shiprun import open_policy_gate, ship_settings
 from tests.test_ship_path import leftover_keys
@@ -69,7 +69,7 @@ class Attacker(Orchestrator):
             await loop.run_in_executor(None, attack, self.settings, step, copies, False)
         if step - 1 in ATTACKED:
             await self.drain_release()
-            assert await self.client.hexists(self.state.released, step - 1)
+            assert await self.client.hexists(self.keys.released, step - 1)
             copies = ALONE if step - 1 == 0 else CONCURRENT
             await loop.run_in_executor(None, attack, self.settings, step - 1, copies, True)
 
@@ -132,7 +132,7 @@ def test_stage_tasks_enqueued_again_for_a_done_step_change_nothing(
     assert "ERROR" not in worker_log and "Traceback" not in worker_log, worker_log[-3000:]
     # Each copy was recognised as redundant (its step done) or, once the run had ended, as a
     # task of an ended run, and counted (the run's own deliveries may add some).
-    state = RunState(run_id)
+    state = RunKeys(run_id)
     redundant = Counter({k.decode(): int(v) for k, v in client.hgetall(state.redundant).items()})
     redundant.update({k.decode(): int(v) for k, v in client.hgetall(state.tasks_dropped).items()})
     after_release = ALONE + (len(ATTACKED) - 1) * CONCURRENT + STEPS * CONCURRENT

@@ -8,8 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tasks.faults import arm, faults_key
-from tasks.ship import RunState
+from tasks.faults import arm
 from tests.conftest import Workers, running_workers
 from tests.shiprun import delivered, deterministic_run, ship
 from tests.test_ship_path import leftover_keys
@@ -53,11 +52,11 @@ def test_a_worker_killed_mid_stage_changes_nothing(
     arm(client, run_id, stage, step=1, rank=1 if stage in PER_RANK else None)
     result = ship(settings, produce=False)
 
-    assert client.hlen(faults_key(run_id)) == 0, "the armed fault fired"
+    assert client.hlen(RunKeys(run_id).faults) == 0, "the armed fault fired"
     checksums, counts = delivered(client, run_id, settings.ranks)
     assert checksums == fault_free, "every rank got every step, byte-identical to the fault-free run"
     assert all(n == 1 for rank in counts.values() for n in rank.values()), f"delivered once: {counts}"
     assert [int(r["step"]) for r in result.records] == list(range(STEPS))
     assert client.xlen(RunKeys(run_id).metrics_stream) == STEPS, "one record per step"
-    assert client.hlen(RunState(run_id).published) == STEPS
+    assert client.hlen(RunKeys(run_id).published) == STEPS
     assert leftover_keys(client, run_id) == []

@@ -27,9 +27,10 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.settings import RunSettings
-from tasks.ship import RunState, prune
+from tasks.ship import prune
 from tests.conftest import REPO, Workers, require
 from tests.shiprun import ship, ship_settings
+from transport.keys import RunKeys
 
 # RLSHIP_CHROMIUM stands in for a machine without the browser (tests/test_browser_skip.py).
 CHROMIUM = os.environ.get("RLSHIP_CHROMIUM", "/usr/bin/chromium")
@@ -221,7 +222,7 @@ def test_flower_shows_stage_tasks(
 
     # A failing task (its step was never cut: nothing finalized) shows as failed, with its exception.
     absent = f"absent-{uuid.uuid4().hex[:8]}"
-    redis.Redis.from_url(redis_url).set(RunState(absent).alive, 1, ex=60)  # a live run: not dropped
+    redis.Redis.from_url(redis_url).set(RunKeys(absent).alive, 1, ex=60)  # a live run: not dropped
     prune.apply_async((absent, 0), queue=workers.cpu_queue)
     failed = wait_for(
         "Flower showing the failed task",

@@ -108,10 +108,11 @@ def test_celery_worker_logs_json_with_the_task_context(redis_url: str, run_id: s
     """A task that fails (its step was never cut: prune finds nothing finalized) is logged
     by the worker as one JSON line naming the task, its Celery id (as Flower and `celery
     inspect` know it), its run id and step."""
-    from tasks.ship import RunState, prune
+    from tasks.ship import prune
+    from transport.keys import RunKeys
 
     with running_workers(redis_url, tmp_path, env={LOG_JSON_ENV: "1"}) as workers:
-        redis.Redis.from_url(redis_url).set(RunState(run_id).alive, 1, ex=60)  # a live run: not dropped
+        redis.Redis.from_url(redis_url).set(RunKeys(run_id).alive, 1, ex=60)  # a live run: not dropped
         sent = prune.apply_async((run_id, 7), queue=workers.cpu_queue)
         deadline = time.monotonic() + 60
         failures: list[dict] = []

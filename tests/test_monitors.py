@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from tasks.ship import RunState
 from tests.conftest import require_module
 from tests.shiprun import metrics_lines, ship, ship_settings
+from transport.keys import RunKeys
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -24,7 +24,7 @@ def test_records_reach_every_monitor_and_samples_are_written(client, redis_url, 
 
     lines = metrics_lines(settings)
     stream = [
-        json.loads(fields[b"record"]) for _, fields in client.xrange(RunState(run_id).keys.metrics_stream)
+        json.loads(fields[b"record"]) for _, fields in client.xrange(RunKeys(run_id).metrics_stream)
     ]
     assert lines == stream == result.records
     assert [line["step"] for line in lines] == [0.0, 1.0]

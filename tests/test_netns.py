@@ -26,8 +26,8 @@ import redis
 from orchestrator.processes import ProcessGroup, redis_answers, rlship_command, worker_commands
 from orchestrator.run import received_by_rank, sent_checksums
 from orchestrator.settings import RunSettings, settings_to_env
-from tasks.ship import RunState
 from tests.conftest import require
+from transport.keys import RunKeys
 
 REDIS_PORT = 6390
 ZMQ_PORT = 5555  # each namespace has its own ports: no clash with anything on this machine
@@ -195,7 +195,7 @@ def test_redis_workers_and_trainers_in_separate_network_namespaces(tmp_path: Pat
                 assert received["checksums"] == [checksums[f"{s}:{rank}"] for s in range(3)]
             # Every stage ran in a worker process of the workers' namespace.
             workers_netns = os.stat(f"/run/netns/{star.namespace('workers')}").st_ino
-            calls = client.hkeys(RunState(settings.run_id).stage_calls)  # "host:pid:stage"
+            calls = client.hkeys(RunKeys(settings.run_id).stage_calls)  # "host:pid:stage"
             stage_pids = {int(call.decode().split(":")[1]) for call in calls}
             assert stage_pids and {netns_inode(pid) for pid in stage_pids} == {workers_netns}
             assert netns_inode(os.getpid()) != workers_netns

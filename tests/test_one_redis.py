@@ -17,7 +17,6 @@ import pytest
 import redis
 
 from orchestrator.config_cli import toml_value
-from tasks.ship import RunState
 from tests.conftest import REPO, python_command, running_workers
 from tests.shiprun import ship_settings
 from tests.test_preflight import start_redis  # noqa: F401  (a fixture)
@@ -95,7 +94,7 @@ def test_the_orchestrator_keeps_the_run_on_the_redis_it_is_given(
         assert orchestrator.returncode == 0, logs["orchestrator.log"]
         assert commands_seen(environment_server) <= OWN_COMMANDS, commands_seen(environment_server)
         # Everything of the run is on the server it was given: its keys, the queues' bindings.
-        assert run_server.hlen(RunState(run_id).published) == 2
+        assert run_server.hlen(RunKeys(run_id).published) == 2
         assert run_server.exists(f"_kombu.binding.{workers.cpu_queue}")
         assert any(run_server.scan_iter(match=RunKeys(run_id).run_key("*"), count=1000))
 
@@ -129,4 +128,4 @@ def test_rlship_run_keeps_every_child_on_the_redis_its_config_names(
     environment_server = redis.Redis.from_url(environment_url)
     assert list(environment_server.scan_iter(count=1000)) == []
     assert commands_seen(environment_server) <= OWN_COMMANDS, commands_seen(environment_server)
-    assert redis.Redis.from_url(run_url).hlen(RunState(run_id).published) == 2
+    assert redis.Redis.from_url(run_url).hlen(RunKeys(run_id).published) == 2

@@ -17,7 +17,6 @@ import pytest
 
 from orchestrator.producer import RolloutProducer
 from orchestrator.records import RolloutRecord
-from tasks.ship import RunState
 from tests.shiprun import open_policy_gate, run_orchestrator, ship, ship_settings
 from tests.wire_trainer import WireTrainer
 from transport.filesystem import payload_path
@@ -242,7 +241,7 @@ def test_what_a_trainer_decodes_is_what_the_rollouts_said(
     PayloadStore(client, run_id).delete_all_rollouts()
 
     # The checksum every summary and test relies on is SHA-256 of the bytes the trainer got.
-    reported = {k.decode(): v.decode() for k, v in client.hgetall(RunState(run_id).sent_checksums).items()}
+    reported = {k.decode(): v.decode() for k, v in client.hgetall(RunKeys(run_id).sent_checksums).items()}
     assert reported == {
         f"{step}:{rank}": hashlib.sha256(payload).hexdigest()[:32]
         for (step, rank), payload in received.items()

@@ -14,9 +14,9 @@ from orchestrator.loop import Orchestrator
 from orchestrator.producer import RolloutProducer
 from orchestrator.records import RecordRejected, parse_record
 from orchestrator.settings import RunSettings
-from tasks.ship import RunState
 from tests.factories import group, rollout
 from tests.shiprun import ship_settings, start_trainers, stop
+from transport.keys import RunKeys
 from transport.store import PayloadStore
 
 pytestmark = pytest.mark.timeout(120)
@@ -81,7 +81,7 @@ def test_discarded_rollouts_are_released_at_once_and_counted(client, redis_url, 
         return orchestrator
 
     orchestrator = asyncio.run(scenario())
-    keys = RunState(run_id).keys
+    keys = RunKeys(run_id)
     alive = {r.rollout_id for r, _ in rollouts if client.exists(keys.rollout(r.rollout_id))}
     assert alive == {"live-r0", "live-r1"}, "only the trainable payloads are still held"
     assert orchestrator.pending.rollout_ids == ["live-r0", "live-r1"]
@@ -110,7 +110,7 @@ def test_trainable_payloads_stay_until_shipped(client, redis_url, run_id, tmp_pa
         return orchestrator
 
     orchestrator = asyncio.run(scenario())
-    keys = RunState(run_id).keys
+    keys = RunKeys(run_id)
     assert orchestrator.pending.rollout_ids == ["a-r0", "a-r1"]
     assert client.exists(keys.rollout("a-r0"), keys.rollout("a-r1")) == 2
     assert client.exists(keys.rollout("b-r0"), keys.rollout("b-r1")) == 0
@@ -134,10 +134,10 @@ def test_empty_batch_publishes_nothing_and_does_not_advance(client, redis_url, r
             await aclient.aclose()
 
     asyncio.run(scenario())
-    state = RunState(run_id)
+    state = RunKeys(run_id)
     assert client.get(state.next_step) is None
-    assert client.xlen(state.keys.metrics_stream) == 0
-    assert not list(client.scan_iter(match=state.keys.step(0, "*")))
+    assert client.xlen(state.metrics_stream) == 0
+    assert not list(client.scan_iter(match=state.step(0, "*")))
 
 
 def test_policy_wait_is_reported_with_the_step_it_finished_during(
@@ -145,7 +145,7 @@ def test_policy_wait_is_reported_with_the_step_it_finished_during(
 ):
     settings = ship_settings(run_id, redis_url, workers, tmp_path, steps=2, batch_size=4, group_size=2)
     producer = RolloutProducer(client, run_id)
-    state = RunState(run_id)
+    state = RunKeys(run_id)
 
     async def scenario() -> list[dict]:
         aclient = aioredis.Redis.from_url(redis_url)

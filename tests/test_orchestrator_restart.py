@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from orchestrator.settings import RunSettings, settings_to_env
-from tasks.ship import RunState
 from tests.conftest import REPO, python_command
 from tests.shiprun import delivered, deterministic_run, metrics_lines, ship, start_trainers, stop
 from tests.test_ship_path import leftover_keys
@@ -45,7 +44,7 @@ def test_a_restarted_orchestrator_ships_what_a_fault_free_run_ships(
 
     settings = deterministic_run(client, run_id, redis_url, workers, tmp_path / "run", STEPS)
     settings = settings.with_changes(**numbering)
-    published = RunState(run_id).published
+    published = RunKeys(run_id).published
     log = tmp_path / "orchestrator.log"
     trainers = start_trainers(settings)
     try:

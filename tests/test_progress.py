@@ -22,7 +22,7 @@ from orchestrator.progress import (
     redraw,
     status_lines,
 )
-from tasks.ship import RunState
+from transport.keys import RunKeys
 
 STATUS = {
     "arrived": 300.0,
@@ -100,18 +100,18 @@ def test_redraw_replaces_the_block_and_keeps_the_new_lines() -> None:
 
 
 def write_step(
-    client: redis.Redis, state: RunState, step: int, *done: str, sent: tuple[int, ...] = ()
+    client: redis.Redis, state: RunKeys, step: int, *done: str, sent: tuple[int, ...] = ()
 ) -> None:
     for stage in done:
-        client.set(state.keys.step(step, f"done:{stage}"), 0.01, ex=60)
+        client.set(state.step(step, f"done:{stage}"), 0.01, ex=60)
     if sent:
-        client.sadd(state.keys.step(step, "sent"), *sent)
-        client.expire(state.keys.step(step, "sent"), 60)
+        client.sadd(state.step(step, "sent"), *sent)
+        client.expire(state.step(step, "sent"), 60)
 
 
-def publish_record(client: redis.Redis, state: RunState, step: int, lag_ms: float) -> None:
+def publish_record(client: redis.Redis, state: RunKeys, step: int, lag_ms: float) -> None:
     record = {"step": step, "progress/rollouts": 16, "event_loop_lag/max_ms": lag_ms}
-    client.xadd(state.keys.metrics_stream, {"step": step, "record": json.dumps(record)})
+    client.xadd(state.metrics_stream, {"step": step, "record": json.dumps(record)})
 
 
 def cleanup(client: redis.Redis, run_id: str, *extra: str) -> None:
@@ -120,7 +120,7 @@ def cleanup(client: redis.Redis, run_id: str, *extra: str) -> None:
 
 
 def test_reader_reads_what_the_orchestrator_and_workers_write(client: redis.Redis, run_id: str) -> None:
-    state = RunState(run_id)
+    state = RunKeys(run_id)
     queue = f"cpu-{run_id}"
     try:
         publish_record(client, state, 0, 1.0)  # before the reader: not shown again
@@ -159,7 +159,7 @@ class Terminal(io.StringIO):
 
 
 def test_display_in_a_terminal_and_in_a_log(client: redis.Redis, run_id: str) -> None:
-    state = RunState(run_id)
+    state = RunKeys(run_id)
     try:
         client.hset(state.status, mapping={**STATUS, "updated_at": time.time()})
         terminal, log = Terminal(), io.StringIO()

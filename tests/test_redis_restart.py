@@ -24,7 +24,6 @@ import redis
 
 from orchestrator.loop import STALL_CHECK_SECONDS, Orchestrator
 from orchestrator.processes import redis_answers
-from tasks.ship import RunState
 from tests.conftest import REPO, Workers, running_workers
 from tests.shiprun import deterministic_run, ship_settings, start_trainers, stop
 from tests.test_orchestrator_restart import start_orchestrator
@@ -59,7 +58,7 @@ def test_rlship_run_survives_its_redis_being_killed(tmp_path):
         run = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
     client = redis.Redis.from_url(url)
     try:
-        wait_for(lambda: client.hlen(RunState(run_id).published) >= 3, 120, "three steps published")
+        wait_for(lambda: client.hlen(RunKeys(run_id).published) >= 3, 120, "three steps published")
         os.kill(client.info("server")["process_id"], signal.SIGKILL)
         assert run.wait(180) == 0, (tmp_path / "out.log").read_text()[-3000:]
     finally:
@@ -108,7 +107,7 @@ def test_a_redis_restarted_empty_stops_the_orchestrator_with_what_was_lost(bare_
         log = tmp_path / "orchestrator.log"
         orchestrator = start_orchestrator(settings, log)
         try:
-            wait_for(lambda: client.hlen(RunState(run_id).published) >= 2, 120, "two steps published")
+            wait_for(lambda: client.hlen(RunKeys(run_id).published) >= 2, 120, "two steps published")
             restart_empty()
             assert orchestrator.wait(60) == 3, log.read_text()[-3000:]
         finally:
@@ -154,7 +153,7 @@ def test_a_lost_release_message_is_enqueued_again(client, redis_url, run_id, tmp
             asyncio.run(scenario())
     finally:
         pool.stop()
-    assert client.hexists(RunState(run_id).released, 0)
+    assert client.hexists(RunKeys(run_id).released, 0)
     assert "step 0 not released after 1 s; enqueueing it again" in caplog.text
 
 

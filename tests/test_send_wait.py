@@ -18,7 +18,7 @@ import redis
 from tasks.app import app
 from tasks.cohort import CohortBuilder
 from tasks.manifest import ShipConfig, StepManifest
-from tasks.ship import RETRY_SECONDS, SEND_WAIT_MAX_SECONDS, RunState, send
+from tasks.ship import RETRY_SECONDS, SEND_WAIT_MAX_SECONDS, send
 from tests.conftest import Workers
 from tests.test_run_lifecycle import wait_for
 from transport.keys import RunKeys
@@ -68,12 +68,12 @@ class TaskEvents:
 
 @pytest.mark.timeout(120)
 def test_a_waiting_send_backs_off(workers: Workers, client: redis.Redis, run_id: str) -> None:
-    keys, state = RunKeys(run_id), RunState(run_id)
+    keys = RunKeys(run_id)
     config = ShipConfig(ranks=1, seq_len=8, cpu_queue=workers.cpu_queue, ship_queue=workers.ship_queue)
     empty = CohortBuilder().build()
     manifest = StepManifest(run_id, step=1, prev_step=0, cut_time=time.time(), config=config,
                             effective=empty, window=empty)  # fmt: skip
-    client.set(state.alive, 1, ex=120)
+    client.set(keys.alive, 1, ex=120)
     client.set(keys.step(1, "manifest"), manifest.to_bytes(), ex=600)
     task_id = f"send-wait-{run_id}"
     with TaskEvents(task_id) as events:

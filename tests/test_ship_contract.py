@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from tasks import faults, ship
+from transport.keys import RunKeys
 
 LOGGER = "rlship.tasks"
 
@@ -27,7 +28,7 @@ def test_run_state_key_names_are_the_documented_ones(run_id: str) -> None:
     # Persistent across a restart and shared with other processes (orchestrator, followers,
     # `rlship status`, workers of another version): a renamed key silently loses a restarted
     # run's checkpoint and lease, or splits a counter in two. Some are named in the README.
-    state = ship.RunState(run_id)
+    state = RunKeys(run_id)
     names = {
         "published": "published",
         "released": "released",
@@ -52,7 +53,7 @@ def test_run_state_key_names_are_the_documented_ones(run_id: str) -> None:
     assert {attr: getattr(state, attr) for attr in names} == {
         attr: f"rlship:{run_id}:{name}" for attr, name in names.items()
     }
-    assert state.keys.run_id == run_id
+    assert state.run_id == run_id
 
 
 def test_a_task_of_an_ended_run_is_dropped_counted_and_logged(

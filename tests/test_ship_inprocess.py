@@ -20,6 +20,7 @@ from orchestrator.processes import delete_queues
 from tasks import ship
 from tasks.cohort import NUMERIC_COLUMNS, CohortBuilder
 from tasks.manifest import ShipConfig, StepManifest
+from transport.keys import RunKeys
 from transport.store import PayloadStore
 
 # rollout id: (input_ids, number of prompt tokens, advantage, env); "flat" has zero advantage.
@@ -56,7 +57,7 @@ def shipped_step(
                 "accounting/rejected": 0.0, "accounting/discarded": 0.0}  # fmt: skip
     manifest = StepManifest(run_id, 0, -1, 0.0, config, cohort, cohort, counters=counters)
     store.put_step_value(0, "manifest", manifest.to_bytes())
-    client.set(ship.RunState(run_id).alive, 1, ex=60)  # a live run: its tasks are not dropped
+    client.set(RunKeys(run_id).alive, 1, ex=60)  # a live run: its tasks are not dropped
     try:
         yield store, config
     finally:
@@ -93,7 +94,7 @@ def test_one_step_through_every_task(client: redis.Redis, run_id: str, shipped_s
 
     # What the trainer ranks got: every trainable rollout once, with its own advantage.
     seen = {}
-    checksums = client.hgetall(ship.RunState(run_id).sent_checksums)
+    checksums = client.hgetall(RunKeys(run_id).sent_checksums)
     for rank in range(RANKS):
         data = (Path(config.output_dir) / "rollouts" / "step_0" / f"rank_{rank}.bin").read_bytes()
         assert checksums[f"0:{rank}".encode()].decode() == hashlib.sha256(data).hexdigest()[:32]
@@ -126,10 +127,10 @@ def test_one_step_through_every_task(client: redis.Redis, run_id: str, shipped_s
     assert times == {"finalize", "prune", "metrics", "pack", "encode:0", "encode:1", "send:0", "send:1"}
     for name in ("finalize", "prune", "metrics", "pack", "encode:0", "encode:1"):
         assert client.ttl(store.keys.step(0, f"done:{name}")) > 0
-    raw_calls = client.hgetall(ship.RunState(run_id).stage_calls)
+    raw_calls = client.hgetall(RunKeys(run_id).stage_calls)
     calls = {k.decode().rsplit(":", 1)[1]: int(v) for k, v in raw_calls.items()}
     assert calls == {"finalize": 1, "prune": 1, "metrics": 1, "pack": 1, "encode": 2}
-    assert client.hexists(ship.RunState(run_id).published, 0)
+    assert client.hexists(RunKeys(run_id).published, 0)
 
     # Every task again, after the step is published: nothing computed, enqueued or recorded twice.
     for task, args in [(ship.finalize, ()), (ship.prune, ()), (ship.metrics, ()), (ship.pack, ()),
@@ -137,10 +138,10 @@ def test_one_step_through_every_task(client: redis.Redis, run_id: str, shipped_s
         task(run_id, 0, *args)
     assert _enqueued(client, cpu) == [] and _enqueued(client, ship_queue) == []
     assert client.xlen(store.keys.metrics_stream) == 1
-    assert client.hgetall(ship.RunState(run_id).stage_calls) == raw_calls, "no stage computed again"
+    assert client.hgetall(RunKeys(run_id).stage_calls) == raw_calls, "no stage computed again"
 
     ship.release(run_id, 0, RANKS, 8)
-    assert client.hexists(ship.RunState(run_id).released, 0)
+    assert client.hexists(RunKeys(run_id).released, 0)
     assert not client.exists(store.keys.step(0, "manifest"), store.keys.step(0, "times"))
 
 
@@ -149,11 +150,11 @@ def test_a_stage_already_done_is_not_computed_again(client: redis.Redis, run_id:
     ship.finalize(run_id, 0)
     ship.finalize(run_id, 0)
     assert _enqueued(client, config.cpu_queue) == [("rlship.prune", [run_id, 0])] * 2, "successors again"
-    calls = client.hgetall(ship.RunState(run_id).stage_calls)
+    calls = client.hgetall(RunKeys(run_id).stage_calls)
     assert [int(v) for v in calls.values()] == [1], "computed once"
     ctx = ship.StepContext(run_id, 0)
     assert not ctx.is_published() and not ctx.is_published(0)
-    client.hset(ctx.state.published, 0, 1.0)
+    client.hset(ctx.keys.published, 0, 1.0)
     assert ctx.is_published() and not ctx.is_published(1)
     ctx.put("x", {"k": [1, 2]})
     assert ctx.get("x") == {"k": [1, 2]}

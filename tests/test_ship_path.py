@@ -9,7 +9,6 @@ import socket
 import numpy as np
 import pytest
 
-from tasks.ship import RunState
 from tasks.stages.publish import conservation_error
 from tests.shiprun import metrics_lines, ship, ship_settings
 from transport.keys import RunKeys
@@ -33,7 +32,7 @@ def test_every_step_reaches_every_rank_once_in_order(transport, client, redis_ur
     assert client.xlen(keys.metrics_stream) == 4, "exactly one record per step"
     assert [int(r["step"]) for r in metrics_lines(settings)] == [0, 1, 2, 3]
 
-    sent = {k.decode(): v.decode() for k, v in client.hgetall(RunState(run_id).sent_checksums).items()}
+    sent = {k.decode(): v.decode() for k, v in client.hgetall(RunKeys(run_id).sent_checksums).items()}
     for rank in range(settings.ranks):
         received = {int(k): v.decode() for k, v in client.hgetall(keys.received(rank)).items()}
         assert sorted(received) == [0, 1, 2, 3]
@@ -51,7 +50,7 @@ def test_every_step_reaches_every_rank_once_in_order(transport, client, redis_ur
 def test_orchestrator_process_runs_no_stage(client, redis_url, run_id, workers, tmp_path):
     settings = ship_settings(run_id, redis_url, workers, tmp_path, steps=2)
     ship(settings)
-    calls = {k.decode(): int(v) for k, v in client.hgetall(RunState(run_id).stage_calls).items()}
+    calls = {k.decode(): int(v) for k, v in client.hgetall(RunKeys(run_id).stage_calls).items()}
     me = f"{socket.gethostname()}:{os.getpid()}:"
     stages = {key.rsplit(":", 1)[1] for key in calls}
     assert {"finalize", "prune", "metrics", "pack", "encode", "release"} <= stages

@@ -13,9 +13,9 @@ import psutil
 import pytest
 import redis
 
-from tasks.ship import RunState
 from tests.conftest import running_workers
 from tests.shiprun import ship, ship_settings
+from transport.keys import RunKeys
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -32,7 +32,7 @@ class MemorySampler:
     def __init__(self, workers: Iterable[psutil.Process], client: redis.Redis, run_id: str) -> None:
         self.mains = list(workers)
         self.client = client
-        self.published = RunState(run_id).published
+        self.published = RunKeys(run_id).published
         self.samples: list[tuple[int, int, int]] = []  # (steps published, total RSS, largest process RSS)
         self.pool_pids: set[int] = set()
         self._stop = threading.Event()

@@ -23,10 +23,10 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.settings import RunSettings
-from tasks.ship import RunState
 from tests.conftest import REPO, Workers, python_command
 from tests.shiprun import ShipResult, ship, ship_settings, start_trainers, stop
 from tests.test_run_lifecycle import wait_for
+from transport.keys import RunKeys
 from transport.zmq import free_port_pair
 
 STEPS = 4
@@ -50,7 +50,7 @@ def held_run(settings: RunSettings, client: redis.Redis) -> Iterator[list[ShipRe
     results: list[ShipResult] = []
     thread = threading.Thread(target=lambda: results.append(ship(settings, trainers=False)))
     thread.start()
-    state = RunState(settings.run_id)
+    state = RunKeys(settings.run_id)
 
     def held() -> bool:
         status = client.hgetall(state.status)
@@ -162,7 +162,7 @@ def test_prometheus_endpoint_during_a_run(
         assert samples["rlship_steps_cut_total"] == shipped
         assert samples["rlship_steps_wanted"] == STEPS
         assert samples["rlship_stalled_ranks"] == settings.ranks
-        arrived = float(client.hget(RunState(run_id).status, "arrived") or 0)
+        arrived = float(client.hget(RunKeys(run_id).status, "arrived") or 0)
         assert samples["rlship_rollouts_arrived_total"] == arrived > 0  # the producer is held too
         # Nothing is in flight while the gate holds the run; the queues are empty.
         stages = {k: v for k, v in samples.items() if k.startswith("rlship_tasks_in_flight:")}

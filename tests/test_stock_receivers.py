@@ -28,8 +28,7 @@ import pytest
 import zmq
 
 from orchestrator.processes import delete_run_keys
-from tasks.faults import arm, faults_key
-from tasks.ship import RunState
+from tasks.faults import arm
 from tests.conftest import running_workers
 from tests.shiprun import deterministic_run, metrics_lines, run_orchestrator, ship
 from tests.stock_peers import read_record, start_stock_peer
@@ -147,7 +146,7 @@ def test_ship_worker_killed_five_times_stock_ranks_get_every_step_once(
             target=lambda: outcome.update(result=asyncio.run(run_orchestrator(settings, timeout=240)))
         )
         orchestrator.start()
-        published = RunState(run_id).published
+        published = RunKeys(run_id).published
         kills = 0
         try:
             for threshold in range(3, 3 + 5 * KILLS, 5):
@@ -174,10 +173,10 @@ def test_ship_worker_killed_five_times_stock_ranks_get_every_step_once(
             for peer in peers:
                 peer.kill()
         assert kills == KILLS, "every kill landed mid-run"
-        checksums = client.hgetall(RunState(run_id).sent_checksums)
+        checksums = client.hgetall(RunKeys(run_id).sent_checksums)
         encoded = {key.decode(): value.decode() for key, value in checksums.items()}
         steps = list(range(1, STEPS + 1))
-        interrupted = {k.decode() for k in client.hkeys(RunState(run_id).interrupted_sends)}
+        interrupted = {k.decode() for k in client.hkeys(RunKeys(run_id).interrupted_sends)}
         for rank, record in enumerate(records):
             got = read_record(record)
             if transport == "fs":
@@ -226,10 +225,10 @@ def test_the_window_left_by_a_killed_send(fault, order, client, redis_url, run_i
         finally:
             for peer in peers:
                 peer.kill()
-    assert client.hlen(faults_key(run_id)) == 0, "the armed fault fired"
+    assert client.hlen(RunKeys(run_id).faults) == 0, "the armed fault fired"
     assert [r["topic_step"] for r in read_record(records[0])] == [1, 2, 3]
     assert [r["topic_step"] for r in read_record(records[1])] == order
-    interrupted = client.hgetall(RunState(run_id).interrupted_sends)
+    interrupted = client.hgetall(RunKeys(run_id).interrupted_sends)
     assert interrupted == {b"2:1": b"1"}, "the resend is counted either way"
     delete_run_keys(settings)
 

@@ -12,7 +12,6 @@ import time
 import pytest
 
 from orchestrator.producer import run_producer
-from tasks.ship import RunState
 from tests.shiprun import ShipResult, run_orchestrator, ship_settings, start_trainers, stop
 from tests.test_ship_path import leftover_keys
 from transport.keys import RunKeys
@@ -95,7 +94,7 @@ def test_a_stuck_then_restarted_trainer_gets_every_step_once(client, redis_url, 
     steps = 7
     settings = ship_settings(run_id, redis_url, workers, tmp_path, steps=steps, max_async_level=1)
     keys = RunKeys(run_id)
-    status = RunState(run_id).status
+    status = RunKeys(run_id).status
     trainers = start_trainers(settings)
 
     async def scenario() -> ShipResult:
@@ -126,7 +125,7 @@ def test_a_stuck_then_restarted_trainer_gets_every_step_once(client, redis_url, 
         stop(trainers)
     PayloadStore(client, run_id).delete_all_rollouts()
 
-    sent = {k.decode(): v.decode() for k, v in client.hgetall(RunState(run_id).sent_checksums).items()}
+    sent = {k.decode(): v.decode() for k, v in client.hgetall(RunKeys(run_id).sent_checksums).items()}
     for rank in range(settings.ranks):
         received = {int(s): c.decode() for s, c in client.hgetall(keys.received(rank)).items()}
         deliveries = {int(s): int(n) for s, n in client.hgetall(keys.deliveries(rank)).items()}
