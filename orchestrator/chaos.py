@@ -57,13 +57,12 @@ from orchestrator.processes import (
 from orchestrator.producer import RolloutProducer, SyntheticWorkload
 from orchestrator.settings import RunSettings, settings_to_env
 from tasks.faults import arm, fault_field
+from tasks.graph import PER_RANK_STAGES, STAGE_NAMES
 from transport.keys import RunKeys
 from transport.store import PayloadStore
 from transport.zmq import free_port_pair
 
-STAGES = ("finalize", "prune", "metrics", "pack", "encode", "send", "publish", "release")
-STOCK_STAGES = tuple(stage for stage in STAGES if stage != "send")  # see the module docstring
-PER_RANK_STAGES = ("encode", "send")
+STOCK_STAGES = tuple(stage for stage in STAGE_NAMES if stage != "send")  # see the module docstring
 WORKERS = ("cpu-worker", "ship-worker")
 STOCK_PEERS = Path(__file__).resolve().parent.parent / "tests" / "stock_peers.py"
 HANG_SECONDS = 30.0  # after the run, how long a stock rank may take to get its last step
@@ -135,7 +134,7 @@ def main(args: argparse.Namespace) -> int:
     reference, chaos = settings_for("reference"), settings_for("chaos")
     print(f"rlship chaos: fault-free run of {args.steps} steps ({reference.run_id})", flush=True)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that every child is stopped
-    plan = KillPlan(args.ship_kills, STOCK_STAGES if args.receivers == "stock" else STAGES)
+    plan = KillPlan(args.ship_kills, STOCK_STAGES if args.receivers == "stock" else STAGE_NAMES)
     expected = run_system(reference, None, random.Random(args.seed), args.timeout, args.receivers, plan)
     print(f"rlship chaos: the same with a kill every {args.kill_every:g} s ({chaos.run_id})", flush=True)
     rng = random.Random(args.seed)
@@ -198,7 +197,7 @@ def run_system(
     rng: random.Random,
     timeout: float,
     receivers: str = "rlship",
-    plan: KillPlan = KillPlan(1, STAGES),
+    plan: KillPlan = KillPlan(1, STAGE_NAMES),
 ) -> dict[str, Any]:
     """One run of the whole system on this machine, with kills when `kill_every` is set."""
     rollouts = write_workload(settings)
@@ -294,7 +293,7 @@ def kill_one(
     rng: random.Random,
     kills: list[Kill],
     seconds: float,
-    plan: KillPlan = KillPlan(1, STAGES),
+    plan: KillPlan = KillPlan(1, STAGE_NAMES),
 ) -> Kill | None:
     """The next kill of the rotation (module docstring). The orchestrator dies once it has
     published two steps; the ship worker once four are, and again every few steps after

@@ -15,6 +15,8 @@ import pytest
 import redis
 
 from tasks import faults, ship
+from tasks.app import app
+from tasks.graph import STAGES
 from transport.keys import RunKeys
 
 LOGGER = "rlship.tasks"
@@ -54,6 +56,16 @@ def test_run_state_key_names_are_the_documented_ones(run_id: str) -> None:
         attr: f"rlship:{run_id}:{name}" for attr, name in names.items()
     }
     assert state.run_id == run_id
+
+
+def test_every_stage_of_the_graph_is_a_task_under_its_fixed_name() -> None:
+    # In every task message and in Flower: a renamed task strands the messages in flight.
+    names = {"rlship.finalize", "rlship.prune", "rlship.metrics", "rlship.pack", "rlship.encode",
+             "rlship.send", "rlship.publish", "rlship.release"}  # fmt: skip
+    assert {name for name in app.tasks if name.startswith("rlship.")} == names
+    assert {stage.task_name for stage in STAGES} == names
+    assert {stage.name for stage in STAGES if stage.per_rank} == {"encode", "send"}
+    assert [stage.name for stage in STAGES if stage.queue == "ship"] == ["send"]
 
 
 def test_a_task_of_an_ended_run_is_dropped_counted_and_logged(
