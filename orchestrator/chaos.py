@@ -17,7 +17,7 @@ of order, payloads that differ from the fault-free run, records published, keys 
 Redis, and the kills (`--json PATH`).
 
 `--receivers stock` runs trainer ranks that receive as prime-rl's stock ones do
-(tests/stock_peers.py, from a checkout): READY once, no duplicate check, no replay, their
+(tests/support/stock_peers.py, from a checkout): READY once, no duplicate check, no replay, their
 own step count; what they got is read from their record files. A duplicate or a lost step
 reaches such a rank for good, so this mode also reports ranks that never got every step
 (`hung_ranks`, waited for 30 s after the run) and the sends a ship worker redid after a
@@ -64,7 +64,7 @@ from transport.zmq import free_port_pair
 
 STOCK_STAGES = tuple(stage for stage in STAGE_NAMES if stage != "send")  # see the module docstring
 WORKERS = ("cpu-worker", "ship-worker")
-STOCK_PEERS = Path(__file__).resolve().parent.parent / "tests" / "stock_peers.py"
+STOCK_PEERS = Path(__file__).resolve().parent.parent / "tests" / "support" / "stock_peers.py"
 HANG_SECONDS = 30.0  # after the run, how long a stock rank may take to get its last step
 
 
@@ -180,7 +180,7 @@ def trainer_command(settings: RunSettings, rank: int, receivers: str) -> list[st
     if not STOCK_PEERS.exists():
         raise SystemExit(f"rlship chaos: --receivers stock needs a checkout ({STOCK_PEERS} is missing)")
     return [
-        sys.executable, "-m", "tests.stock_peers", "zmq", "--rank", str(rank),
+        sys.executable, "-m", "tests.support.stock_peers", "zmq", "--rank", str(rank),
         "--record", str(stock_record(settings, rank)), "--output-dir", str(settings.output_dir),
         "--host", settings.zmq_host, "--port", str(settings.zmq_port),
         "--start-step", str(settings.start_step),
