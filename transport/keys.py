@@ -56,7 +56,7 @@ class RunKeys:
     def step(self, step: int, name: str) -> str:
         """A step-scoped key: a `StepValue`, or (through the methods below) a stage mark,
         the stage times, the ranks sent, a per-rank payload."""
-        return f"{self.prefix}step:{step}:{name}"
+        return f"{self.steps_prefix}{step}:{name}"
 
     @property
     def steps_prefix(self) -> str:
