@@ -17,7 +17,7 @@ of order, payloads that differ from the fault-free run, records published, keys 
 Redis, and the kills (`--json PATH`).
 
 `--receivers stock` runs trainer ranks that receive as prime-rl's stock ones do
-(tests/stock_peers.py, from a checkout): READY once, no duplicate check, no replay, their
+(tests/support/stock_peers.py, from a checkout): READY once, no duplicate check, no replay, their
 own step count; what they got is read from their record files. A duplicate or a lost step
 reaches such a rank for good, so this mode also reports ranks that never got every step
 (`hung_ranks`, waited for 30 s after the run) and the sends a ship worker redid after a
@@ -56,17 +56,15 @@ from orchestrator.processes import (
 )
 from orchestrator.producer import RolloutProducer, SyntheticWorkload
 from orchestrator.settings import RunSettings, settings_to_env
-from tasks.faults import arm, fault_field, faults_key
-from tasks.ship import RunState
+from tasks.faults import arm, fault_field
+from tasks.graph import PER_RANK_STAGES, STAGE_NAMES
 from transport.keys import RunKeys
 from transport.store import PayloadStore
 from transport.zmq import free_port_pair
 
-STAGES = ("finalize", "prune", "metrics", "pack", "encode", "send", "publish", "release")
-STOCK_STAGES = tuple(stage for stage in STAGES if stage != "send")  # see the module docstring
-PER_RANK_STAGES = ("encode", "send")
+STOCK_STAGES = tuple(stage for stage in STAGE_NAMES if stage != "send")  # see the module docstring
 WORKERS = ("cpu-worker", "ship-worker")
-STOCK_PEERS = Path(__file__).resolve().parent.parent / "tests" / "stock_peers.py"
+STOCK_PEERS = Path(__file__).resolve().parent.parent / "tests" / "support" / "stock_peers.py"
 HANG_SECONDS = 30.0  # after the run, how long a stock rank may take to get its last step
 
 
@@ -136,7 +134,7 @@ def main(args: argparse.Namespace) -> int:
     reference, chaos = settings_for("reference"), settings_for("chaos")
     print(f"rlship chaos: fault-free run of {args.steps} steps ({reference.run_id})", flush=True)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that every child is stopped
-    plan = KillPlan(args.ship_kills, STOCK_STAGES if args.receivers == "stock" else STAGES)
+    plan = KillPlan(args.ship_kills, STOCK_STAGES if args.receivers == "stock" else STAGE_NAMES)
     expected = run_system(reference, None, random.Random(args.seed), args.timeout, args.receivers, plan)
     print(f"rlship chaos: the same with a kill every {args.kill_every:g} s ({chaos.run_id})", flush=True)
     rng = random.Random(args.seed)
@@ -182,7 +180,7 @@ def trainer_command(settings: RunSettings, rank: int, receivers: str) -> list[st
     if not STOCK_PEERS.exists():
         raise SystemExit(f"rlship chaos: --receivers stock needs a checkout ({STOCK_PEERS} is missing)")
     return [
-        sys.executable, "-m", "tests.stock_peers", "zmq", "--rank", str(rank),
+        sys.executable, "-m", "tests.support.stock_peers", "zmq", "--rank", str(rank),
         "--record", str(stock_record(settings, rank)), "--output-dir", str(settings.output_dir),
         "--host", settings.zmq_host, "--port", str(settings.zmq_port),
         "--start-step", str(settings.start_step),
@@ -199,7 +197,7 @@ def run_system(
     rng: random.Random,
     timeout: float,
     receivers: str = "rlship",
-    plan: KillPlan = KillPlan(1, STAGES),
+    plan: KillPlan = KillPlan(1, STAGE_NAMES),
 ) -> dict[str, Any]:
     """One run of the whole system on this machine, with kills when `kill_every` is set."""
     rollouts = write_workload(settings)
@@ -251,7 +249,7 @@ def run_system(
             hung = wait_for_stock_ranks(settings, HANG_SECONDS)
     finally:
         group.stop_all()
-    fired = {f.decode() for f in client.hkeys(faults_key(settings.run_id))}
+    fired = {f.decode() for f in client.hkeys(RunKeys(settings.run_id).faults)}
     for kill in kills:
         if kill.target == "stage-fault":
             kill.fired = fault_field(kill.stage, kill.step, kill.rank) not in fired
@@ -295,12 +293,12 @@ def kill_one(
     rng: random.Random,
     kills: list[Kill],
     seconds: float,
-    plan: KillPlan = KillPlan(1, STAGES),
+    plan: KillPlan = KillPlan(1, STAGE_NAMES),
 ) -> Kill | None:
     """The next kill of the rotation (module docstring). The orchestrator dies once it has
     published two steps; the ship worker once four are, and again every few steps after
     (`plan.ship_kills` in all), so both die mid-run."""
-    published = client.hlen(RunState(settings.run_id).published)
+    published = client.hlen(RunKeys(settings.run_id).published)
     done = Counter(kill.target for kill in kills)
     if not done["orchestrator"] and published >= 2:
         group.processes["orchestrator"].send_signal(signal.SIGKILL)
@@ -318,12 +316,12 @@ def kill_one(
             return None
         rng.choice(children).kill()
         return Kill(seconds, "cpu-worker-child")
-    step = int(client.get(RunState(settings.run_id).next_step) or settings.start_step)
+    step = int(client.get(RunKeys(settings.run_id).next_step) or settings.start_step)
     if step >= settings.step_numbers.stop:
         return None
     stage = rng.choice(plan.stages)
     rank = rng.randrange(settings.ranks) if stage in PER_RANK_STAGES else None
-    if client.hexists(faults_key(settings.run_id), fault_field(stage, step, rank)):
+    if client.hexists(RunKeys(settings.run_id).faults, fault_field(stage, step, rank)):
         return None  # armed already: one fault per stage of a step
     arm(client, settings.run_id, stage, step, rank)
     return Kill(seconds, "stage-fault", stage, step, rank)
@@ -364,7 +362,7 @@ def observe_stock(settings: RunSettings, client: redis.Redis) -> dict[str, Any]:
             "order": [r["topic_step"] for r in got],
         }
     seen = observe(settings, client)
-    interrupted = client.hgetall(RunState(settings.run_id).interrupted_sends)
+    interrupted = client.hgetall(RunKeys(settings.run_id).interrupted_sends)
     return {
         **seen,
         "ranks": ranks,

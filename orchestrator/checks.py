@@ -24,7 +24,7 @@ import redis
 from orchestrator.processes import queue_consumers
 from orchestrator.settings import RunSettings
 from tasks.logs import mask_secrets
-from tasks.ship import RunState
+from transport.keys import RunKeys
 
 REDIS_TIMEOUT_SECONDS = 2.0
 # The commands a supervisor starts together with Redis (honcho, compose) wait this long for it.
@@ -176,7 +176,7 @@ def redis_keeps_data(client: redis.Redis, allow_eviction: bool) -> list[Check]:
 
 def run_id_free(client: redis.Redis, run_id: str) -> Check:
     """A run id already used: finished runs are refused, interrupted ones resumed (and said so)."""
-    state = RunState(run_id)
+    state = RunKeys(run_id)
     finished, next_step = client.mget(state.finished, state.next_step)
     records = client.hlen(state.published)
     if finished is not None:

@@ -13,7 +13,7 @@ import redis
 
 from orchestrator.processes import queue_consumers
 from orchestrator.settings import RunSettings
-from tasks.ship import RunState
+from transport.keys import RunKeys
 
 DIAGNOSE_SECONDS = 3.0
 # Past this share of maxmemory a noeviction Redis refuses the step's next large write.
@@ -38,7 +38,7 @@ def redis_out_of_memory(client: redis.Redis) -> str | None:
 
 def stall_reason(client: redis.Redis, settings: RunSettings) -> str | None:
     """The first cause found, or None when nothing explains the stall."""
-    problem = client.get(RunState(settings.run_id).ship_problem)
+    problem = client.get(RunKeys(settings.run_id).ship_problem)
     if problem:
         return problem.decode()
     out_of_memory = redis_out_of_memory(client)

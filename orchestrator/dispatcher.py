@@ -30,8 +30,9 @@ from orchestrator.publisher import Publisher
 from orchestrator.rollout_log import RolloutLog
 from orchestrator.settings import RunSettings
 from tasks.manifest import StepManifest
-from tasks.ship import RunState, finalize
+from tasks.ship import finalize
 from tasks.stages.finalize import StepVerdict
+from transport.keys import StepValue
 from transport.store import AsyncPayloadStore
 
 log = logging.getLogger("rlship.orchestrator")
@@ -59,7 +60,6 @@ class Dispatcher:
         self.client = client
         self.store = store
         self.keys = store.keys
-        self.state = RunState(settings.run_id)
         self.config = settings.ship_config()
         self.ingest = ingest
         self.gate = gate
@@ -82,7 +82,7 @@ class Dispatcher:
 
     async def resume(self) -> None:
         """Continue after the last cut of a previous orchestrator of the run."""
-        self.next_step = int(await self.client.get(self.state.next_step) or self.start_step)
+        self.next_step = int(await self.client.get(self.keys.next_step) or self.start_step)
 
     async def enqueue_unpublished(self) -> list[int]:
         """Enqueue again the first task of each cut step not yet published (the stages are
@@ -90,7 +90,7 @@ class Dispatcher:
         unpublished = [
             step
             for step in range(self.last_published() + 1, self.next_step)
-            if not await self.client.hexists(self.state.published, step)
+            if not await self.client.hexists(self.keys.published, step)
         ]
         for step in unpublished:
             await self.publisher.enqueue(finalize, step)
@@ -102,7 +102,8 @@ class Dispatcher:
         """Tell the rollout log which of the step's rollouts shipped (read before release)."""
         rollout_ids = self.cut_rollouts.pop(step, [])
         if self.rollout_log.enabled:
-            dropped = msgpack.unpackb(await self.client.get(self.keys.step(step, "dropped")) or b"\x80")
+            raw_dropped = await self.client.get(self.keys.step(step, StepValue.DROPPED))
+            dropped = msgpack.unpackb(raw_dropped or b"\x80")
             self.rollout_log.shipped(step, rollout_ids, dropped)
 
     async def run(self) -> None:
@@ -140,7 +141,7 @@ class Dispatcher:
         while verdict is None and step > self.last_published():
             if self.stopping.is_set():
                 return
-            raw = await self.client.get(self.keys.step(step, "verdict"))
+            raw = await self.client.get(self.keys.step(step, StepValue.VERDICT))
             if raw is None:
                 await asyncio.sleep(POLL_SECONDS)
             else:
@@ -219,14 +220,14 @@ class Dispatcher:
         manifest and one SADD argument per rollout key take 50 ms, one pause on the loop;
         here the loop gets the GIL back between the pieces (`packb_in_pieces`)."""
         step = manifest.step
-        manifest_key = self.keys.step(step, "manifest")
+        manifest_key = self.keys.step(step, StepValue.MANIFEST)
         pipe = self.publisher.client.pipeline(transaction=True)
         pipe.set(manifest_key, manifest.to_bytes(), ex=self.store.ttl)
         pipe.sadd(self.keys.step_keys(step), manifest_key, *(self.keys.rollout(r) for r in batch_ids))
         pipe.expire(self.keys.step_keys(step), self.store.ttl)
-        pipe.set(self.state.next_step, step + 1)
-        pipe.set(self.state.checkpoint, checkpoint.to_bytes())
-        pipe.set(self.keys.run_key("accounted"), accounted)
+        pipe.set(self.keys.next_step, step + 1)
+        pipe.set(self.keys.checkpoint, checkpoint.to_bytes())
+        pipe.set(self.keys.accounted, accounted)
         pipe.xtrim(self.keys.rollout_stream, minid=oldest_held)
         pipe.execute()
 
@@ -244,12 +245,12 @@ class Dispatcher:
         step_keys = await self.client.smembers(self.keys.step_keys(step))
         pipe = self.client.pipeline(transaction=True)
         pipe.unlink(self.keys.step_keys(step), *step_keys)
-        pipe.set(self.state.next_step, step)
-        pipe.set(self.state.checkpoint, self.ingest.checkpoint().to_bytes())
+        pipe.set(self.keys.next_step, step)
+        pipe.set(self.keys.checkpoint, self.ingest.checkpoint().to_bytes())
         await pipe.execute()
 
     async def _read_manifest(self, step: int) -> bytes:
-        raw = await self.client.get(self.keys.step(step, "manifest"))
+        raw = await self.client.get(self.keys.step(step, StepValue.MANIFEST))
         if raw is None:
             raise RunStateLost(self.settings.run_id, self.loss_report())
         return raw

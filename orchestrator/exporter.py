@@ -17,7 +17,6 @@ from prometheus_client.registry import Collector
 
 from orchestrator.progress import STAGES, StatusReader, in_flight
 from orchestrator.run_info import RunInfo
-from tasks.ship import RunState
 from transport.keys import RunKeys
 
 if TYPE_CHECKING:
@@ -33,7 +32,6 @@ class RunCollector(Collector):
         self.follower = follower
         self.probe = probe
         self.keys = RunKeys(settings.run_id)
-        self.state = RunState(settings.run_id)
         self.info = RunInfo.from_settings(settings)
         self.client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
         self._reader: StatusReader | None = None
@@ -57,7 +55,7 @@ class RunCollector(Collector):
             if self._reader is None:
                 self._reader = StatusReader(self.client, self.info.run_id, self.info.queues, self.info.ranks)
             snapshot = self._reader.snapshot()
-            published = int(self.client.hlen(self.state.published))
+            published = int(self.client.hlen(self.keys.published))
             payload_bytes = self.payload_bytes()
         status, run = snapshot.status, [self.info.run_id]
         start = self.info.start_step

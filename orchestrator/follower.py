@@ -20,7 +20,6 @@ from orchestrator.ingest import READ_BLOCK_MS
 from orchestrator.monitors import Monitors
 from orchestrator.progress import format_step_line
 from orchestrator.settings import RunSettings
-from tasks.ship import RunState
 from transport.keys import RunKeys
 
 RECENT_RECORDS = 8
@@ -38,7 +37,6 @@ class RecordFollower:
         self.settings = settings
         self.client = client
         self.keys = RunKeys(settings.run_id)
-        self.state = RunState(settings.run_id)
         self.stopping = stopping
         self.on_published = on_published
         self.start_step: int = settings.step_numbers.start
@@ -58,7 +56,7 @@ class RecordFollower:
 
     async def resume(self) -> None:
         """Continue after the last step a previous orchestrator of the run followed."""
-        self.last_published = int(await self.client.get(self.state.followed) or self.start_step - 1)
+        self.last_published = int(await self.client.get(self.keys.followed) or self.start_step - 1)
 
     async def follow(self) -> None:
         """Mirror published records to metrics.jsonl, print a line each, hand each step on."""
@@ -82,7 +80,7 @@ class RecordFollower:
                 self.tokens_shipped += int(record.get("progress/tokens", 0.0))
                 self.last_published = step
                 await self.on_published(step)
-                await self.client.set(self.state.followed, step)
+                await self.client.set(self.keys.followed, step)
 
     def close(self) -> None:
         if self.monitors is not None:

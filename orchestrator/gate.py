@@ -16,7 +16,6 @@ import redis.asyncio as aioredis
 
 from orchestrator.policy import NO_VERSION, PolicyVersion
 from orchestrator.settings import RunSettings
-from tasks.ship import RunState
 from transport.keys import RunKeys
 from transport.numbering import required_version, step_reaching
 
@@ -34,7 +33,6 @@ class PolicyGate:
         self.settings = settings
         self.client = client
         self.keys = RunKeys(settings.run_id)
-        self.state = RunState(settings.run_id)
         self.policy = policy
         self.stopping = stopping
 
@@ -57,10 +55,10 @@ class PolicyGate:
                 reported = True
             await self.policy.moved(min(1.0, max(POLL_SECONDS, next_report - time.perf_counter())))
         if reported:
-            await self.client.hdel(self.state.status, "stalled_ranks", "policy_gate")
+            await self.client.hdel(self.keys.status, "stalled_ranks", "policy_gate")
             log.warning("step %d: the policy gate opened after %.1f s", step, time.perf_counter() - started)
         waited = time.perf_counter() - started
-        await self.client.incrbyfloat(self.state.policy_wait, waited)
+        await self.client.incrbyfloat(self.keys.policy_wait, waited)
         return waited
 
     async def _report_wait(self, step: int, needed: int, seconds: float) -> None:
@@ -75,7 +73,7 @@ class PolicyGate:
             awaited_step = step_reaching(needed, self.settings.first_step)
             acknowledged = {int(r) for r in await self.client.smembers(self.keys.trained(awaited_step))}
             stalled = sorted(set(range(self.settings.ranks)) - acknowledged)
-            await self.client.hset(self.state.status, "stalled_ranks", json.dumps(stalled))
+            await self.client.hset(self.keys.status, "stalled_ranks", json.dumps(stalled))
             held += f"; rank(s) {stalled} have not acknowledged step {awaited_step}"
-        await self.client.hset(self.state.status, "policy_gate", held)
+        await self.client.hset(self.keys.status, "policy_gate", held)
         log.warning("%s", held)

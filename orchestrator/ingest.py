@@ -25,7 +25,6 @@ from orchestrator.rollout_log import RolloutLog
 from orchestrator.settings import RunSettings
 from tasks.cohort import Cohort, CohortBuilder
 from tasks.manifest import StepManifest
-from tasks.ship import RunState
 from transport.keys import RunKeys
 from transport.numbering import staleness
 
@@ -50,7 +49,6 @@ class Ingest:
         self.settings = settings
         self.client = client
         self.keys = RunKeys(settings.run_id)
-        self.state = RunState(settings.run_id)
         self.rollout_log = rollout_log
         self.stopping = stopping
         self.work = work  # set once there are rollouts enough for a cut
@@ -76,7 +74,7 @@ class Ingest:
             if not response:
                 # No rollouts (the gate holds the producers, or they are done): the status
                 # still says what was cut and published since, for `rlship status`.
-                await self.client.hset(self.state.status, mapping=self.status())
+                await self.client.hset(self.keys.status, mapping=self.status())
                 continue
             entries = response[0][1]
             release_ids: list[str] = []
@@ -86,8 +84,8 @@ class Ingest:
             pipe = self.client.pipeline(transaction=False)
             if release_ids:
                 pipe.unlink(*(self.keys.rollout(r) for r in release_ids))
-            pipe.set(self.keys.run_key("accounted"), self.accounting.accounted)
-            pipe.hset(self.state.status, mapping=self.status())
+            pipe.set(self.keys.accounted, self.accounting.accounted)
+            pipe.hset(self.keys.status, mapping=self.status())
             await pipe.execute()
             if len(self.pending) >= self.settings.batch_size:
                 self.work.set()

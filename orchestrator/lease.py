@@ -19,7 +19,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from orchestrator.errors import LeaseLost, RunStateLost
-from tasks.ship import RunState
+from transport.keys import RunKeys
 
 log = logging.getLogger("rlship.orchestrator")
 
@@ -40,7 +40,7 @@ class Lease:
     ) -> None:
         self.client = client
         self.run_id = run_id
-        self.state = RunState(run_id)
+        self.keys = RunKeys(run_id)
         self.stopping = stopping
         self.on_lost = on_lost  # stops the run with the error that ended the lease
         self.loss_report = loss_report  # what a Redis that came back empty took with it
@@ -53,9 +53,9 @@ class Lease:
         token = self.token
         waiting_logged = False
         while not self.acquired.is_set():
-            if await self.client.set(self.state.orchestrator_lease, token, nx=True, ex=LEASE_SECONDS):
-                await self.client.set(self.state.run_marker, time.time(), nx=True)
-                await self.client.set(self.state.alive, token, ex=ALIVE_SECONDS)
+            if await self.client.set(self.keys.orchestrator_lease, token, nx=True, ex=LEASE_SECONDS):
+                await self.client.set(self.keys.run_marker, time.time(), nx=True)
+                await self.client.set(self.keys.alive, token, ex=ALIVE_SECONDS)
                 self.acquired.set()
                 break
             if not waiting_logged:
@@ -64,10 +64,10 @@ class Lease:
             await asyncio.sleep(LEASE_SECONDS / 5)
         while not self.stopping.is_set():
             pipe = self.client.pipeline(transaction=False)
-            pipe.exists(self.state.run_marker)
-            pipe.set(self.state.orchestrator_lease, token, nx=True, ex=LEASE_SECONDS)
-            pipe.get(self.state.orchestrator_lease)
-            pipe.set(self.state.alive, token, ex=ALIVE_SECONDS)
+            pipe.exists(self.keys.run_marker)
+            pipe.set(self.keys.orchestrator_lease, token, nx=True, ex=LEASE_SECONDS)
+            pipe.get(self.keys.orchestrator_lease)
+            pipe.set(self.keys.alive, token, ex=ALIVE_SECONDS)
             marker, _, holder, _ = await pipe.execute()
             if not marker:
                 self.on_lost(RunStateLost(self.run_id, self.loss_report()))
@@ -75,7 +75,7 @@ class Lease:
             if holder != token.encode():
                 self.on_lost(LeaseLost(f"run {self.run_id}: another orchestrator took the lease"))
                 return
-            await self.client.expire(self.state.orchestrator_lease, LEASE_SECONDS)
+            await self.client.expire(self.keys.orchestrator_lease, LEASE_SECONDS)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), LEASE_SECONDS / 5)
-        await self.client.delete(self.state.orchestrator_lease)
+        await self.client.delete(self.keys.orchestrator_lease)

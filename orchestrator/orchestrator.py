@@ -59,7 +59,6 @@ from orchestrator.run_info import RunInfo
 from orchestrator.settings import RunSettings
 from orchestrator.watchdog import StallWatchdog
 from tasks.app import use_redis
-from tasks.ship import RunState
 from transport.numbering import version_after
 from transport.store import AsyncPayloadStore
 
@@ -76,7 +75,6 @@ class Orchestrator:
         self.client = client
         self.store = AsyncPayloadStore(client, settings.run_id)
         self.keys = self.store.keys
-        self.state = RunState(settings.run_id)
         # The run's steps are settings.step_numbers: from start_step (see transport.numbering).
         self.start_step: int = settings.step_numbers.start
         self.end_step: int = settings.step_numbers.stop
@@ -181,7 +179,7 @@ class Orchestrator:
         resumed_version = version_after(self.start_step - 1, self.settings.first_step)
         if resumed_version > 0:  # trainers resumed at start_step hold the steps before it
             await self.client.set(self.keys.policy_version, resumed_version, nx=True)
-        raw = await self.client.get(self.state.checkpoint)
+        raw = await self.client.get(self.keys.checkpoint)
         if raw is None:
             return
         checkpoint = Checkpoint.from_bytes(raw)
@@ -208,7 +206,7 @@ class Orchestrator:
             acquired.cancel()
             lease.result()  # the error that kept the lease from being taken (a Redis refusing writes)
         await self.resume()
-        await self.client.set(self.state.info, RunInfo.from_settings(self.settings).model_dump_json())
+        await self.client.set(self.keys.info, RunInfo.from_settings(self.settings).model_dump_json())
         await self.policy.update()  # the first gate decision needs no wait for the follower
         # The imports' and setup's objects (tens of thousands of functions, tuples, dicts)
         # live as long as the process: frozen, a full garbage collection no longer walks them,
@@ -269,14 +267,14 @@ class Orchestrator:
         """The run shipped every step: its tasks still queued are dropped (no alive mark), its
         id is marked used, and every key it leaves expires (`DEFAULT_TTL_SECONDS`)."""
         pipe = self.client.pipeline(transaction=True)
-        pipe.unlink(self.state.alive)
-        pipe.set(self.state.finished, time.time())
+        pipe.unlink(self.keys.alive)
+        pipe.set(self.keys.finished, time.time())
         await pipe.execute()
         await self.store.expire_run()
 
     async def end_failed_run(self) -> None:
         """The run cannot go on (resuming it would meet the same input): its queued tasks are
         dropped (no alive mark), its held rollouts released, and every key it leaves expires."""
-        await self.client.unlink(self.state.alive)
+        await self.client.unlink(self.keys.alive)
         await self.releases.unshipped()
         await self.store.expire_run()

@@ -214,7 +214,7 @@ class _Producer:
         self.vocab_size = vocab_size
         self.admission = admission
         self._produce = client.register_script(_PRODUCE_LUA)
-        self._gate_keys = [self.keys.known_policy_version, self.keys.run_key("next_step")]
+        self._gate_keys = [self.keys.known_policy_version, self.keys.next_step]
 
     @classmethod
     def for_run(cls, client: Any, settings: RunSettings, admitted: bool = True) -> Self:
@@ -235,10 +235,10 @@ class _Producer:
         check_rollouts(rollouts, self.max_tokens, self.vocab_size)
         keys = [
             self.keys.rollout_stream,
-            self.keys.run_key("produced"),
-            self.keys.run_key("accounted"),
+            self.keys.produced,
+            self.keys.accounted,
             self.keys.refused_writes,
-            self.keys.run_key("next_step"),
+            self.keys.next_step,
         ]
         args: list[Any] = []
         for record, arrays in rollouts:
@@ -335,7 +335,7 @@ class RolloutProducer(_Producer):
 
     def outstanding(self) -> int:
         """Rollouts appended but not yet accounted for by the orchestrator (shipped or discarded)."""
-        produced, accounted = self.client.mget(self.keys.run_key("produced"), self.keys.run_key("accounted"))
+        produced, accounted = self.client.mget(self.keys.produced, self.keys.accounted)
         return int(produced or 0) - int(accounted or 0)
 
     def policy_version(self) -> int:
@@ -468,7 +468,7 @@ def run_producer(
         vocab_size=settings.vocab_size,
     )
     # A resumed run: the groups its earlier start wrote are made again (same seed) and skipped.
-    for _ in range(int(client.get(producer.keys.run_key("produced")) or 0) // settings.group_size):
+    for _ in range(int(client.get(producer.keys.produced) or 0) // settings.group_size):
         workload.group()
     stopped = stop.is_set if stop is not None else lambda: False
     written = 0

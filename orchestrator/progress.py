@@ -20,9 +20,10 @@ from typing import TextIO
 
 import redis
 
-from tasks.ship import RunState
+from tasks.graph import STAGE, STEP_STAGES, Stage, awaited_ranks, predecessors, stage_ranks
+from transport.keys import RunKeys, stage_field
 
-STAGES = ("finalize", "prune", "metrics", "pack", "encode", "send", "publish")
+STAGES = STEP_STAGES  # shown in flight until the step's record is published
 # Steps in flight are bounded by max_async_level; this bounds the reads if that is large.
 MAX_STEPS_READ = 16
 REFRESH_SECONDS = 0.25
@@ -59,6 +60,13 @@ class StepMarks:
     done: frozenset[str]
     sent: frozenset[int]
 
+    def has_done(self, stage: Stage, rank: int | None) -> bool:
+        """Whether the stage (of that rank) is done: its mark, or for send its rank sent;
+        publish never is (the step would not be read)."""
+        if stage.marked:
+            return stage_field(stage.name, rank) in self.done
+        return stage.per_rank and rank in self.sent
+
 
 @dataclass(frozen=True)
 class Snapshot:
@@ -82,26 +90,18 @@ def parse_status(raw: dict[bytes, bytes]) -> tuple[dict[str, float], tuple[int, 
 
 
 def in_flight(steps: Sequence[StepMarks], ranks: int) -> Counter[str]:
-    """Tasks per stage that are queued or running: their inputs are done, they are not. The
-    graph is finalize -> prune -> (metrics, pack -> encode[rank] -> send[rank]) -> publish."""
+    """Tasks per stage that are queued or running (`tasks.graph`): they are not done, and
+    what they follow is (for the same rank, or every rank before a per-step stage)."""
     counts: Counter[str] = Counter({stage: 0 for stage in STAGES})
     for marks in steps:
-        done = marks.done
-        if "finalize" not in done:
-            counts["finalize"] += 1
-        elif "prune" not in done:
-            counts["prune"] += 1
-        else:
-            counts["metrics"] += int("metrics" not in done)
-            if "pack" not in done:
-                counts["pack"] += 1
-            else:
-                for rank in range(ranks):
-                    if f"encode:{rank}" not in done:
-                        counts["encode"] += 1
-                    elif rank not in marks.sent:
-                        counts["send"] += 1
-            counts["publish"] += int("metrics" in done and len(marks.sent) >= ranks)
+        for stage in (STAGE[name] for name in STAGES):
+            for rank in stage_ranks(stage, ranks):
+                inputs_done = all(
+                    marks.has_done(before, each)
+                    for before in predecessors(stage.name)
+                    for each in awaited_ranks(before, stage, rank, ranks)
+                )
+                counts[stage.name] += int(inputs_done and not marks.has_done(stage, rank))
     return counts
 
 
@@ -156,8 +156,7 @@ class StatusReader:
 
     def __init__(self, client: redis.Redis, run_id: str, queues: Sequence[str], ranks: int) -> None:
         self.client = client
-        self.state = RunState(run_id)
-        self.keys = self.state.keys
+        self.keys = RunKeys(run_id)
         self.queues = list(queues)
         self.ranks = ranks
         # Only records published from now on: a resumed run's old records were shown before.
@@ -167,7 +166,7 @@ class StatusReader:
 
     def snapshot(self) -> Snapshot:
         pipe = self.client.pipeline(transaction=False)
-        pipe.hgetall(self.state.status)
+        pipe.hgetall(self.keys.status)
         for queue in self.queues:
             pipe.llen(queue)
         raw_status, *lengths = pipe.execute()
@@ -177,11 +176,17 @@ class StatusReader:
             status["last_published"] = max(status.get("last_published", -1), self._last_record_step)
         first = int(status.get("last_published", -1)) + 1
         steps = range(first, min(int(status.get("next_step", 0)), first + MAX_STEPS_READ))
-        stages = ["finalize", "prune", "metrics", "pack", *(f"encode:{r}" for r in range(self.ranks))]
+        marked = [
+            (stage.name, rank)
+            for stage in (STAGE[name] for name in STAGES)
+            if stage.marked
+            for rank in stage_ranks(stage, self.ranks)
+        ]
+        stages = [stage_field(stage, rank) for stage, rank in marked]
         for step in steps:
-            for stage in stages:
-                pipe.exists(self.keys.step(step, f"done:{stage}"))
-            pipe.smembers(self.keys.step(step, "sent"))
+            for stage, rank in marked:
+                pipe.exists(self.keys.done(step, stage, rank))
+            pipe.smembers(self.keys.sent(step))
         replies = pipe.execute() if steps else []
         marks = []
         for i, step in enumerate(steps):

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from orchestrator.gate import POLL_SECONDS
 from orchestrator.publisher import Publisher
 from orchestrator.settings import RunSettings
-from tasks.ship import RunState, release
+from tasks.ship import release
 from transport.store import AsyncPayloadStore
 
 log = logging.getLogger("rlship.orchestrator")
@@ -36,7 +36,6 @@ class Releases:
         self.client = client
         self.store = store
         self.keys = store.keys
-        self.state = RunState(settings.run_id)
         self.publisher = publisher
         self.stopping = stopping
         self.pending: asyncio.Task[None] | None = None
@@ -55,7 +54,7 @@ class Releases:
         (the message can be lost with a Redis that dies, and release is idempotent)."""
         loop = asyncio.get_running_loop()
         resend_at = loop.time() + self.settings.stall_seconds
-        while not await self.client.hexists(self.state.released, step):
+        while not await self.client.hexists(self.keys.released, step):
             if self.stopping.is_set():
                 return
             if loop.time() >= resend_at:
@@ -97,7 +96,7 @@ class Releases:
         """At the end of the run every rollout still held (pending, in open groups, or not
         yet read from the stream) will never ship: release the payloads and the stream."""
         deleted = await self.store.delete_all_rollouts()
-        await self.client.unlink(self.keys.rollout_stream, self.state.checkpoint)
+        await self.client.unlink(self.keys.rollout_stream, self.keys.checkpoint)
         if deleted:
             log.info("released %d unshipped rollouts at shutdown", deleted)
         return deleted

@@ -39,7 +39,6 @@ from orchestrator.settings import (
     settings_to_env,
 )
 from tasks.logs import mask_secrets
-from tasks.ship import RunState
 from transport.connection import OUTAGE_SECONDS, connect_redis, connect_redis_async
 from transport.keys import RunKeys
 from transport.replay import RetainedPayloads
@@ -67,7 +66,7 @@ def received_by_rank(client: redis.Redis, run_id: str, ranks: int) -> dict[str, 
 
 
 def sent_checksums(client: redis.Redis, run_id: str) -> dict[str, str]:
-    return {k.decode(): v.decode() for k, v in client.hgetall(RunState(run_id).sent_checksums).items()}
+    return {k.decode(): v.decode() for k, v in client.hgetall(RunKeys(run_id).sent_checksums).items()}
 
 
 def _wait_for_trainers(group: ProcessGroup, ranks: int, timeout: float) -> None:
@@ -104,7 +103,7 @@ def run_local(settings: RunSettings, summary_path: Path | None) -> dict[str, Any
     try:
         ensure_redis(settings.redis_url, group, output_dir / "redis")
         client = redis.Redis.from_url(settings.redis_url, socket_timeout=5)
-        shipped_before = int(client.hlen(RunState(settings.run_id).published))
+        shipped_before = int(client.hlen(RunKeys(settings.run_id).published))
         for name, command in worker_commands(settings).items():
             group.start(name, command)
         if settings.trainers == "builtin":
@@ -168,7 +167,7 @@ def _end_tasks(client: redis.Redis, settings: RunSettings) -> None:
     """The orchestrator has stopped: end the run's tasks. Without the alive mark a worker
     drops each task of the run it takes; give the workers a few seconds to take what is
     queued (the queues may be shared with other runs, so this wait is bounded)."""
-    client.unlink(RunState(settings.run_id).alive)
+    client.unlink(RunKeys(settings.run_id).alive)
     deadline = time.monotonic() + QUEUE_DRAIN_SECONDS
     queues = (settings.cpu_queue, settings.ship_queue)
     while time.monotonic() < deadline and any(client.llen(queue) for queue in queues):
@@ -200,7 +199,7 @@ def _summarize(
     """What the run shipped, from Redis (the one source whatever stopped the run): a step is
     shipped when its record is published, which needs every rank's send first."""
     client = redis.Redis.from_url(settings.redis_url)
-    shipped = int(client.hlen(RunState(settings.run_id).published))
+    shipped = int(client.hlen(RunKeys(settings.run_id).published))
     summary: dict[str, Any] = {"run_id": settings.run_id}
     if orchestrator_summary.exists():
         summary.update(json.loads(orchestrator_summary.read_text()))
@@ -218,7 +217,7 @@ def _summarize(
             "ranks": received_by_rank(client, settings.run_id, settings.ranks),
             "sent_checksums": sent_checksums(client, settings.run_id),
             "tasks_dropped": {
-                k.decode(): int(v) for k, v in client.hgetall(RunState(settings.run_id).tasks_dropped).items()
+                k.decode(): int(v) for k, v in client.hgetall(RunKeys(settings.run_id).tasks_dropped).items()
             },
         }
     )

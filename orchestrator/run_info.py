@@ -8,7 +8,7 @@ import redis
 from pydantic import BaseModel
 
 from orchestrator.settings import RunSettings
-from tasks.ship import RunState
+from transport.keys import RunKeys
 
 
 class RunInfo(BaseModel):
@@ -39,5 +39,5 @@ class RunInfo(BaseModel):
     @classmethod
     def read(cls, client: redis.Redis, run_id: str) -> RunInfo | None:
         """The run's info, or None if Redis holds none (no orchestrator of it started)."""
-        raw = client.get(RunState(run_id).info)
+        raw = client.get(RunKeys(run_id).info)
         return None if raw is None else cls.model_validate_json(raw)

@@ -20,8 +20,7 @@ from orchestrator.progress import REFRESH_SECONDS, ProgressDisplay, StatusReader
 from orchestrator.run_info import RunInfo
 from orchestrator.settings import add_settings_arguments, settings_from_args
 from tasks.logs import mask_secrets
-from tasks.ship import RunState
-from transport.keys import RunKeys
+from transport.keys import RunKeys, run_id_of_marker, run_markers_pattern
 
 RUNNING, FINISHED, STOPPED = "running", "finished", "stopped"
 
@@ -51,7 +50,7 @@ HEADER = f"{'RUN_ID':<32} {'STATE':<9} {'SHIPPED':>9}  {'STATUS UPDATED':>14}  S
 
 def run_row(client: redis.Redis, run_id: str) -> RunRow | None:
     """The run's state, or None if Redis holds no run of that id."""
-    state = RunState(run_id)
+    state = RunKeys(run_id)
     pipe = client.pipeline(transaction=False)
     pipe.get(state.run_marker)
     pipe.exists(state.finished)
@@ -74,11 +73,8 @@ def run_row(client: redis.Redis, run_id: str) -> RunRow | None:
 
 def list_runs(client: redis.Redis) -> list[RunRow]:
     """Every run Redis holds (its start mark), oldest first."""
-    marker = RunState("x").run_marker.removeprefix(RunKeys("x").prefix)
-    run_ids = {
-        key.decode().removeprefix("rlship:").removesuffix(f":{marker}")
-        for key in client.scan_iter(match=f"rlship:*:{marker}", count=1000)
-    }
+    markers = client.scan_iter(match=run_markers_pattern(), count=1000)
+    run_ids = {run_id_of_marker(key.decode()) for key in markers}
     rows = [row for run_id in run_ids if (row := run_row(client, run_id)) is not None]
     return sorted(rows, key=lambda row: row.started_at)
 

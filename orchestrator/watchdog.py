@@ -22,9 +22,9 @@ import redis.asyncio as aioredis
 from orchestrator.diagnosis import DIAGNOSE_SECONDS, RedisOutOfMemory, stall_reason
 from orchestrator.publisher import Publisher
 from orchestrator.settings import RunSettings
-from tasks.ship import RunState, finalize
+from tasks.ship import finalize
 from tasks.stages.finalize import StepVerdict
-from transport.keys import RunKeys
+from transport.keys import RunKeys, StepValue
 
 log = logging.getLogger("rlship.orchestrator")
 
@@ -57,7 +57,6 @@ class StallWatchdog:
         self.settings = settings
         self.client = client
         self.keys = RunKeys(settings.run_id)
-        self.state = RunState(settings.run_id)
         self.publisher = publisher
         self.stopping = stopping
         self.in_flight = in_flight  # the steps cut and not yet published
@@ -84,7 +83,7 @@ class StallWatchdog:
             pipe = self.client.pipeline(transaction=False)
             for step in steps:
                 pipe.scard(self.keys.step_keys(step))
-                pipe.scard(self.keys.step(step, "sent"))
+                pipe.scard(self.keys.sent(step))
             counts = await pipe.execute()
             now = time.monotonic()
             for index, step in enumerate(steps):
@@ -114,10 +113,10 @@ class StallWatchdog:
                 del progress[step]
             if self.stall_reason and all(seen.diagnosed < seen.since for seen in progress.values()):
                 self.stall_reason = None
-                await self.client.hdel(self.state.status, "stall_reason")
+                await self.client.hdel(self.keys.status, "stall_reason")
 
     async def _found_empty(self, step: int) -> bool:
-        raw = await self.client.get(self.keys.step(step, "verdict"))
+        raw = await self.client.get(self.keys.step(step, StepValue.VERDICT))
         return raw is not None and StepVerdict.from_wire(msgpack.unpackb(raw, raw=False)).empty
 
     async def _diagnose(self, step: int, seconds: float) -> None:
@@ -132,7 +131,7 @@ class StallWatchdog:
         if reason != self.stall_reason:
             log.warning("%s", reason)
         self.stall_reason = reason
-        await self.client.hset(self.state.status, "stall_reason", reason)
+        await self.client.hset(self.keys.status, "stall_reason", reason)
         if "Redis is out of memory" in reason:
             self.on_fatal(RedisOutOfMemory(reason))
 

@@ -3,7 +3,7 @@
 of a stage that a test has armed in Redis, once. Elsewhere this is a no-op costing
 nothing: the environment is read once per process.
 
-Armed faults live in the run's hash `rlship:{run_id}:faults`, field `{stage}:{step}` or
+Armed faults live in the run's hash `RunKeys.faults`, field `{stage}:{step}` or
 `{stage}:{step}:{rank}`. The field is deleted before the kill, so the redelivered task
 runs clean; a test sees that the fault fired when the field is gone.
 """
@@ -24,19 +24,15 @@ def enabled() -> bool:
     return os.environ.get("RLSHIP_FAULTS") == "1"
 
 
-def faults_key(run_id: str) -> str:
-    return RunKeys(run_id).run_key("faults")
-
-
 def fault_field(stage: str, step: int, rank: int | None = None) -> str:
     return f"{stage}:{step}" if rank is None else f"{stage}:{step}:{rank}"
 
 
 def arm(client: redis.Redis, run_id: str, stage: str, step: int, rank: int | None = None) -> None:
-    client.hset(faults_key(run_id), fault_field(stage, step, rank), 1)
+    client.hset(RunKeys(run_id).faults, fault_field(stage, step, rank), 1)
 
 
 def crash_if_armed(client: redis.Redis, run_id: str, stage: str, step: int, rank: int | None = None) -> None:
     """Die here, now, if this stage of this step (and rank) is armed."""
-    if enabled() and client.hdel(faults_key(run_id), fault_field(stage, step, rank)):
+    if enabled() and client.hdel(RunKeys(run_id).faults, fault_field(stage, step, rank)):
         os.kill(os.getpid(), signal.SIGKILL)

@@ -1,15 +1,10 @@
-"""The ship path as Celery tasks: thin wrappers that load inputs from Redis, call a stage
-function, store its output and enqueue what comes next.
+"""The ship path's stage tasks: each body is its stage, loading inputs from Redis, calling
+a stage function (`tasks.stages`) and storing its output. What every task does around
+that (context, skips, timing and marks, successors) is `tasks.context.stage_task`; which
+stage follows which is `tasks.graph`.
 
-    finalize -> prune -> metrics ----------------------------.
-                      -> pack -> encode[rank] -> send[rank] --+-> publish -> (release)
-
-Delivery is at-least-once and unordered after a crash, so every task is idempotent: a
-stage whose completion mark exists is not computed again but still enqueues its
-successors (the previous run may have died between the two); fan-in is a Redis set
-counted by whoever completes; the record is written in one transaction guarded by the
-`published` hash; per rank, `send` waits until the previous step reached that rank.
-Messages carry (run_id, step, rank) only.
+The record is written in one transaction guarded by the `published` hash; per rank,
+`send` waits until the previous step reached that rank.
 """
 
 from __future__ import annotations
@@ -17,21 +12,16 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import socket
 import time
-from collections.abc import Callable
 from typing import Any
 
-import msgpack
 import redis
 import zmq
-from celery import Task
 
-from tasks.app import app, redis_url
 from tasks.cohort import Cohort
-from tasks.faults import crash_if_armed
-from tasks.manifest import ShipConfig, StepManifest
+from tasks.context import StepContext, redis_client, stage_task
+from tasks.manifest import ShipConfig
 from tasks.stages.encode import encode_rank, rank_rollout_ids
 from tasks.stages.finalize import StepVerdict, finalize_step, step_verdict
 from tasks.stages.metrics import step_metrics
@@ -42,9 +32,8 @@ from tasks.stages.release import trim_process_memory
 from tasks.stages.samples import choose_samples, sample_lines, write_samples
 from transport.base import StepSender
 from transport.checksum import payload_checksum
-from transport.connection import connect_redis
-from transport.keys import RunKeys
-from transport.store import PayloadMissingError, PayloadStore
+from transport.keys import StepValue, stage_field, stage_of_field
+from transport.store import PayloadMissingError
 
 log = logging.getLogger("rlship.tasks")
 
@@ -64,265 +53,77 @@ SEND_TIMEOUT_SECONDS = 30.0
 RECORDS_KEPT = 1000
 
 
-@functools.cache
-def redis_client() -> redis.Redis:
-    """One connection pool per worker process (created after fork, on first use); payloads
-    are read without redis-py's copies (`transport.connection.LargeReplyBuffer`)."""
-    return connect_redis(redis_url(), large_replies=True, socket_timeout=120, health_check_interval=30)
+def _finalized(ctx: StepContext) -> dict[str, Any]:
+    manifest = ctx.manifest
+    payloads = ctx.store.fetch_rollouts(manifest.effective.labels["rollout_id"])
+    result = finalize_step(manifest, payloads)
+    for rollout_id, reason in result.failures.items():
+        log.warning("step %d: rollout %s dropped: %s", ctx.step, rollout_id, reason)
+    return {
+        StepValue.FINALIZED: {"samples": result.samples.to_wire(), "failures": result.failures},
+        StepValue.VERDICT: step_verdict(result).to_wire(),
+    }
 
 
-class RunState:
-    """Run-wide bookkeeping keys shared by the tasks and the orchestrator."""
-
-    def __init__(self, run_id: str) -> None:
-        self.keys = RunKeys(run_id)
-        self.published = self.keys.run_key("published")
-        self.released = self.keys.run_key("released")
-        self.totals = self.keys.run_key("totals")
-        self.policy_wait = self.keys.run_key("policy_wait_seconds")
-        self.sent_checksums = self.keys.run_key("sent_checksums")
-        self.stage_calls = self.keys.run_key("stage_calls")
-        # Per stage, the deliveries that came after their step was done (redeliveries,
-        # re-enqueues by the stall watchdog or a restarted orchestrator): skipped quietly.
-        self.redundant = self.keys.run_key("redundant_deliveries")
-        self.next_step = self.keys.run_key("next_step")
-        # The orchestrator's live counters (pending, open groups, lag), for progress displays.
-        self.status = self.keys.run_key("status")
-        # The run's shape (steps, ranks, queues), written by its orchestrator for `rlship status`.
-        self.info = self.keys.run_key("info")
-        self.evicted = self.keys.run_key("payloads_evicted_unacknowledged")
-        # Sends that found an earlier process's `sending` mark above `last_sent` (see send).
-        self.interrupted_sends = self.keys.run_key("interrupted_sends")
-        # The orchestrator's restart point (orchestrator.checkpoint), the newest step whose
-        # record it has mirrored and released, and the lease only one live orchestrator holds.
-        self.checkpoint = self.keys.run_key("checkpoint")
-        self.followed = self.keys.run_key("followed")
-        self.orchestrator_lease = self.keys.run_key("orchestrator_lease")
-        # Written once when the run starts; its absence means Redis lost the run.
-        self.run_marker = self.keys.run_key("started_at")
-        # Set while an orchestrator of the run lives (with an expiry, so a killed run's ends
-        # too): a task of a run without it is dropped (`_skip`), counted in `tasks_dropped`.
-        self.alive = self.keys.run_key("alive")
-        self.tasks_dropped = self.keys.run_key("tasks_dropped")
-        # Set when the run shipped all its steps: its id is not reused.
-        self.finished = self.keys.run_key("finished")
-        # Why the ship worker cannot send (a port it cannot bind, a rank not announced): read
-        # by the orchestrator when a step makes no progress; short-lived, cleared by a send.
-        self.ship_problem = self.keys.run_key("ship_problem")
-
-
-@functools.lru_cache(maxsize=4)
-def _decoded_manifest(data: bytes) -> StepManifest:
-    """Every task of a step reads its manifest; a process decodes each one once. Keyed by
-    the stored bytes, so a step cut again under the same number is a new manifest."""
-    return StepManifest.from_bytes(data)
-
-
-class StepContext:
-    """A task's view of one step: the manifest, the store and the step's marks."""
-
-    def __init__(self, run_id: str, step: int) -> None:
-        self.run_id = run_id
-        self.step = step
-        self.client = redis_client()
-        self.store = PayloadStore(self.client, run_id)
-        self.keys = self.store.keys
-        self.state = RunState(run_id)
-
-    @functools.cached_property
-    def manifest(self) -> StepManifest:
-        return _decoded_manifest(bytes(self.store.get_step_value(self.step, "manifest")))
-
-    def is_published(self, step: int | None = None) -> bool:
-        return bool(self.client.hexists(self.state.published, self.step if step is None else step))
-
-    def put(self, name: str, value: Any) -> None:
-        self.store.put_step_value(self.step, name, msgpack.packb(value, use_bin_type=True))
-
-    def get(self, name: str) -> Any:
-        return msgpack.unpackb(self.store.get_step_value(self.step, name), raw=False)
-
-    def crash_if_armed(self, stage: str, rank: int | None = None) -> None:
-        crash_if_armed(self.client, self.run_id, stage, self.step, rank)
-
-    def run_stage(
-        self,
-        stage: str,
-        compute: Callable[[], dict[str, Any] | None],
-        rank: int | None = None,
-        watch: str | None = None,
-    ) -> bool:
-        """Run `compute` once per step (per mark); record its seconds and who ran it.
-
-        What `compute` returns (name -> value) is stored with the mark, in one transaction.
-        With `watch`, that transaction is guarded by the key: if it changed meanwhile (the
-        step was found empty and cut again), nothing is written and False is returned."""
-        name = stage if rank is None else f"{stage}:{rank}"
-        mark = self.keys.step(self.step, f"done:{name}")
-        with self.client.pipeline(transaction=True) as pipe:
-            if watch is not None:
-                pipe.watch(watch)
-            if self.client.exists(mark):
-                log.info("step %d: %s already done, re-enqueueing its successors", self.step, name)
-                return True
-            started = time.perf_counter()
-            outputs = compute() or {}
-            seconds = time.perf_counter() - started
-            self.crash_if_armed(stage, rank)  # the worst moment: computed, not yet marked
-            pipe.multi()
-            for output, value in outputs.items():
-                pipe.set(
-                    self.keys.step(self.step, output),
-                    msgpack.packb(value, use_bin_type=True),
-                    ex=self.store.ttl,
-                )
-                pipe.sadd(self.keys.step_keys(self.step), self.keys.step(self.step, output))
-            pipe.hset(self.keys.step(self.step, "times"), name, seconds)
-            pipe.sadd(self.keys.step_keys(self.step), self.keys.step(self.step, "times"))
-            pipe.set(mark, seconds, ex=self.store.ttl)
-            pipe.sadd(self.keys.step_keys(self.step), mark)
-            pipe.expire(self.keys.step_keys(self.step), self.store.ttl)
-            pipe.hincrby(self.state.stage_calls, f"{socket.gethostname()}:{os.getpid()}:{stage}", 1)
-            try:
-                pipe.execute()
-            except redis.WatchError:
-                return False
-        return True
-
-
-def _skip_redundant(ctx: StepContext, task: str, done: str) -> None:
-    log.info("step %d: %s arrived after the step was %s; nothing to do", ctx.step, task, done)
-    ctx.client.hincrby(ctx.state.redundant, task, 1)
-
-
-def _skip(ctx: StepContext, task: str) -> bool:
-    """Whether the task has nothing to do: its step is published, or its run has ended (no
-    live orchestrator: finished, failed to start, or killed). A task of an ended run is
-    dropped and counted, never retried: workers serve many runs, and a dead run's retrying
-    sends would otherwise loop forever."""
-    pipe = ctx.client.pipeline(transaction=False)
-    pipe.exists(ctx.state.alive)
-    pipe.hexists(ctx.state.published, ctx.step)
-    alive, published = pipe.execute()
-    if not alive:
-        log.warning("run %s has ended: %s of step %d dropped", ctx.run_id, task, ctx.step)
-        pipe.hincrby(ctx.state.tasks_dropped, task, 1)
-        pipe.expire(ctx.state.tasks_dropped, ctx.store.ttl)
-        pipe.execute()
-        return True
-    if published:
-        _skip_redundant(ctx, task, "published")
-    return bool(published)
-
-
-@app.task(name="rlship.finalize")
-def finalize(run_id: str, step: int) -> None:
+@stage_task("finalize", computes=False)
+def finalize(ctx: StepContext) -> bool:
     """Check the cut rollouts and write the step's verdict with the mark: an empty step goes
     no further (the orchestrator cuts its number again), any other goes on to prune."""
-    ctx = StepContext(run_id, step)
-    if _skip(ctx, "finalize"):
-        return
-
-    def compute() -> dict[str, Any]:
-        manifest = ctx.manifest
-        payloads = ctx.store.fetch_rollouts(manifest.effective.labels["rollout_id"])
-        result = finalize_step(manifest, payloads)
-        for rollout_id, reason in result.failures.items():
-            log.warning("step %d: rollout %s dropped: %s", step, rollout_id, reason)
-        return {
-            "finalized": {"samples": result.samples.to_wire(), "failures": result.failures},
-            "verdict": step_verdict(result).to_wire(),
-        }
-
     try:
-        written = ctx.run_stage("finalize", compute, watch=ctx.keys.step(step, "manifest"))
-        verdict = StepVerdict.from_wire(ctx.get("verdict")) if written else None
+        manifest_key = ctx.keys.step(ctx.step, StepValue.MANIFEST)
+        written = ctx.run_stage("finalize", functools.partial(_finalized, ctx), watch=manifest_key)
+        verdict = StepVerdict.from_wire(ctx.get(StepValue.VERDICT)) if written else None
     except PayloadMissingError:
         verdict = None
     if verdict is None:
         # The manifest changed or went while this copy ran: the step was found empty
         # (by an earlier copy) and its number is being cut again; that cut has its own task.
-        _skip_redundant(ctx, "finalize", "found empty and cut again")
-    elif verdict.empty:
-        log.warning("step %d: every cut rollout was dropped %s; not shipped", step, verdict.dropped)
-    else:
-        prune.apply_async((run_id, step), queue=ctx.manifest.config.cpu_queue)
+        ctx.skip_redundant("finalize", "found empty and cut again")
+        return False
+    if verdict.empty:
+        log.warning("step %d: every cut rollout was dropped %s; not shipped", ctx.step, verdict.dropped)
+        return False
+    return True
 
 
-@app.task(name="rlship.prune")
-def prune(run_id: str, step: int) -> None:
-    ctx = StepContext(run_id, step)
-    if _skip(ctx, "prune"):
-        return
-
-    def compute() -> None:
-        finalized = ctx.get("finalized")
-        samples, pruned = prune_samples(Cohort.from_wire(finalized["samples"]))
-        ctx.put("pruned", {"samples": samples.to_wire()})
-        # Apart from the samples: the orchestrator's rollout log reads just this.
-        ctx.put("dropped", worker_drops(finalized["failures"], pruned))
-
-    ctx.run_stage("prune", compute)
-    metrics.apply_async((run_id, step), queue=ctx.manifest.config.cpu_queue)
-    pack.apply_async((run_id, step), queue=ctx.manifest.config.cpu_queue)
+@stage_task("prune")
+def prune(ctx: StepContext) -> None:
+    finalized = ctx.get(StepValue.FINALIZED)
+    samples, pruned = prune_samples(Cohort.from_wire(finalized["samples"]))
+    ctx.put(StepValue.PRUNED, {"samples": samples.to_wire()})
+    # Apart from the samples: the orchestrator's rollout log reads just this.
+    ctx.put(StepValue.DROPPED, worker_drops(finalized["failures"], pruned))
 
 
-@app.task(name="rlship.metrics")
-def metrics(run_id: str, step: int) -> None:
-    ctx = StepContext(run_id, step)
-    if _skip(ctx, "metrics"):
-        return
-
-    def compute() -> None:
-        pruned = ctx.get("pruned")
-        shipped = Cohort.from_wire(pruned["samples"])
-        ctx.put("metrics", step_metrics(ctx.manifest, shipped, list(ctx.get("dropped").values())))
-        config = ctx.manifest.config
-        positions = choose_samples(len(shipped), config.samples_per_step, step)
-        if positions:
-            ids = [shipped.labels["rollout_id"][i] for i in positions]
-            lines = sample_lines(step, shipped, positions, ctx.store.get_rollouts(ids))
-            write_samples(config.output_path, step, lines)
-
-    ctx.run_stage("metrics", compute)
-    _publish_when_complete(ctx)
-
-
-@app.task(name="rlship.pack")
-def pack(run_id: str, step: int) -> None:
-    ctx = StepContext(run_id, step)
-    if _skip(ctx, "pack"):
-        return
+@stage_task("metrics")
+def metrics(ctx: StepContext) -> None:
+    shipped = Cohort.from_wire(ctx.get(StepValue.PRUNED)["samples"])
+    dropped = list(ctx.get(StepValue.DROPPED).values())
+    ctx.put(StepValue.METRICS, step_metrics(ctx.manifest, shipped, dropped))
     config = ctx.manifest.config
-
-    def compute() -> None:
-        samples = Cohort.from_wire(ctx.get("pruned")["samples"])
-        plan = pack_samples(
-            samples.numeric["num_tokens"], config.ranks, config.seq_len, config.pad_to_multiple
-        )
-        ctx.put("plan", plan.to_wire())
-
-    ctx.run_stage("pack", compute)
-    for rank in range(config.ranks):
-        encode.apply_async((run_id, step, rank), queue=config.cpu_queue)
+    positions = choose_samples(len(shipped), config.samples_per_step, ctx.step)
+    if positions:
+        ids = [shipped.labels["rollout_id"][i] for i in positions]
+        lines = sample_lines(ctx.step, shipped, positions, ctx.store.get_rollouts(ids))
+        write_samples(config.output_path, ctx.step, lines)
 
 
-@app.task(name="rlship.encode")
-def encode(run_id: str, step: int, rank: int) -> None:
-    ctx = StepContext(run_id, step)
-    if _skip(ctx, "encode"):
-        return
+@stage_task("pack")
+def pack(ctx: StepContext) -> None:
+    config = ctx.manifest.config
+    samples = Cohort.from_wire(ctx.get(StepValue.PRUNED)["samples"])
+    plan = pack_samples(samples.numeric["num_tokens"], config.ranks, config.seq_len, config.pad_to_multiple)
+    ctx.put(StepValue.PLAN, plan.to_wire())
 
-    def compute() -> None:
-        plans = PackPlan.from_wire(ctx.get("plan")).ranks[rank]
-        samples = Cohort.from_wire(ctx.get("pruned")["samples"])
-        arrays = ctx.store.get_rollouts(rank_rollout_ids(plans, samples))
-        payload = encode_rank(plans, samples, arrays)
-        ctx.store.put_payload(step, rank, payload)
-        ctx.client.hset(ctx.state.sent_checksums, f"{step}:{rank}", payload_checksum(payload))
 
-    ctx.run_stage("encode", compute, rank)
-    send.apply_async((run_id, step, rank), queue=ctx.manifest.config.ship_queue)
+@stage_task("encode")
+def encode(ctx: StepContext, rank: int) -> None:
+    plans = PackPlan.from_wire(ctx.get(StepValue.PLAN)).ranks[rank]
+    samples = Cohort.from_wire(ctx.get(StepValue.PRUNED)["samples"])
+    arrays = ctx.store.get_rollouts(rank_rollout_ids(plans, samples))
+    payload = encode_rank(plans, samples, arrays)
+    ctx.store.put_payload(ctx.step, rank, payload)
+    ctx.client.hset(ctx.keys.sent_checksums, f"{ctx.step}:{rank}", payload_checksum(payload))
 
 
 @functools.cache
@@ -349,8 +150,8 @@ def _sender(run_id: str, config: ShipConfig) -> StepSender:
 _intents: set[tuple[str, int, int]] = set()
 
 
-@app.task(name="rlship.send", bind=True, max_retries=None)
-def send(self: Task, run_id: str, step: int, rank: int) -> None:
+@stage_task("send", computes=False, max_retries=None)
+def send(ctx: StepContext, rank: int) -> None:
     """Send one rank its step, once: the step before must have left (per-rank order), and a
     step already marked `last_sent` (it left the process) or acknowledged is not sent again.
 
@@ -366,64 +167,67 @@ def send(self: Task, run_id: str, step: int, rank: int) -> None:
     `interrupted_sends` hash, field `{step}:{rank}`, so a run reports how often the
     window may have been hit.
     """
-    ctx = StepContext(run_id, step)
-    if _skip(ctx, "send"):
-        return
+    step = ctx.step
     manifest = ctx.manifest
     last_sent_raw = ctx.client.get(ctx.keys.last_sent(rank))
     last_sent = int(last_sent_raw) if last_sent_raw is not None else -1
     if last_sent < manifest.prev_step:
         # Backing off, not blocking: the single ship process must stay free to send the
         # step this one waits for (and every other rank's steps) meanwhile.
-        wait = min(RETRY_SECONDS * 2 ** min(self.request.retries, 10), SEND_WAIT_MAX_SECONDS)
-        raise self.retry(countdown=wait, queue=manifest.config.ship_queue)
+        wait = min(RETRY_SECONDS * 2 ** min(ctx.retries, 10), SEND_WAIT_MAX_SECONDS)
+        raise ctx.retry(countdown=wait, queue=manifest.config.ship_queue)
     if last_sent < step and ctx.client.hexists(ctx.keys.received(rank), step):
         # The rank acknowledged it (a send that died before marking it): a trainer that has
         # its last step may have left, and must not be waited for.
         log.info("step %d rank %d: acknowledged by the rank already; not sent again", step, rank)
         ctx.client.set(ctx.keys.last_sent(rank), step)
     elif last_sent < step:
-        config = manifest.config
-        try:
-            sender = _sender(run_id, config)
-        except zmq.ZMQError as exc:
-            problem = (
-                f"the ship worker on {socket.gethostname()} cannot bind {config.zmq_host}:{config.zmq_port} "
-                f"and the READY port {config.zmq_port + 1}: {exc} (another process holds it?)"
-            )
-            _report_ship_problem(ctx, problem)
-            raise self.retry(countdown=BIND_RETRY_SECONDS, queue=config.ship_queue) from None
-        wait_ready = getattr(sender, "wait_ready", None)
-        if wait_ready is not None and not wait_ready(timeout=READY_WAIT_SECONDS, rank=rank):
-            log.info("step %d rank %d: waiting for trainer ranks to announce READY", step, rank)
-            _report_ship_problem(
-                ctx,
-                f"trainer rank {rank} has not announced READY to {config.zmq_host}:{config.zmq_port + 1} "
-                "(not started, or pointed at another host or port?)",
-            )
-            raise self.retry(countdown=RETRY_SECONDS, queue=manifest.config.ship_queue)
-        _mark_intent(ctx, step, rank)
-        ctx.crash_if_armed("sending", rank)  # marked, not sent: the redelivery sends it, once
-        started = time.perf_counter()
-        try:
-            sender.send(step, rank, ctx.store.get_payload(step, rank))
-        except TimeoutError:
-            log.warning("step %d rank %d: trainer not reading; retrying", step, rank)
-            raise self.retry(countdown=RETRY_SECONDS, queue=manifest.config.ship_queue) from None
-        seconds = time.perf_counter() - started
-        ctx.crash_if_armed("send", rank)  # left the process, not yet marked: the window
-        pipe = ctx.client.pipeline(transaction=True)
-        pipe.set(ctx.keys.last_sent(rank), step)
-        pipe.hset(ctx.keys.step(step, "times"), f"send:{rank}", seconds)
-        pipe.unlink(ctx.state.ship_problem)
-        pipe.execute()
-        _intents.discard((run_id, step, rank))
-    sent_key = ctx.keys.step(step, "sent")
+        _send_now(ctx, rank)
+    sent_key = ctx.keys.sent(step)
     pipe = ctx.client.pipeline(transaction=True)
     pipe.sadd(sent_key, rank)
     pipe.sadd(ctx.keys.step_keys(step), sent_key)
     pipe.execute()
-    _publish_when_complete(ctx)
+
+
+def _send_now(ctx: StepContext, rank: int) -> None:
+    """Send the step to `rank` between the two marks (see `send`), once the sender is bound
+    and the rank has announced READY; retried while either is not so."""
+    step, run_id, config = ctx.step, ctx.run_id, ctx.manifest.config
+    try:
+        sender = _sender(run_id, config)
+    except zmq.ZMQError as exc:
+        problem = (
+            f"the ship worker on {socket.gethostname()} cannot bind {config.zmq_host}:{config.zmq_port} "
+            f"and the READY port {config.zmq_port + 1}: {exc} (another process holds it?)"
+        )
+        _report_ship_problem(ctx, problem)
+        raise ctx.retry(countdown=BIND_RETRY_SECONDS, queue=config.ship_queue) from None
+    wait_ready = getattr(sender, "wait_ready", None)
+    if wait_ready is not None and not wait_ready(timeout=READY_WAIT_SECONDS, rank=rank):
+        log.info("step %d rank %d: waiting for trainer ranks to announce READY", step, rank)
+        _report_ship_problem(
+            ctx,
+            f"trainer rank {rank} has not announced READY to {config.zmq_host}:{config.zmq_port + 1} "
+            "(not started, or pointed at another host or port?)",
+        )
+        raise ctx.retry(countdown=RETRY_SECONDS, queue=config.ship_queue)
+    _mark_intent(ctx, step, rank)
+    ctx.crash_if_armed("sending", rank)  # marked, not sent: the redelivery sends it, once
+    started = time.perf_counter()
+    try:
+        sender.send(step, rank, ctx.store.get_payload(step, rank))
+    except TimeoutError:
+        log.warning("step %d rank %d: trainer not reading; retrying", step, rank)
+        raise ctx.retry(countdown=RETRY_SECONDS, queue=config.ship_queue) from None
+    seconds = time.perf_counter() - started
+    ctx.crash_if_armed("send", rank)  # left the process, not yet marked: the window
+    pipe = ctx.client.pipeline(transaction=True)
+    pipe.set(ctx.keys.last_sent(rank), step)
+    pipe.hset(ctx.keys.times(step), stage_field("send", rank), seconds)
+    pipe.unlink(ctx.keys.ship_problem)
+    pipe.execute()
+    _intents.discard((run_id, step, rank))
 
 
 def _mark_intent(ctx: StepContext, step: int, rank: int) -> None:
@@ -435,7 +239,7 @@ def _mark_intent(ctx: StepContext, step: int, rank: int) -> None:
     previous = ctx.client.getset(ctx.keys.sending(rank), step)
     _intents.add(intent)
     if previous is not None and int(previous) == step:
-        ctx.client.hincrby(ctx.state.interrupted_sends, f"{step}:{rank}", 1)
+        ctx.client.hincrby(ctx.keys.interrupted_sends, f"{step}:{rank}", 1)
         log.warning(
             "step %d rank %d: the previous send died before marking it sent; sending again "
             "(a receiver without duplicate checks gets it twice only if that process died "
@@ -448,65 +252,50 @@ def _mark_intent(ctx: StepContext, step: int, rank: int) -> None:
 def _report_ship_problem(ctx: StepContext, problem: str) -> None:
     """Say why sends do not go out, for the orchestrator's diagnosis of a stuck step."""
     log.info("step %d: %s", ctx.step, problem)
-    ctx.client.set(ctx.state.ship_problem, problem, ex=SHIP_PROBLEM_SECONDS)
-
-
-def _publish_when_complete(ctx: StepContext) -> None:
-    """Fan-in: whoever sees every rank sent and the metrics done enqueues publish (more than
-    one may; publish itself is exactly-once)."""
-    pipe = ctx.client.pipeline(transaction=False)
-    pipe.scard(ctx.keys.step(ctx.step, "sent"))
-    pipe.exists(ctx.keys.step(ctx.step, "done:metrics"))
-    sent, metrics_done = pipe.execute()
-    if sent >= ctx.manifest.config.ranks and metrics_done:
-        publish.apply_async((ctx.run_id, ctx.step), queue=ctx.manifest.config.cpu_queue)
+    ctx.client.set(ctx.keys.ship_problem, problem, ex=SHIP_PROBLEM_SECONDS)
 
 
 def _stage_seconds(times: dict[bytes, bytes]) -> dict[str, float]:
     """Per-stage seconds; a per-rank stage counts as its slowest rank."""
     out: dict[str, float] = {}
     for field, value in times.items():
-        stage = field.decode().split(":")[0]
+        stage = stage_of_field(field.decode())
         out[stage] = max(out.get(stage, 0.0), float(value))
     return out
 
 
-@app.task(name="rlship.publish", bind=True, max_retries=None)
-def publish(self: Task, run_id: str, step: int) -> None:
+@stage_task("publish", computes=False, max_retries=None)
+def publish(ctx: StepContext) -> None:
     """Write the step's one record to the metrics stream, exactly once, in step order."""
-    ctx = StepContext(run_id, step)
-    if _skip(ctx, "publish"):
-        return
-    manifest = ctx.manifest
+    step, manifest, keys = ctx.step, ctx.manifest, ctx.keys
     if manifest.prev_step >= 0 and not ctx.is_published(manifest.prev_step):
-        raise self.retry(countdown=RETRY_SECONDS, queue=manifest.config.cpu_queue)
-    step_record = ctx.get("metrics")
-    stage_seconds = _stage_seconds(ctx.client.hgetall(ctx.keys.step(step, "times")))
-    state = ctx.state
+        raise ctx.retry(countdown=RETRY_SECONDS, queue=manifest.config.cpu_queue)
+    step_record = ctx.get(StepValue.METRICS)
+    stage_seconds = _stage_seconds(ctx.client.hgetall(keys.times(step)))
     with ctx.client.pipeline(transaction=True) as pipe:
         while True:
             try:
-                pipe.watch(state.published, state.policy_wait, state.totals)
-                if pipe.hexists(state.published, step):  # a concurrent copy won the race
+                pipe.watch(keys.published, keys.policy_wait, keys.totals)
+                if pipe.hexists(keys.published, step):  # a concurrent copy won the race
                     pipe.unwatch()
-                    _skip_redundant(ctx, "publish", "published")
+                    ctx.skip_redundant("publish", "published")
                     return
-                waited = float(pipe.get(state.policy_wait) or 0.0)
-                previous = {k.decode(): float(v) for k, v in pipe.hgetall(state.totals).items()}
+                waited = float(pipe.get(keys.policy_wait) or 0.0)
+                previous = {k.decode(): float(v) for k, v in pipe.hgetall(keys.totals).items()}
                 totals = running_totals(previous, step_record)
                 record = build_record(
                     step, step_record, stage_seconds, time.time() - manifest.cut_time, waited, totals
                 )
                 pipe.multi()
                 pipe.xadd(
-                    ctx.keys.metrics_stream,
+                    keys.metrics_stream,
                     {"step": step, "record": json.dumps(record)},
                     maxlen=RECORDS_KEPT,
                     approximate=True,
                 )
-                pipe.hset(state.published, step, time.time())
-                pipe.incrbyfloat(state.policy_wait, -waited)
-                pipe.hset(state.totals, mapping=totals)
+                pipe.hset(keys.published, step, time.time())
+                pipe.incrbyfloat(keys.policy_wait, -waited)
+                pipe.hset(keys.totals, mapping=totals)
                 pipe.execute()
                 ctx.crash_if_armed("publish")
                 return
@@ -514,15 +303,20 @@ def publish(self: Task, run_id: str, step: int) -> None:
                 continue
 
 
-@app.task(name="rlship.release")
-def release(run_id: str, step: int, ranks: int, replay_steps: int) -> None:
+def _released_already(ctx: StepContext, task: str) -> bool:
+    """Release runs for a published step, whether or not its run has ended, once."""
+    if ctx.client.hexists(ctx.keys.released, ctx.step):
+        ctx.skip_redundant(task, "released")
+        return True
+    return False
+
+
+@stage_task("release", computes=False, skip=_released_already)
+def release(ctx: StepContext, ranks: int, replay_steps: int) -> None:
     """Delete every key of a published step but its per-rank payloads; release the payloads
     of every step all ranks have acknowledged (and, past the retention bound, of older steps
     regardless); trim the heap; mark the step released."""
-    ctx = StepContext(run_id, step)
-    if ctx.client.hexists(ctx.state.released, step):
-        _skip_redundant(ctx, "release", "released")
-        return
+    step = ctx.step
     deleted = ctx.store.delete_step(step)
     payloads = ctx.store.release_payloads(ranks, step, evict_through=step - replay_steps)
     if payloads.evicted_unacknowledged:
@@ -531,9 +325,9 @@ def release(run_id: str, step: int, ranks: int, replay_steps: int) -> None:
             "a rank restarting now cannot replay them",
             payloads.evicted_unacknowledged,
         )
-        ctx.client.hincrby(ctx.state.evicted, "steps", len(payloads.evicted_unacknowledged))
+        ctx.client.hincrby(ctx.keys.evicted, "steps", len(payloads.evicted_unacknowledged))
     ctx.crash_if_armed("release")
     trim_process_memory()
-    ctx.client.hset(ctx.state.released, step, time.time())
-    ctx.client.hincrby(ctx.state.stage_calls, f"{socket.gethostname()}:{os.getpid()}:release", 1)
+    ctx.client.hset(ctx.keys.released, step, time.time())
+    ctx.count_call("release")
     log.info("step %d released: %d keys deleted, payloads of %d steps", step, deleted, payloads.steps)

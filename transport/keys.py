@@ -1,9 +1,29 @@
-"""Redis key names. Every key of a run lives under `rlship:{run_id}:` so runs can share a
-server and one run can never name (or delete) another run's keys."""
+"""Every Redis key name of a run, and nothing else (docs/redis-keys.md is the table).
+
+Every key of a run lives under `rlship:{run_id}:` so runs can share a server and one run
+can never name (or delete) another run's keys. Code outside this module asks `RunKeys`
+for a key and never spells one, so the layout can be read (and changed) here alone.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
+
+RUN_PREFIX = "rlship:"
+RUN_MARKER = "started_at"  # the one key every run that ever started has (`RunKeys.run_marker`)
+
+
+class StepValue(StrEnum):
+    """The values a step's stages store, each under `step:{n}:{value}` (`RunKeys.step`)."""
+
+    MANIFEST = "manifest"
+    FINALIZED = "finalized"
+    VERDICT = "verdict"
+    PRUNED = "pruned"
+    DROPPED = "dropped"
+    METRICS = "metrics"
+    PLAN = "plan"
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,7 +36,7 @@ class RunKeys:
 
     @property
     def prefix(self) -> str:
-        return f"rlship:{self.run_id}:"
+        return f"{RUN_PREFIX}{self.run_id}:"
 
     def rollout(self, rollout_id: str) -> str:
         """A rollout's arrays, written by its producer."""
@@ -34,15 +54,33 @@ class RunKeys:
         return f"{self.prefix}rollouts"
 
     def step(self, step: int, name: str) -> str:
-        """A step-scoped key: manifest, plan, stage marks, per-rank payloads."""
-        return f"{self.prefix}step:{step}:{name}"
+        """A step-scoped key: a `StepValue`, or (through the methods below) a stage mark,
+        the stage times, the ranks sent, a per-rank payload."""
+        return f"{self.steps_prefix}{step}:{name}"
+
+    @property
+    def steps_prefix(self) -> str:
+        """What every step-scoped key starts with, followed by the step number."""
+        return f"{self.prefix}step:"
+
+    def done(self, step: int, stage: str, rank: int | None = None) -> str:
+        """A stage's completion mark for a step (per rank for a per-rank stage)."""
+        return self.step(step, f"done:{stage_field(stage, rank)}")
+
+    def times(self, step: int) -> str:
+        """The step's stage seconds, field `stage_field(stage, rank)`."""
+        return self.step(step, "times")
+
+    def sent(self, step: int) -> str:
+        """The ranks whose send of the step is done (the fan-in to publish)."""
+        return self.step(step, "sent")
 
     def step_keys(self, step: int) -> str:
         """The set of every key that belongs to a step, so releasing it is one call."""
         return self.step(step, "keys")
 
     def payload(self, step: int, rank: int) -> str:
-        return self.step(step, f"payload:{rank}")
+        return self.step(step, f"{PAYLOAD}:{rank}")
 
     @property
     def retained_payloads(self) -> str:
@@ -70,7 +108,18 @@ class RunKeys:
 
     def trained(self, step: int) -> str:
         """Ranks that have received (trained) a step; the last one advances the policy."""
-        return f"{self.prefix}trained:{step}"
+        return f"{self.trained_prefix}{step}"
+
+    @property
+    def trained_prefix(self) -> str:
+        """What every `trained` set's key starts with, followed by the step number."""
+        return f"{self.prefix}trained:"
+
+    @property
+    def held_patterns(self) -> tuple[str, ...]:
+        """Match patterns of the keys a fully released run no longer holds: rollouts, step
+        keys, retained payloads and acknowledgement sets."""
+        return (self.rollout("*"), f"{self.steps_prefix}*", self.retained_payloads, f"{self.trained_prefix}*")
 
     def received(self, rank: int) -> str:
         """A trainer rank's log of received steps: step -> checksum."""
@@ -100,5 +149,144 @@ class RunKeys:
         return f"{self.prefix}announced_ranks"
 
     def run_key(self, name: str) -> str:
-        """Run-wide bookkeeping (next step, counters, stage calls)."""
+        """A run-wide key; the ones rlship uses are the properties below."""
         return f"{self.prefix}{name}"
+
+    # Producer admission: the backlog is produced - accounted.
+
+    @property
+    def produced(self) -> str:
+        """Rollouts written by producers (a counter)."""
+        return self.run_key("produced")
+
+    @property
+    def accounted(self) -> str:
+        """Rollouts the orchestrator has rejected, discarded or cut (a counter)."""
+        return self.run_key("accounted")
+
+    # The orchestrator's bookkeeping.
+
+    @property
+    def next_step(self) -> str:
+        return self.run_key("next_step")
+
+    @property
+    def status(self) -> str:
+        """The orchestrator's live counters (pending, open groups, lag), for progress displays."""
+        return self.run_key("status")
+
+    @property
+    def info(self) -> str:
+        """The run's shape (steps, ranks, queues), written by its orchestrator for `rlship status`."""
+        return self.run_key("info")
+
+    @property
+    def checkpoint(self) -> str:
+        """The orchestrator's restart point (orchestrator.checkpoint)."""
+        return self.run_key("checkpoint")
+
+    @property
+    def followed(self) -> str:
+        """The newest step whose record the orchestrator has mirrored and released."""
+        return self.run_key("followed")
+
+    @property
+    def orchestrator_lease(self) -> str:
+        """Held by the one live orchestrator of the run."""
+        return self.run_key("orchestrator_lease")
+
+    @property
+    def run_marker(self) -> str:
+        """Written once when the run starts; its absence means Redis lost the run."""
+        return self.run_key(RUN_MARKER)
+
+    @property
+    def alive(self) -> str:
+        """Set while an orchestrator of the run lives (with an expiry, so a killed run's ends
+        too): a task of a run without it is dropped, counted in `tasks_dropped`."""
+        return self.run_key("alive")
+
+    @property
+    def finished(self) -> str:
+        """Set when the run shipped all its steps: its id is not reused."""
+        return self.run_key("finished")
+
+    @property
+    def policy_wait(self) -> str:
+        """Policy-gate seconds not yet reported in a record."""
+        return self.run_key("policy_wait_seconds")
+
+    # The tasks' bookkeeping.
+
+    @property
+    def published(self) -> str:
+        return self.run_key("published")
+
+    @property
+    def released(self) -> str:
+        return self.run_key("released")
+
+    @property
+    def totals(self) -> str:
+        return self.run_key("totals")
+
+    @property
+    def sent_checksums(self) -> str:
+        return self.run_key("sent_checksums")
+
+    @property
+    def stage_calls(self) -> str:
+        return self.run_key("stage_calls")
+
+    @property
+    def redundant(self) -> str:
+        """Per stage, the deliveries that came after their step was done (redeliveries,
+        re-enqueues by the stall watchdog or a restarted orchestrator): skipped quietly."""
+        return self.run_key("redundant_deliveries")
+
+    @property
+    def tasks_dropped(self) -> str:
+        return self.run_key("tasks_dropped")
+
+    @property
+    def evicted(self) -> str:
+        return self.run_key("payloads_evicted_unacknowledged")
+
+    @property
+    def interrupted_sends(self) -> str:
+        """Sends that found an earlier process's `sending` mark above `last_sent`."""
+        return self.run_key("interrupted_sends")
+
+    @property
+    def ship_problem(self) -> str:
+        """Why the ship worker cannot send (a port it cannot bind, a rank not announced): read
+        by the orchestrator when a step makes no progress; short-lived, cleared by a send."""
+        return self.run_key("ship_problem")
+
+    @property
+    def faults(self) -> str:
+        """Armed faults (tests, `rlship chaos`), read by workers started with RLSHIP_FAULTS=1."""
+        return self.run_key("faults")
+
+
+PAYLOAD = "payload"  # a per-rank payload is `step:{n}:payload:{rank}` (the release script too)
+
+
+def run_markers_pattern() -> str:
+    """Matches the start marker of every run on the server (`rlship status`)."""
+    return f"{RUN_PREFIX}*:{RUN_MARKER}"
+
+
+def run_id_of_marker(key: str) -> str:
+    """The run id in a key `run_markers_pattern` matched."""
+    return key.removeprefix(RUN_PREFIX).removesuffix(f":{RUN_MARKER}")
+
+
+def stage_field(stage: str, rank: int | None = None) -> str:
+    """A stage's name in a step's marks and times: `{stage}`, or `{stage}:{rank}` per rank."""
+    return stage if rank is None else f"{stage}:{rank}"
+
+
+def stage_of_field(field: str) -> str:
+    """The stage a `stage_field` names."""
+    return field.split(":")[0]

@@ -22,7 +22,7 @@ import numpy as np
 import redis
 import redis.asyncio as aioredis
 
-from transport.keys import RunKeys
+from transport.keys import PAYLOAD, RunKeys
 from transport.schema import MM_KWARGS_PREFIX, EncodedTensor, SchemaError, as_encoded_tensors
 
 DEFAULT_TTL_SECONDS = 24 * 3600
@@ -170,7 +170,9 @@ class PayloadStore:
         return key
 
     def get_step_value(self, step: int, name: str) -> bytes:
-        key = self.keys.step(step, name)
+        return self._get(self.keys.step(step, name))
+
+    def _get(self, key: str) -> bytes:
         return _check_found([key], [self.client.get(key)])[0]
 
     def put_payload(self, step: int, rank: int, payload: bytes | memoryview) -> str:
@@ -183,7 +185,7 @@ class PayloadStore:
         return key
 
     def get_payload(self, step: int, rank: int) -> bytes:
-        return self.get_step_value(step, f"payload:{rank}")
+        return self._get(self.keys.payload(step, rank))
 
     def release_payloads(self, ranks: int, through_step: int, evict_through: int) -> ReleasedPayloads:
         """Release the retained payloads of steps <= `through_step` that every rank has
@@ -201,8 +203,8 @@ class PayloadStore:
         payloads and acknowledgement sets. Empty after a run that released everything."""
         return sorted(
             key.decode()
-            for pattern in ("rollout:*", "step:*", "retained_payloads", "trained:*")
-            for key in self.client.scan_iter(match=self.keys.prefix + pattern, count=1000)
+            for pattern in self.keys.held_patterns
+            for key in self.client.scan_iter(match=pattern, count=1000)
         )
 
     def expire_run(self, seconds: int = DEFAULT_TTL_SECONDS) -> int:
@@ -290,7 +292,8 @@ class ReleasedPayloads:
 
 # KEYS[1]: the retained-steps set. ARGV: the step-key prefix ("...:step:"), the trained-set
 # prefix ("...:trained:"), ranks, the newest step to consider, the newest step to evict
-# even if unacknowledged. A released step also loses its `trained` set.
+# even if unacknowledged, the payload name (`step:{n}:{name}:{rank}`). A released step also
+# loses its `trained` set.
 _RELEASE_PAYLOADS_LUA = """
 local ranks = tonumber(ARGV[3])
 local evict_through = tonumber(ARGV[5])
@@ -299,7 +302,7 @@ for _, step in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[4])) do
   local acked = redis.call('SCARD', ARGV[2] .. step)
   if acked >= ranks or tonumber(step) <= evict_through then
     for rank = 0, ranks - 1 do
-      redis.call('UNLINK', ARGV[1] .. step .. ':payload:' .. rank)
+      redis.call('UNLINK', ARGV[1] .. step .. ':' .. ARGV[6] .. ':' .. rank)
     end
     redis.call('UNLINK', ARGV[2] .. step)
     if acked < ranks then
@@ -314,11 +317,9 @@ return {released, evicted}
 
 
 def _release_payloads(client: Any, keys: RunKeys, ranks: int, through_step: int, evict_through: int) -> Any:
-    step_prefix = keys.step(0, "")[: -len("0:")]
-    trained_prefix = keys.trained(0)[: -len("0")]
     return client.register_script(_RELEASE_PAYLOADS_LUA)(
         keys=[keys.retained_payloads],
-        args=[step_prefix, trained_prefix, ranks, through_step, evict_through],
+        args=[keys.steps_prefix, keys.trained_prefix, ranks, through_step, evict_through, PAYLOAD],
     )
 
 

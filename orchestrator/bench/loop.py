@@ -48,7 +48,6 @@ from orchestrator.processes import (
 from orchestrator.producer import RolloutProducer
 from orchestrator.run import received_by_rank
 from orchestrator.settings import RunSettings, settings_to_env
-from tasks.ship import RunState
 from transport.checksum import payload_checksum
 from transport.keys import RunKeys
 from transport.zmq import free_port_pair
@@ -312,7 +311,7 @@ def feed(settings: RunSettings, batches: list[StepBatch], group: ProcessGroup, d
     published, so they are ingested before the cut, as the in-process placements hold theirs."""
     client = redis.Redis.from_url(settings.redis_url)
     producer = RolloutProducer.for_run(client, settings, admitted=False)  # a step's batch in one call
-    published = RunState(settings.run_id).published
+    published = RunKeys(settings.run_id).published
     for batch in batches:
         while batch.step and not client.hexists(published, batch.step - 1):
             if group.failed() or time.monotonic() > deadline:

@@ -1,0 +1,237 @@
+"""What every stage task shares: a step's context (`StepContext`) and the one seam each
+stage task goes through (`stage_task`), so a task body is just its stage.
+
+Delivery is at-least-once and unordered after a crash, so every task is idempotent: a
+stage whose completion mark exists is not computed again but still enqueues its
+successors (the previous run may have died between the two); fan-in is counted by
+whoever completes (`StepContext.completed`); a task of a published step or of an ended
+run does nothing. Messages carry (run_id, step[, rank]) only.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import msgpack
+import redis
+from celery import Task
+from celery.exceptions import Retry
+
+from tasks.app import app, redis_url
+from tasks.faults import crash_if_armed
+from tasks.graph import STAGE, Stage, predecessors, stage_ranks
+from tasks.manifest import StepManifest
+from transport.connection import connect_redis
+from transport.keys import StepValue, stage_field
+from transport.store import PayloadStore
+
+log = logging.getLogger("rlship.tasks")
+
+
+@functools.cache
+def redis_client() -> redis.Redis:
+    """One connection pool per worker process (created after fork, on first use); payloads
+    are read without redis-py's copies (`transport.connection.LargeReplyBuffer`)."""
+    return connect_redis(redis_url(), large_replies=True, socket_timeout=120, health_check_interval=30)
+
+
+@functools.lru_cache(maxsize=4)
+def _decoded_manifest(data: bytes) -> StepManifest:
+    """Every task of a step reads its manifest; a process decodes each one once. Keyed by
+    the stored bytes, so a step cut again under the same number is a new manifest."""
+    return StepManifest.from_bytes(data)
+
+
+class StepContext:
+    """A task's view of one step: the manifest, the store and the step's marks."""
+
+    def __init__(self, run_id: str, step: int, task: Task | None = None) -> None:
+        self.run_id = run_id
+        self.step = step
+        self.task = task  # the delivery being run, for its retries; None outside a worker
+        self.client = redis_client()
+        self.store = PayloadStore(self.client, run_id)
+        self.keys = self.store.keys
+
+    @functools.cached_property
+    def manifest(self) -> StepManifest:
+        return _decoded_manifest(bytes(self.store.get_step_value(self.step, StepValue.MANIFEST)))
+
+    def is_published(self, step: int | None = None) -> bool:
+        return bool(self.client.hexists(self.keys.published, self.step if step is None else step))
+
+    def put(self, name: str, value: Any) -> None:
+        self.store.put_step_value(self.step, name, msgpack.packb(value, use_bin_type=True))
+
+    def get(self, name: str) -> Any:
+        return msgpack.unpackb(self.store.get_step_value(self.step, name), raw=False)
+
+    def crash_if_armed(self, stage: str, rank: int | None = None) -> None:
+        crash_if_armed(self.client, self.run_id, stage, self.step, rank)
+
+    def retry(self, countdown: float, queue: str) -> Retry:
+        """The delivery's retry, `countdown` seconds from now on `queue`, for the task to raise."""
+        if self.task is None:
+            raise RuntimeError(f"step {self.step}: a retry needs the task's delivery (not a direct call)")
+        return self.task.retry(countdown=countdown, queue=queue)
+
+    @property
+    def retries(self) -> int:
+        """How many times this delivery has been retried already."""
+        return 0 if self.task is None else int(self.task.request.retries or 0)
+
+    def count_call(self, stage: str, pipe: Any = None) -> None:
+        """Count that this process ran `stage` (`stage_calls`: nothing runs twice), on `pipe`
+        if given (a pipeline with no command yet is falsy, hence the explicit test)."""
+        target = self.client if pipe is None else pipe
+        target.hincrby(self.keys.stage_calls, f"{socket.gethostname()}:{os.getpid()}:{stage}", 1)
+
+    def run_stage(
+        self,
+        stage: str,
+        compute: Callable[[], dict[str, Any] | None],
+        rank: int | None = None,
+        watch: str | None = None,
+    ) -> bool:
+        """Run `compute` once per step (per mark); record its seconds and who ran it.
+
+        What `compute` returns (name -> value) is stored with the mark, in one transaction.
+        With `watch`, that transaction is guarded by the key: if it changed meanwhile (the
+        step was found empty and cut again), nothing is written and False is returned."""
+        name = stage_field(stage, rank)
+        mark = self.keys.done(self.step, stage, rank)
+        with self.client.pipeline(transaction=True) as pipe:
+            if watch is not None:
+                pipe.watch(watch)
+            if self.client.exists(mark):
+                log.info("step %d: %s already done, re-enqueueing its successors", self.step, name)
+                return True
+            started = time.perf_counter()
+            outputs = compute() or {}
+            seconds = time.perf_counter() - started
+            self.crash_if_armed(stage, rank)  # the worst moment: computed, not yet marked
+            pipe.multi()
+            for output, value in outputs.items():
+                pipe.set(
+                    self.keys.step(self.step, output),
+                    msgpack.packb(value, use_bin_type=True),
+                    ex=self.store.ttl,
+                )
+                pipe.sadd(self.keys.step_keys(self.step), self.keys.step(self.step, output))
+            pipe.hset(self.keys.times(self.step), name, seconds)
+            pipe.sadd(self.keys.step_keys(self.step), self.keys.times(self.step))
+            pipe.set(mark, seconds, ex=self.store.ttl)
+            pipe.sadd(self.keys.step_keys(self.step), mark)
+            pipe.expire(self.keys.step_keys(self.step), self.store.ttl)
+            self.count_call(stage, pipe)
+            try:
+                pipe.execute()
+            except redis.WatchError:
+                return False
+        return True
+
+    def skip_redundant(self, task: str, done: str) -> None:
+        log.info("step %d: %s arrived after the step was %s; nothing to do", self.step, task, done)
+        self.client.hincrby(self.keys.redundant, task, 1)
+
+    def skip(self, task: str) -> bool:
+        """Whether the task has nothing to do: its step is published, or its run has ended
+        (no live orchestrator: finished, failed to start, or killed). A task of an ended run
+        is dropped and counted, never retried: workers serve many runs, and a dead run's
+        retrying sends would otherwise loop forever."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.exists(self.keys.alive)
+        pipe.hexists(self.keys.published, self.step)
+        alive, published = pipe.execute()
+        if not alive:
+            log.warning("run %s has ended: %s of step %d dropped", self.run_id, task, self.step)
+            pipe.hincrby(self.keys.tasks_dropped, task, 1)
+            pipe.expire(self.keys.tasks_dropped, self.store.ttl)
+            pipe.execute()
+            return True
+        if published:
+            self.skip_redundant(task, "published")
+        return bool(published)
+
+    def completed(self, stages: Iterable[Stage]) -> bool:
+        """Whether every one of `stages` is done for the step (every rank of a per-rank one),
+        read in one round trip: a marked stage by its marks, send by its `sent` set."""
+        ranks = self.manifest.config.ranks
+        pipe = self.client.pipeline(transaction=False)
+        wanted = []
+        for stage in stages:
+            if stage.marked:
+                for rank in stage_ranks(stage, ranks):
+                    pipe.exists(self.keys.done(self.step, stage.name, rank))
+                    wanted.append(1)
+            else:
+                pipe.scard(self.keys.sent(self.step))
+                wanted.append(ranks)
+        return all(got >= want for got, want in zip(pipe.execute(), wanted, strict=True))
+
+    def queue(self, stage: Stage) -> str:
+        config = self.manifest.config
+        return config.ship_queue if stage.queue == "ship" else config.cpu_queue
+
+
+def enqueue_successors(ctx: StepContext, stage: Stage, rank: int | None) -> None:
+    """Enqueue what follows `stage` in the graph: for the same rank after a per-rank stage,
+    for every rank after a per-step one; a fan-in (more than one predecessor, or a per-step
+    stage after a per-rank one) once all its predecessors are done. More than one task may
+    see a fan-in complete; the stage behind it runs once all the same."""
+    for successor in (STAGE[name] for name in stage.then):
+        if successor.by_orchestrator:
+            continue
+        before = predecessors(successor.name)
+        if (len(before) > 1 or (stage.per_rank and not successor.per_rank)) and not ctx.completed(before):
+            continue
+        # The successor's instances that waited for this one: the same rank, or all of them.
+        same_rank = stage.per_rank and successor.per_rank
+        ranks = (rank,) if same_rank else stage_ranks(successor, ctx.manifest.config.ranks)
+        task, queue = app.tasks[successor.task_name], ctx.queue(successor)
+        for each in ranks:
+            task.apply_async((ctx.run_id, ctx.step, *(() if each is None else (each,))), queue=queue)
+
+
+Body = Callable[..., Any]
+
+
+def stage_task(
+    name: str,
+    *,
+    computes: bool = True,
+    skip: Callable[[StepContext, str], bool] = StepContext.skip,
+    **options: Any,
+) -> Callable[[Body], Task]:
+    """Register `body` as stage `name`'s Celery task (`Stage.task_name`): the one seam.
+
+    Per delivery: the step's context; `skip` (by default: the step is published or the
+    run has ended); the body; then the stage's successors in the graph. A body that
+    `computes` is the stage's computation, run once per step by `StepContext.run_stage`
+    (timed, marked, the fault hook before the mark); any other runs its stage itself and
+    returns False when the step goes no further. The body gets the context and the task's
+    arguments after (run_id, step)."""
+    stage = STAGE[name]
+
+    def register(body: Body) -> Task:
+        @functools.wraps(body)
+        def run(task: Task, run_id: str, step: int, *args: int) -> None:
+            ctx = StepContext(run_id, step, task)
+            if skip(ctx, name):
+                return
+            rank = args[0] if stage.per_rank else None
+            if computes:
+                ctx.run_stage(name, functools.partial(body, ctx, *args), rank)
+            elif body(ctx, *args) is False:
+                return
+            enqueue_successors(ctx, stage, rank)
+
+        return app.task(name=stage.task_name, bind=True, **options)(run)
+
+    return register

@@ -1,0 +1,113 @@
+"""`rlship chaos` end to end: a short seeded run while workers, the ship worker and the
+orchestrator are killed, compared with a fault-free run of the same workload."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from orchestrator.chaos import Kill, compare
+from tests.support.processes import REPO, python_command
+
+pytestmark = pytest.mark.timeout(400)
+
+
+def test_chaos_delivers_every_step_once_in_order_and_identical(tmp_path):
+    path = tmp_path / "chaos.json"
+    done = subprocess.run(
+        python_command(
+            "chaos", "--steps", "8", "--kill-every", "0.2", "--timeout", "150", "--json", str(path)
+        ),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=380,
+    )
+    report = json.loads(path.read_text())
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert report["goal_met"]
+    assert report["steps_delivered_per_rank"] == {"0": 8, "1": 8}
+    assert report["duplicates_delivered"] == report["out_of_order"] == report["payload_mismatches"] == 0
+    assert report["records_published"] == 8 and report["keys_left"] == 0
+    assert report["kills"] >= 10
+    assert {"orchestrator", "ship-worker", "stage-fault"} <= set(report["kills_by_target"])
+    assert "goal MET" in done.stdout
+
+
+def test_chaos_with_stock_receivers_reports_no_duplicate_outside_the_window_and_no_hang(tmp_path):
+    """Ranks that receive as prime-rl's do (READY once, no duplicate check, no replay),
+    the ship worker killed twice among the other kills."""
+    path = tmp_path / "chaos.json"
+    # What an earlier invocation with the same --json left: its ranks' records of step 1.
+    for name in ("reference", "chaos"):
+        earlier = tmp_path / name / "stock" / "rank-0.jsonl"
+        earlier.parent.mkdir(parents=True)
+        earlier.write_text(json.dumps({"step": 1, "topic_step": 1, "sha256": "0" * 64}) + "\n")
+    done = subprocess.run(
+        python_command(
+            "chaos", "--steps", "8", "--kill-every", "0.2", "--timeout", "150", "--json", str(path),
+            "--receivers", "stock", "--ship-kills", "2",
+        ),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=380,
+    )  # fmt: skip
+    assert path.exists(), done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads(path.read_text())
+    # A ship worker killed after a message left it and before its mark reached Redis (one
+    # round trip) has it sent again: the window README's Reliability states. A duplicate
+    # from anywhere else, a lost step or a hang fails.
+    window = report["duplicates_in_window"]
+    assert done.returncode == (0 if window == 0 else 1), done.stdout[-2000:] + done.stderr[-2000:]
+    assert report["goal_met"] == (window == 0) and report["receivers"] == "stock"
+    assert report["steps_delivered_per_rank"] == {"0": 8, "1": 8}
+    assert report["duplicates_delivered"] == window <= sum(report["interrupted_sends"].values())
+    assert report["out_of_order"] <= window and report["payload_mismatches"] == 0
+    assert report["hung_ranks"] == [] and report["kills_by_target"]["ship-worker"] == 2
+    assert "send" not in report["kills_by_stage"], "the send fault fires inside the window by design"
+
+
+def stock_observation(orders: dict[str, list[int]], redone: dict[str, int]) -> dict:
+    """What `observe_stock` gives for ranks that recorded these topic steps, in order."""
+    ranks = {
+        rank: {
+            "checksums": {str(s): f"sha-{s}" for s in order},
+            "deliveries": {str(s): order.count(s) for s in set(order)},
+            "order": order,
+        }
+        for rank, order in orders.items()
+    }
+    return {
+        "ranks": ranks, "records": [1, 2, 3], "keys_left": [], "hung_ranks": [], "wall_seconds": 1.0,
+        "rollouts_written": 24, "interrupted_sends": redone, "kills": [Kill(0.5, "ship-worker", step=2)],
+    }  # fmt: skip
+
+
+@pytest.mark.timeout(10)
+def test_a_stock_duplicate_counts_in_the_window_only_where_its_send_was_redone():
+    args = argparse.Namespace(
+        steps=3, kill_every=0.2, receivers="stock", ship_kills=1, json=Path("chaos.json")
+    )
+    expected = {"ranks": {r: {"checksums": {str(s): f"sha-{s}" for s in (1, 2, 3)}} for r in "01"},
+                "keys_left": [], "wall_seconds": 1.0}  # fmt: skip
+    # Rank 0 got step 2 twice; the ship worker that sent it to rank 0 died before its mark.
+    redone = compare(
+        args, range(1, 4), expected, stock_observation({"0": [1, 2, 2, 3], "1": [1, 2, 3]}, {"2:0": 1})
+    )
+    assert (redone["duplicates_delivered"], redone["duplicates_in_window"], redone["out_of_order"]) == (
+        1,
+        1,
+        1,
+    )
+    assert not redone["goal_met"], "a duplicate misses the goal, in the window or not"
+    # The same duplicate with no interrupted send behind it (or one to another rank) is not.
+    for interrupted in ({}, {"2:1": 1}, {"3:0": 1}):
+        other = compare(
+            args, range(1, 4), expected, stock_observation({"0": [1, 2, 2, 3], "1": [1, 2, 3]}, interrupted)
+        )
+        assert (other["duplicates_delivered"], other["duplicates_in_window"]) == (1, 0), interrupted

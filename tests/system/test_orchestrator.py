@@ -1,0 +1,203 @@
+"""The orchestrator's own decisions, against the real Redis: what it releases at once,
+what it refuses to cut, and where policy-wait time is reported."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from orchestrator.orchestrator import Orchestrator
+from orchestrator.producer import RolloutProducer
+from orchestrator.records import RecordRejected, parse_record
+from orchestrator.settings import RunSettings
+from tests.support.factories import group, rollout
+from tests.support.shiprun import ship_settings, start_trainers, stop
+from transport.keys import RunKeys
+from transport.store import PayloadStore
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def _until(predicate, timeout: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+def _settings(run_id: str, redis_url: str, tmp_path, **overrides) -> RunSettings:
+    values = {
+        "run_id": run_id,
+        "redis_url": redis_url,
+        "steps": 1,
+        "batch_size": 4,
+        "group_size": 2,
+        "seq_len": 64,
+        "output_dir": tmp_path,
+        "max_off_policy_steps": 2,
+        "trainers": "external",  # no gate: these tests drive the steps themselves
+        "first_step": 0,  # and number them from 0 (tests/system/test_numbering.py covers prime-rl's 1)
+    }
+    return RunSettings(**{**values, **overrides})
+
+
+async def _ingest(orchestrator: Orchestrator, records: int) -> None:
+    task = asyncio.create_task(orchestrator.ingest.run())
+    try:
+
+        async def done() -> bool:
+            return orchestrator.ingest.accounting.arrived >= records
+
+        await _until(done)
+    finally:
+        task.cancel()
+
+
+def test_discarded_rollouts_are_released_at_once_and_counted(client, redis_url, run_id, tmp_path):
+    settings = _settings(run_id, redis_url, tmp_path)
+    rollouts = [
+        *group("zero", [1.0, 1.0], policy_version=3),
+        *group("live", [1.0, 0.0], policy_version=3),
+        *group("err", [1.0, 0.0], policy_version=3),
+        *group("old", [1.0, 0.0], policy_version=0),
+    ]
+    errored, errored_arrays = rollout("err-r1", "err", 0.0, error="timeout", policy_version=3)
+    rollouts[5] = (errored, errored_arrays)
+    RolloutProducer(client, run_id).produce(rollouts)
+    client.xadd(f"rlship:{run_id}:rollouts", {"record": b'{"rollout_id": "junk", "reward": "NaN"}'})
+
+    async def scenario() -> Orchestrator:
+        aclient = aioredis.Redis.from_url(redis_url)
+        orchestrator = Orchestrator(settings, aclient)
+        orchestrator.dispatcher.next_step = 3  # policy version 0 is now 3 steps behind: stale (limit 2)
+        try:
+            await _ingest(orchestrator, len(rollouts) + 1)
+        finally:
+            await aclient.aclose()
+        return orchestrator
+
+    orchestrator = asyncio.run(scenario())
+    keys = RunKeys(run_id)
+    alive = {r.rollout_id for r, _ in rollouts if client.exists(keys.rollout(r.rollout_id))}
+    assert alive == {"live-r0", "live-r1"}, "only the trainable payloads are still held"
+    assert orchestrator.ingest.pending.rollout_ids == ["live-r0", "live-r1"]
+    # err-r0 is alone in its group's baseline once err-r1 errored: zero advantage.
+    assert dict(orchestrator.ingest.accounting.discarded) == {"zero_advantage": 3, "error": 1, "stale": 2}
+    assert dict(orchestrator.ingest.accounting.rejected) == {"invalid_field": 1}
+    window = orchestrator.ingest.window.build()
+    assert len(window) == 8, "every finalized rollout keeps its scalars for `all`"
+    assert sorted(window.labels["error"]) == ["", "", "", "", "", "", "", "timeout"]
+    assert window.numeric["is_trainable"].sum() == 2
+    PayloadStore(client, run_id).delete_all_rollouts()
+
+
+def test_trainable_payloads_stay_until_shipped(client, redis_url, run_id, tmp_path):
+    settings = _settings(run_id, redis_url, tmp_path)
+    rollouts = [*group("a", [1.0, 0.0]), *group("b", [0.0, 0.0])]
+    RolloutProducer(client, run_id).produce(rollouts)
+
+    async def scenario() -> Orchestrator:
+        aclient = aioredis.Redis.from_url(redis_url)
+        orchestrator = Orchestrator(settings, aclient)
+        try:
+            await _ingest(orchestrator, 4)
+        finally:
+            await aclient.aclose()
+        return orchestrator
+
+    orchestrator = asyncio.run(scenario())
+    keys = RunKeys(run_id)
+    assert orchestrator.ingest.pending.rollout_ids == ["a-r0", "a-r1"]
+    assert client.exists(keys.rollout("a-r0"), keys.rollout("a-r1")) == 2
+    assert client.exists(keys.rollout("b-r0"), keys.rollout("b-r1")) == 0
+    PayloadStore(client, run_id).delete_all_rollouts()
+
+
+def test_empty_batch_publishes_nothing_and_does_not_advance(client, redis_url, run_id, tmp_path):
+    settings = _settings(run_id, redis_url, tmp_path)
+    RolloutProducer(client, run_id).produce([*group("z1", [1.0, 1.0]), *group("z2", [0.0, 0.0])])
+
+    async def scenario() -> None:
+        aclient = aioredis.Redis.from_url(redis_url)
+        orchestrator = Orchestrator(settings, aclient)
+        try:
+            await _ingest(orchestrator, 4)
+            # Both groups have zero advantage: nothing is pending, so dispatch has nothing
+            # to cut, and a cut forced now writes nothing.
+            ingest = orchestrator.ingest
+            assert len(ingest.pending) == 0 and ingest.accounting.discarded["zero_advantage"] == 4
+            assert await orchestrator.dispatcher.cut(0) is None and orchestrator.dispatcher.next_step == 0
+        finally:
+            await aclient.aclose()
+
+    asyncio.run(scenario())
+    state = RunKeys(run_id)
+    assert client.get(state.next_step) is None
+    assert client.xlen(state.metrics_stream) == 0
+    assert not list(client.scan_iter(match=state.step(0, "*")))
+
+
+def test_policy_wait_is_reported_with_the_step_it_finished_during(
+    client, redis_url, run_id, workers, tmp_path
+):
+    settings = ship_settings(run_id, redis_url, workers, tmp_path, steps=2, batch_size=4, group_size=2)
+    producer = RolloutProducer(client, run_id)
+    state = RunKeys(run_id)
+
+    async def scenario() -> list[dict]:
+        aclient = aioredis.Redis.from_url(redis_url)
+        orchestrator = Orchestrator(settings, aclient)
+        run = asyncio.create_task(orchestrator.run())
+        trainers = []
+        try:
+            producer.produce([*group("s0a", [1.0, 0.0]), *group("s0b", [0.0, 1.0])])
+
+            async def cut(step: int) -> bool:
+                return int(await aclient.get(state.next_step) or 0) > step
+
+            await _until(lambda: cut(0))
+            # No trainer is listening yet, so step 0 cannot be sent or published: a wait that
+            # finishes now finishes while step 0 is being computed.
+            await aclient.incrbyfloat(state.policy_wait, 1.25)
+            trainers = start_trainers(settings)
+
+            async def published(step: int) -> bool:
+                return len(orchestrator.follower.records) > step
+
+            await _until(lambda: published(0), timeout=60)
+            await aclient.incrbyfloat(state.policy_wait, 0.5)  # after step 0's record
+            producer.produce([*group("s1a", [1.0, 0.0]), *group("s1b", [0.0, 1.0])])
+            await asyncio.wait_for(run, 60)
+            return list(orchestrator.follower.records)
+        finally:
+            run.cancel()
+            stop(trainers)
+            await aclient.aclose()
+
+    records = asyncio.run(scenario())
+    assert [r["time/wait_for_policy"] for r in records] == [1.25, 0.5]
+    assert float(client.get(state.policy_wait)) == 0.0
+
+
+def test_bad_records_are_rejected_naming_field_and_value():
+    good = rollout("ok", "g", 1.0)[0].model_dump()
+    with pytest.raises(RecordRejected, match=r"reward: .*finite.*got nan") as info:
+        parse_record(json.dumps({**good, "reward": float("nan")}))
+    assert info.value.reason == "invalid_field"
+    with pytest.raises(RecordRejected, match=r"num_output_tokens: .*greater than or equal to 0.*got -3"):
+        parse_record(json.dumps({**good, "num_output_tokens": -3}))
+    with pytest.raises(RecordRejected, match=r"env: Field required"):
+        parse_record(json.dumps({k: v for k, v in good.items() if k != "env"}))
+    with pytest.raises(RecordRejected, match=r"rollout_id: String should match pattern.*got 'a:b'"):
+        parse_record(json.dumps({**good, "rollout_id": "a:b"}))
+    with pytest.raises(RecordRejected) as info:
+        parse_record(b"{not json")
+    assert info.value.reason == "invalid_json"
+
+
+def test_redis_client_fixture_is_real(client: redis.Redis):
+    assert client.ping()

@@ -1,0 +1,160 @@
+"""The ship-path tasks run in this process, one after another, against the real Redis and the
+filesystem transport: what each task stores, marks and enqueues, and what the trainer files
+hold, checked with plain msgpack, hashlib and hand-computed values. No Celery worker runs:
+successor messages land on this test's own queues, where the test reads them."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import redis
+
+from orchestrator.processes import delete_queues
+from tasks import ship
+from tasks.cohort import NUMERIC_COLUMNS, CohortBuilder
+from tasks.manifest import ShipConfig, StepManifest
+from transport.keys import RunKeys
+from transport.store import PayloadStore
+
+# rollout id: (input_ids, number of prompt tokens, advantage, env); "flat" has zero advantage.
+ROLLOUTS = {
+    "a": ([11, 12, 13, 14], 1, 0.5, "math"),
+    "b": ([21, 22, 23], 2, -0.5, "math"),
+    "c": ([31, 32, 33, 34, 35], 2, 1.0, "code"),
+    "flat": ([41, 42], 1, 0.0, "code"),
+}
+RANKS = 2
+
+
+@pytest.fixture()
+def shipped_step(
+    client: redis.Redis, run_id: str, tmp_path: Path
+) -> Iterator[tuple[PayloadStore, ShipConfig]]:
+    store = PayloadStore(client, run_id)
+    config = ShipConfig(ranks=RANKS, seq_len=64, transport="fs", output_dir=str(tmp_path), vocab_size=100,
+                        cpu_queue=f"cpu-{run_id}", ship_queue=f"ship-{run_id}")  # fmt: skip
+    builder = CohortBuilder()
+    for rollout_id, (ids, prompt, advantage, env) in ROLLOUTS.items():
+        store.put_rollouts({rollout_id: {
+            "input_ids": np.array(ids, dtype=np.int32),
+            "loss_mask": np.arange(len(ids)) >= prompt,
+            "inference_logprobs": -np.arange(len(ids), dtype=np.float32) / 4,
+        }})  # fmt: skip
+        numeric = dict.fromkeys(NUMERIC_COLUMNS, 0.0) | {
+            "advantage": advantage, "reward": advantage, "num_input_tokens": prompt,
+            "num_output_tokens": len(ids) - prompt, "temperature": 1.0, "is_trainable": 1.0,
+        }  # fmt: skip
+        builder.append(numeric, {"rollout_id": rollout_id, "env": env, "group_id": env, "task_id": env})
+    cohort = builder.build()
+    counters = {"accounting/arrived": 4.0, "accounting/pending": 0.0, "accounting/in_open_groups": 0.0,
+                "accounting/rejected": 0.0, "accounting/discarded": 0.0}  # fmt: skip
+    manifest = StepManifest(run_id, 0, -1, 0.0, config, cohort, cohort, counters=counters)
+    store.put_step_value(0, "manifest", manifest.to_bytes())
+    client.set(RunKeys(run_id).alive, 1, ex=60)  # a live run: its tasks are not dropped
+    try:
+        yield store, config
+    finally:
+        client.delete(*client.scan_iter(f"rlship:{run_id}:*"))
+        delete_queues(client, [config.cpu_queue, config.ship_queue])
+
+
+def _enqueued(client: redis.Redis, queue: str) -> list[tuple[str, list]]:
+    """(task name, arguments) of every message on the queue, oldest first; the queue is emptied."""
+    messages = [json.loads(raw) for raw in reversed(client.lrange(queue, 0, -1))]
+    client.delete(queue)
+    return [(m["headers"]["task"], list(ast.literal_eval(m["headers"]["argsrepr"]))) for m in messages]
+
+
+def test_one_step_through_every_task(client: redis.Redis, run_id: str, shipped_step) -> None:
+    store, config = shipped_step
+    cpu, ship_queue = config.cpu_queue, config.ship_queue
+    ship.finalize(run_id, 0)
+    assert _enqueued(client, cpu) == [("rlship.prune", [run_id, 0])]
+    ship.prune(run_id, 0)
+    assert _enqueued(client, cpu) == [("rlship.metrics", [run_id, 0]), ("rlship.pack", [run_id, 0])]
+    ship.metrics(run_id, 0)
+    assert _enqueued(client, cpu) == [], "publish waits for every rank's send"
+    ship.pack(run_id, 0)
+    assert _enqueued(client, cpu) == [("rlship.encode", [run_id, 0, r]) for r in range(RANKS)]
+    for rank in range(RANKS):
+        ship.encode(run_id, 0, rank)
+    assert _enqueued(client, ship_queue) == [("rlship.send", [run_id, 0, r]) for r in range(RANKS)]
+    ship.send(run_id, 0, 0)
+    assert _enqueued(client, cpu) == [], "one rank of two sent"
+    ship.send(run_id, 0, 1)
+    assert _enqueued(client, cpu) == [("rlship.publish", [run_id, 0])]
+    ship.publish(run_id, 0)
+
+    # What the trainer ranks got: every trainable rollout once, with its own advantage.
+    seen = {}
+    checksums = client.hgetall(RunKeys(run_id).sent_checksums)
+    for rank in range(RANKS):
+        data = (Path(config.output_dir) / "rollouts" / "step_0" / f"rank_{rank}.bin").read_bytes()
+        assert checksums[f"0:{rank}".encode()].decode() == hashlib.sha256(data).hexdigest()[:32]
+        for batch in msgpack.unpackb(data, raw=False):
+            start = 0
+            for length in batch[5]:
+                end = start + length
+                if batch[7][start] != "padding":
+                    seen[tuple(batch[0][start:end])] = (set(batch[2][start:end]), set(batch[7][start:end]))
+                start = end
+    expected = {tuple(ids): ({adv}, {env}) for ids, _, adv, env in ROLLOUTS.values() if adv}
+    assert seen == expected
+
+    # The one record.
+    [(_, fields)] = client.xrange(store.keys.metrics_stream)
+    record = json.loads(fields[b"record"])
+    assert record["step"] == 0.0 and record["progress/rollouts"] == 3.0
+    assert record["progress/dropped_by_workers/no_trainable_tokens"] == 1.0
+    assert record["progress/total_rollouts"] == 3.0 and record["progress/total_steps"] == 1.0
+    assert record["accounting/shipped"] == 3.0 and record["accounting/dropped_by_workers"] == 1.0
+    assert record["accounting/balanced"] == 1.0
+    assert record["progress/tokens"] == 12.0, "4 + 3 + 5 tokens shipped"
+    stages = {"finalize", "prune", "metrics", "pack", "encode", "send"}
+    assert {k.split("/", 1)[1] for k in record if k.startswith("time/")} == stages | {
+        "ship",
+        "wait_for_policy",
+        "wait_for_ckpt",  # prime-rl's name of wait_for_policy
+    }
+    times = {k.decode() for k in client.hgetall(store.keys.step(0, "times"))}
+    assert times == {"finalize", "prune", "metrics", "pack", "encode:0", "encode:1", "send:0", "send:1"}
+    for name in ("finalize", "prune", "metrics", "pack", "encode:0", "encode:1"):
+        assert client.ttl(store.keys.step(0, f"done:{name}")) > 0
+    raw_calls = client.hgetall(RunKeys(run_id).stage_calls)
+    calls = {k.decode().rsplit(":", 1)[1]: int(v) for k, v in raw_calls.items()}
+    assert calls == {"finalize": 1, "prune": 1, "metrics": 1, "pack": 1, "encode": 2}
+    assert client.hexists(RunKeys(run_id).published, 0)
+
+    # Every task again, after the step is published: nothing computed, enqueued or recorded twice.
+    for task, args in [(ship.finalize, ()), (ship.prune, ()), (ship.metrics, ()), (ship.pack, ()),
+                       (ship.encode, (0,)), (ship.send, (1,)), (ship.publish, ())]:  # fmt: skip
+        task(run_id, 0, *args)
+    assert _enqueued(client, cpu) == [] and _enqueued(client, ship_queue) == []
+    assert client.xlen(store.keys.metrics_stream) == 1
+    assert client.hgetall(RunKeys(run_id).stage_calls) == raw_calls, "no stage computed again"
+
+    ship.release(run_id, 0, RANKS, 8)
+    assert client.hexists(RunKeys(run_id).released, 0)
+    assert not client.exists(store.keys.step(0, "manifest"), store.keys.step(0, "times"))
+
+
+def test_a_stage_already_done_is_not_computed_again(client: redis.Redis, run_id: str, shipped_step) -> None:
+    _, config = shipped_step
+    ship.finalize(run_id, 0)
+    ship.finalize(run_id, 0)
+    assert _enqueued(client, config.cpu_queue) == [("rlship.prune", [run_id, 0])] * 2, "successors again"
+    calls = client.hgetall(RunKeys(run_id).stage_calls)
+    assert [int(v) for v in calls.values()] == [1], "computed once"
+    ctx = ship.StepContext(run_id, 0)
+    assert not ctx.is_published() and not ctx.is_published(0)
+    client.hset(ctx.keys.published, 0, 1.0)
+    assert ctx.is_published() and not ctx.is_published(1)
+    ctx.put("x", {"k": [1, 2]})
+    assert ctx.get("x") == {"k": [1, 2]}

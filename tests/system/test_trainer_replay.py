@@ -1,0 +1,145 @@
+"""A trainer rank gets again what PUB/SUB lost: payloads are retained in Redis until every
+rank acknowledges them, and the receiver replays from there (real Redis, real ZMQ sockets,
+and, end to end, a real trainer process killed and restarted mid-run)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+
+import pytest
+
+from orchestrator.producer import run_producer
+from tests.support.shiprun import (
+    ShipResult,
+    leftover_keys,
+    run_orchestrator,
+    ship_settings,
+    start_trainers,
+    stop,
+)
+from transport.keys import RunKeys
+from transport.replay import RetainedPayloads
+from transport.store import PayloadStore
+from transport.zmq import ZMQReceiver, ZMQSender, free_port_pair
+
+pytestmark = pytest.mark.timeout(180)
+HOST = "127.0.0.1"
+
+
+def payload(step: int) -> bytes:
+    return b"step-%d-" % step * 1000
+
+
+def handed_to_transport(store: PayloadStore, step: int, rank: int) -> None:
+    """What the ship path does before a send: retain the payload, then mark it sent."""
+    store.put_payload(step, rank, payload(step))
+    store.client.set(store.keys.last_sent(rank), step)
+
+
+def receive_all(receiver: ZMQReceiver, count: int) -> list[tuple[int, bytes]]:
+    got = []
+    for _ in range(count):
+        message = receiver.receive(timeout=10)
+        assert message is not None, f"timed out after {got and got[-1][0]}"
+        got.append((message.step, bytes(message.payload)))
+    return got
+
+
+def test_lost_and_missed_steps_are_replayed_in_order(client, run_id):
+    store = PayloadStore(client, run_id)
+    port = free_port_pair()
+    replay = RetainedPayloads(client, run_id)
+    with ZMQSender(HOST, port, 1) as sender, ZMQReceiver(
+        HOST, port, 0, announce_interval=0.05, replay=replay, replay_after=0.3, next_step=0
+    ) as receiver:
+        assert sender.wait_ready(10)
+        handed_to_transport(store, 0, 0)
+        sender.send(0, 0, payload(0))
+        handed_to_transport(store, 1, 0)  # sent, then lost in flight: never reaches the socket
+        handed_to_transport(store, 2, 0)
+        sender.send(2, 0, payload(2))
+        handed_to_transport(store, 3, 0)  # the last step, lost: nothing after it shows the gap
+        got = receive_all(receiver, 4)
+        assert got == [(s, payload(s)) for s in range(4)]
+        assert receiver.replayed == 2 and receiver.gaps == []
+        sender.send(1, 0, payload(1))  # a late or repeated copy is still a duplicate
+        deadline = time.monotonic() + 10
+        while receiver.duplicates_dropped == 0:  # until the copy has arrived and been dropped
+            assert receiver.receive(timeout=0.05) is None, "a duplicate was delivered"
+            assert time.monotonic() < deadline, "the repeated copy never arrived"
+        assert receiver.duplicates_dropped == 1
+
+    # A restarted rank (acknowledged through step 1) catches up before anything new arrives.
+    with ZMQReceiver(HOST, port, 0, next_step=2, replay=replay) as restarted:
+        assert receive_all(restarted, 2) == [(2, payload(2)), (3, payload(3))]
+    store.release_payloads(ranks=1, through_step=3, evict_through=3)
+
+
+def test_a_step_no_longer_retained_is_reported_as_a_gap(client, run_id):
+    store = PayloadStore(client, run_id)
+    port = free_port_pair()
+    with ZMQSender(HOST, port, 1) as sender, ZMQReceiver(
+        HOST, port, 0, announce_interval=0.05, replay=RetainedPayloads(client, run_id), next_step=0
+    ) as receiver:
+        assert sender.wait_ready(10)
+        client.set(store.keys.last_sent(0), 0)  # step 0 went out and was released
+        handed_to_transport(store, 1, 0)
+        sender.send(1, 0, payload(1))
+        assert receive_all(receiver, 1) == [(1, payload(1))]
+        assert receiver.gaps == [(0, 1)]
+    store.release_payloads(ranks=1, through_step=1, evict_through=1)
+
+
+def test_a_stuck_then_restarted_trainer_gets_every_step_once(client, redis_url, run_id, workers, tmp_path):
+    """Rank 1 stops reading (SIGSTOP) after step 1: the ship path keeps sending into its
+    socket until the policy gate holds the orchestrator, which names the rank; then it dies
+    with those steps unread (SIGKILL) and restarts: it replays them from Redis."""
+    steps = 7
+    settings = ship_settings(run_id, redis_url, workers, tmp_path, steps=steps, max_async_level=1)
+    keys = RunKeys(run_id)
+    status = RunKeys(run_id).status
+    trainers = start_trainers(settings)
+
+    async def scenario() -> ShipResult:
+        shipping = asyncio.create_task(run_orchestrator(settings, timeout=150))
+        while client.hlen(keys.received(1)) < 2:
+            assert not shipping.done()
+            await asyncio.sleep(0.01)
+        trainers[1].send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 60
+        while client.hget(status, "stalled_ranks") != b"[1]":
+            assert time.monotonic() < deadline, "the stalled rank was never reported"
+            await asyncio.sleep(0.05)
+        assert int(client.get(keys.last_sent(1))) > max(int(s) for s in client.hkeys(keys.received(1)))
+        assert not shipping.done()
+        trainers[1].send_signal(signal.SIGKILL)
+        trainers[1].wait()
+        trainers[1] = start_trainers(settings, ranks=[1])[0]
+        return await shipping
+
+    stop_producing = threading.Event()
+    producer = threading.Thread(target=run_producer, args=(settings,), kwargs={"stop": stop_producing})
+    producer.start()
+    try:
+        result = asyncio.run(scenario())
+    finally:
+        stop_producing.set()
+        producer.join()
+        stop(trainers)
+    PayloadStore(client, run_id).delete_all_rollouts()
+
+    sent = {k.decode(): v.decode() for k, v in client.hgetall(RunKeys(run_id).sent_checksums).items()}
+    for rank in range(settings.ranks):
+        received = {int(s): c.decode() for s, c in client.hgetall(keys.received(rank)).items()}
+        deliveries = {int(s): int(n) for s, n in client.hgetall(keys.deliveries(rank)).items()}
+        assert sorted(received) == list(range(steps)), f"rank {rank}: {sorted(received)}"
+        assert all(received[s] == sent[f"{s}:{rank}"] for s in received), f"rank {rank}: bytes differ"
+        assert set(deliveries.values()) == {1}, f"rank {rank} delivered a step twice: {deliveries}"
+    trainer_log = (tmp_path / "logs" / "trainer-1.log").read_text()
+    assert "replayed from the retained payloads" in trainer_log
+    assert result.summary["steps_shipped"] == steps
+    assert result.summary["steps_unacknowledged"] == []
+    assert leftover_keys(client, run_id) == []
