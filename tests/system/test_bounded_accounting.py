@@ -76,7 +76,7 @@ def test_memory_stays_flat_while_most_groups_are_discarded(client, redis_url, ru
             await asyncio.sleep(0.005)
 
     async def scenario() -> None:
-        from tests import shiprun
+        from tests.support import shiprun
 
         original = shiprun.Orchestrator
 
