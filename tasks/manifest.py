@@ -24,25 +24,27 @@ def packb_in_pieces(value: Any) -> bytes:
     One `packb` of a 16k-rollout manifest holds the GIL for 15-20 ms; the orchestrator packs
     it on its publisher thread, and the event loop gets the GIL back between two pieces
     (maps are walked, lists longer than PIECE_ITEMS packed a slice at a time)."""
-    packer = msgpack.Packer(use_bin_type=True)
     pieces: list[bytes] = []
-
-    def walk(item: Any) -> None:
-        if isinstance(item, dict):
-            pieces.append(packer.pack_map_header(len(item)))
-            for key, inner in item.items():
-                pieces.append(packer.pack(key))
-                walk(inner)
-        elif isinstance(item, list) and len(item) > PIECE_ITEMS:
-            pieces.append(packer.pack_array_header(len(item)))
-            for start in range(0, len(item), PIECE_ITEMS):
-                piece = item[start : start + PIECE_ITEMS]
-                pieces.append(packer.pack(piece)[len(packer.pack_array_header(len(piece))) :])
-        else:
-            pieces.append(packer.pack(item))
-
-    walk(value)
+    _pack_pieces(msgpack.Packer(use_bin_type=True), value, pieces)
     return b"".join(pieces)
+
+
+def _pack_pieces(packer: msgpack.Packer, item: Any, pieces: list[bytes]) -> None:
+    """A module function, not a closure over `pieces`: a recursive closure is a reference
+    cycle that kept every step's packed manifest alive until the cyclic collector ran (the
+    orchestrator's traced memory grew by the manifest's size a step, test_bounded_accounting)."""
+    if isinstance(item, dict):
+        pieces.append(packer.pack_map_header(len(item)))
+        for key, inner in item.items():
+            pieces.append(packer.pack(key))
+            _pack_pieces(packer, inner, pieces)
+    elif isinstance(item, list) and len(item) > PIECE_ITEMS:
+        pieces.append(packer.pack_array_header(len(item)))
+        for start in range(0, len(item), PIECE_ITEMS):
+            piece = item[start : start + PIECE_ITEMS]
+            pieces.append(packer.pack(piece)[len(packer.pack_array_header(len(piece))) :])
+    else:
+        pieces.append(packer.pack(item))
 
 
 @dataclass(frozen=True)
