@@ -11,6 +11,7 @@ run does nothing. Messages carry (run_id, step[, rank]) only.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import socket
@@ -232,6 +233,12 @@ def stage_task(
                 return
             enqueue_successors(ctx, stage, rank)
 
+        # The task's own arguments, for what reads them by name (`tasks.logs.TaskContext`
+        # puts run_id, step and rank on every log line), not the body's `ctx, ...`.
+        positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+        named = [inspect.Parameter(n, positional) for n in ("task", "run_id", "step")]
+        after_context = list(inspect.signature(body).parameters.values())[1:]
+        run.__signature__ = inspect.Signature([*named, *after_context])
         return app.task(name=stage.task_name, bind=True, **options)(run)
 
     return register

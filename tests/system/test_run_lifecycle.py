@@ -75,7 +75,7 @@ def test_a_run_stopped_by_sigterm_leaves_nothing_behind_and_resumes(client, redi
             process.wait()
     shipped = client.hlen(published)
     assert process.returncode == 1, stdout[-2000:]
-    assert f"rlship run {run_id}: {shipped} steps shipped ({shipped} records)" in stdout, stdout[-2000:]
+    assert f"rlship run {run_id}: {shipped} steps shipped," in stdout, stdout[-2000:]
     assert "stopped: interrupted" in stdout and f"`rlship run --run-id {run_id}`" in stdout
     assert processes_of(run_id) == []
     assert keys_without_expiry(client, run_id) == []
@@ -129,7 +129,7 @@ def test_a_run_whose_trainer_dies_says_so_and_leaves_nothing_behind(client, redi
             process.wait()
     shipped = client.hlen(f"rlship:{run_id}:published")
     assert process.returncode == 1, stdout[-2000:]
-    assert f"{shipped} steps shipped ({shipped} records)" in stdout
+    assert f"{shipped} steps shipped," in stdout
     assert "stopped: trainer-1 exited with -9 (log in " in stdout, stdout[-2000:]
     assert processes_of(run_id) == []
     assert keys_without_expiry(client, run_id) == []
