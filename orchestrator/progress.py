@@ -232,8 +232,10 @@ class ProgressDisplay:
         self._last_plain = self.started
         self._lag_peak_ms = 0.0
 
-    def update(self, final: bool = False) -> None:
-        """One refresh. A Redis error skips it: the display must not stop the run it shows."""
+    def update(self, status: bool = False) -> None:
+        """One refresh; with `status`, the status is printed outside a terminal too (the
+        first and the last frame). A Redis error skips it: the display must not stop the run
+        it shows."""
         try:
             records = self.reader.new_records()
             snapshot = self.reader.snapshot()
@@ -251,7 +253,7 @@ class ProgressDisplay:
             self.stream.write(redraw(self._height, new_lines, block, width))
             self._height = len(block)
         else:
-            if final or now - self._last_plain >= PLAIN_STATUS_SECONDS:
+            if status or now - self._last_plain >= PLAIN_STATUS_SECONDS:
                 new_lines.append("status: " + " | ".join(block))
                 self._last_plain = now
             self.stream.write("".join(f"{line}\n" for line in new_lines))

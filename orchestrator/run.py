@@ -124,7 +124,7 @@ def run_local(settings: RunSettings, summary_path: Path | None) -> dict[str, Any
                 _restart_or_fail(group)
                 display.update()
                 time.sleep(REFRESH_SECONDS)
-            display.update(final=True)
+            display.update(status=True)
             if orchestrator.returncode != 0:
                 cause = _orchestrator_error(group.log_dir / "orchestrator.log")
                 stopped = (

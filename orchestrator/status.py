@@ -86,10 +86,12 @@ def follow(client: redis.Redis, row: RunRow, info: RunInfo, once: bool) -> None:
     # The run's time so far; an ended run's, up to its orchestrator's last status.
     until = time.time() if row.state == RUNNING or row.updated_at is None else row.updated_at
     display = ProgressDisplay(reader, sys.stdout, info.steps, info.ranks, until - row.started_at)
+    display.update(status=True)  # where the run stands, at once
     while not once and (current := run_row(client, info.run_id)) is not None and current.state == RUNNING:
-        display.update()
         time.sleep(REFRESH_SECONDS)
-    display.update(final=True)
+        display.update()
+    if not once:
+        display.update(status=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

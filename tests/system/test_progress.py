@@ -172,7 +172,7 @@ def test_display_in_a_terminal_and_in_a_log(client: redis.Redis, run_id: str) ->
         publish_record(client, state, 0, 9.0)
         for display in displays:
             display.update()
-            display.update(final=True)
+            display.update(status=True)
 
         out = terminal.getvalue()
         assert out.count("\x1b[4F\x1b[J") == 2 and out.count("step 0 | rollouts 16") == 1

@@ -108,10 +108,15 @@ def test_status_follows_a_run(
             python_command("status", run_id, "--redis-url", settings.redis_url),
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
+        # The run goes on only once the follower shows its first status: it follows from there.
+        first = [live.stdout.readline()]
+        while first[-1] and not first[-1].startswith("status: "):
+            first.append(live.stdout.readline())
     try:
-        followed, _ = live.communicate(timeout=120)  # it ends with the run
+        rest, _ = live.communicate(timeout=120)  # it ends with the run
     finally:
         live.kill()
+    followed = "".join(first) + rest
     assert live.returncode == 0, followed
     # The steps shipped while it followed, one line each as `rlship run` prints them, then
     # the final status.
