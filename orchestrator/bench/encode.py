@@ -26,6 +26,7 @@ from typing import Any
 import msgpack
 import msgspec
 import numpy as np
+import ormsgpack
 
 from transport.codec import decode_microbatches, encode_microbatches, wire_size
 from transport.schema import MICROBATCH_FIELDS, MicroBatch
@@ -178,8 +179,6 @@ def run_case(name: str, batches: list[MicroBatch], trials: int) -> dict[str, Any
     lists = [b.as_wire_values() for b in batches]
     structs = [WireMicroBatch(*values) for values in lists]
     arrays = [numpy_wire_values(b, values) for b, values in zip(batches, lists, strict=True)]
-    import ormsgpack  # the bench extra; here, so the tests' wire structs above need only msgspec
-
     encoder = msgspec.msgpack.Encoder()
     encoders: dict[str, Callable[[], Any]] = {
         "ours": lambda: encode_microbatches(batches),
