@@ -58,7 +58,9 @@ class RolloutRejected(ValueError):
 # worked out (`moved`) shrinks both the backlog and the room: the caller works it out again.
 # A payload is written only if its key is new (a claim check is written once), and only then
 # is its record appended: a duplicate id can neither replace the original's arrays nor reach
-# the orchestrator.
+# the orchestrator. The stream and the counters it writes get the payloads' expiry too: a
+# producer still writing after its run ended (and its keys were unlinked) leaves nothing
+# behind for ever.
 # Returns the verdict, the backlog, then the 1-based positions of the refused rollouts.
 _PRODUCE_LUA = """
 local limit = tonumber(ARGV[2])
@@ -85,6 +87,9 @@ for i = 6, #KEYS do
     redis.call('INCR', KEYS[4])
     table.insert(reply, i - 5)
   end
+end
+for _, key in ipairs({KEYS[1], KEYS[2], KEYS[4]}) do
+  redis.call('EXPIRE', key, ARGV[1])
 end
 return reply
 """

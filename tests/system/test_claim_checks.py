@@ -53,6 +53,24 @@ def test_a_second_write_of_a_rollout_id_is_refused_and_the_original_kept(client,
         cleanup(client, run_id)
 
 
+def test_a_producer_writing_after_its_run_ended_leaves_nothing_without_an_expiry(client, run_id):
+    """The run's keys are unlinked when it ends; a producer still writing makes its stream
+    and counters again, each with the payloads' expiry (a `rlship run` under honcho left
+    its stream for ever)."""
+    producer = RolloutProducer(client, run_id, ttl_seconds=600)
+    try:
+        producer.produce([rollout("early", "g", 1.0)])
+        cleanup(client, run_id)  # as the end of the run does
+        producer.produce([rollout("late", "g", 1.0)])
+        with pytest.raises(RolloutRejected):
+            producer.produce([rollout("late", "g", 1.0)])
+        names = ("rollouts", "produced", "rollout_writes_refused")
+        assert client.exists(*(f"rlship:{run_id}:{name}" for name in names)) == 3
+        assert all(0 < client.ttl(key) <= 600 for key in client.keys(f"rlship:{run_id}:*"))
+    finally:
+        cleanup(client, run_id)
+
+
 def test_one_id_twice_in_one_call_writes_nothing(client, run_id, redis_url):
     first, second = rollout("d1", "g", 1.0), rollout("d1", "g", 0.0)
     with pytest.raises(RolloutRejected, match="'d1' appears twice in this call"):
