@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import redis
 
-from orchestrator.processes import queue_consumers
 from orchestrator.settings import RunSettings
+from orchestrator.worker_queries import queue_consumers
 from transport.keys import RunKeys
 
 DIAGNOSE_SECONDS = 3.0

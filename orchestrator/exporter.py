@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from orchestrator.progress import STAGES, StatusReader, in_flight
 from orchestrator.run_info import RunInfo
+from orchestrator.status_reader import STAGES, StatusReader, in_flight
 from transport.keys import RunKeys
 
 if TYPE_CHECKING:

@@ -18,11 +18,31 @@ import redis.asyncio as aioredis
 
 from orchestrator.ingest import READ_BLOCK_MS
 from orchestrator.monitors import Monitors
-from orchestrator.progress import format_step_line
 from orchestrator.settings import RunSettings
 from transport.keys import RunKeys
 
 RECENT_RECORDS = 8
+
+
+# Record times that are not a stage's (wait_for_ckpt: prime-rl's name of the policy wait).
+NOT_STAGES = ("time/ship", "time/wait_for_policy", "time/wait_for_ckpt")
+
+
+def format_step_line(record: dict[str, float]) -> str:
+    """The terminal line of a shipped step: its size, reward and where its time went."""
+    stages = " ".join(
+        f"{name.split('/', 1)[1]} {seconds:.2f}s"
+        for name, seconds in sorted(record.items())
+        if name.startswith("time/") and name not in NOT_STAGES
+    )
+    return (
+        f"step {int(record['step'])} | rollouts {int(record.get('progress/rollouts', 0))} | "
+        f"tokens {int(record.get('progress/tokens', 0)):,} | "
+        f"reward {record.get('train/agg/effective/reward/mean', float('nan')):.3f} | {stages} | "
+        f"ship {record.get('time/ship', 0.0):.2f}s | "
+        f"policy wait {record.get('time/wait_for_policy', 0.0):.2f}s | "
+        f"loop lag max {record.get('event_loop_lag/max_ms', 0.0):.1f} ms"
+    )
 
 
 class RecordFollower:

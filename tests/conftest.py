@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import redis
 
-from orchestrator.processes import delete_queues, redis_answers
+from orchestrator.commands.processes import delete_queues, redis_answers
 from tasks.app import DEFAULT_REDIS_URL
 from tests.support.processes import SESSION_QUEUES, Workers, free_port, running_workers
 from transport.store import PayloadStore

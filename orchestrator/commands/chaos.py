@@ -46,15 +46,16 @@ from typing import Any
 import psutil
 import redis
 
-from orchestrator.groups import TRAINABLE, decide_group
-from orchestrator.processes import (
+from orchestrator.commands.processes import (
     ProcessGroup,
     delete_run_keys,
     rlship_command,
     wait_for_workers,
     worker_commands,
 )
-from orchestrator.producer import RolloutProducer, SyntheticWorkload
+from orchestrator.commands.produce import SyntheticWorkload
+from orchestrator.groups import TRAINABLE, decide_group
+from orchestrator.producer import RolloutProducer
 from orchestrator.settings import RunSettings, settings_to_env
 from tasks.faults import arm, fault_field
 from tasks.graph import PER_RANK_STAGES, STAGE_NAMES

@@ -21,8 +21,8 @@ from urllib.parse import urlsplit
 
 import redis
 
-from orchestrator.processes import queue_consumers
 from orchestrator.settings import RunSettings
+from orchestrator.worker_queries import queue_consumers
 from tasks.logs import mask_secrets
 from transport.keys import RunKeys
 

@@ -1,6 +1,6 @@
 """`rlship doctor`: what a run needs, one line per check, with what to do when one fails.
 
-The same checks `rlship run` makes before it starts anything (`orchestrator.checks`), and
+The same checks `rlship run` makes before it starts anything (`orchestrator.commands.checks`), and
 those it does not need itself: persistence, Chromium for the browser test, workers already
 answering on the queues (a run on shared workers)."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from orchestrator.checks import doctor_checks
+from orchestrator.commands.checks import doctor_checks
 from orchestrator.settings import add_settings_arguments, settings_from_args
 
 

@@ -16,12 +16,13 @@ from pathlib import Path
 import redis
 
 from orchestrator.settings import RunSettings
+from orchestrator.worker_queries import answering_workers
 from tasks.logs import mask_secrets
 from transport.keys import RunKeys
 
 
 def rlship_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "orchestrator.cli", *args]
+    return [sys.executable, "-m", "orchestrator.commands.cli", *args]
 
 
 def celery_worker_command(
@@ -146,27 +147,6 @@ def ensure_redis(url: str, group: ProcessGroup, data_dir: Path) -> None:
                 f"(its log: {group.log_dir / 'redis.log'})"
             )
         time.sleep(0.1)
-
-
-def answering_workers(redis_url: str, timeout: float = 0.5) -> set[str]:
-    """The names of the workers on `redis_url` that answer a ping: they consume their queues.
-    An app of its own, because the shared app's broker is fixed when it is imported."""
-    from celery import Celery
-
-    ping_app = Celery("rlship-ping", broker=redis_url)
-    ping_app.conf.accept_content = ["msgpack", "json"]
-    return {name for reply in ping_app.control.ping(timeout=timeout) or [] for name in reply}
-
-
-def queue_consumers(redis_url: str, queues: list[str], timeout: float = 1.0) -> dict[str, list[str]]:
-    """Per queue, the names of the workers that answer and consume it."""
-    from celery import Celery
-
-    inspect_app = Celery("rlship-inspect", broker=redis_url)
-    inspect_app.conf.accept_content = ["msgpack", "json"]
-    replies = inspect_app.control.inspect(timeout=timeout).active_queues() or {}
-    consumed = {worker: {q["name"] for q in worker_queues} for worker, worker_queues in replies.items()}
-    return {queue: sorted(w for w, names in consumed.items() if queue in names) for queue in queues}
 
 
 def wait_for_workers(

@@ -2,7 +2,7 @@
 
 Starts (or connects to) Redis, the Celery workers, the trainer ranks, the producer and
 the orchestrator as child processes (their output in `{output_dir}/logs/`); prints one
-line per shipped step and the run's live status (`orchestrator.progress`); stops
+line per shipped step and the run's live status (`orchestrator.commands.progress`); stops
 everything after `--steps N` (or Ctrl-C) and prints a summary (also written as JSON with
 `--summary-json`). `rlship orchestrate` and `rlship trainer` are the children's commands.
 """
@@ -10,7 +10,6 @@ everything after `--steps N` (or Ctrl-C) and prints a summary (also written as J
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import signal
@@ -21,29 +20,20 @@ from typing import Any
 
 import redis
 
-from orchestrator.checks import preflight_client, preflight_run, rank_in_run, require
-from orchestrator.diagnosis import RedisOutOfMemory
-from orchestrator.errors import EmptySteps, LeaseLost, RunStateLost
-from orchestrator.lease import ALIVE_SECONDS
+from orchestrator.commands.checks import preflight_run
+from orchestrator.commands.processes import ProcessGroup, ensure_redis, rlship_command, worker_commands
+from orchestrator.commands.progress import REFRESH_SECONDS, ProgressDisplay, StatusReader
 from orchestrator.logs import configure_logging
-from orchestrator.orchestrator import Orchestrator
-from orchestrator.processes import ProcessGroup, ensure_redis, rlship_command, worker_commands
-from orchestrator.progress import REFRESH_SECONDS, ProgressDisplay, StatusReader
 from orchestrator.settings import (
     RUN_DEFAULTS,
     RunSettings,
     add_settings_arguments,
     resolve_settings,
     run_defaults,
-    settings_from_args,
     settings_to_env,
 )
-from tasks.logs import mask_secrets
-from transport.connection import OUTAGE_SECONDS, connect_redis, connect_redis_async
 from transport.keys import RunKeys
-from transport.replay import RetainedPayloads
 from transport.store import DEFAULT_TTL_SECONDS, PayloadStore
-from transport.trainer import TrainerRank, open_receiver
 
 log = logging.getLogger("rlship.run")
 
@@ -245,15 +235,12 @@ def print_summary(summary: dict[str, Any]) -> None:
         )
 
 
-# -- rlship run ---------------------------------------------------------------------------
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings_arguments(parser, RUN_DEFAULTS)
     parser.add_argument("--summary-json", type=Path, default=None, help="write the summary here")
 
 
-def _interrupt(signum: int, frame: Any) -> None:
+def interrupt_on_sigterm(signum: int, frame: Any) -> None:
     """SIGTERM stops the run as Ctrl-C does: children stopped by PID, summary printed."""
     raise KeyboardInterrupt
 
@@ -261,7 +248,7 @@ def _interrupt(signum: int, frame: Any) -> None:
 def main(args: argparse.Namespace) -> int:
     settings = run_defaults(resolve_settings(args))
     configure_logging(settings.log_json, logging.INFO, run_id=settings.run_id)
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, interrupt_on_sigterm)
     for check in preflight_run(settings):
         if not check.ok:
             log.warning("%s", check.line())
@@ -272,100 +259,3 @@ def main(args: argparse.Namespace) -> int:
         return 130
     print_summary(summary)
     return 0 if summary.get("steps_shipped", 0) == settings.steps else 1
-
-
-# -- rlship orchestrate -------------------------------------------------------------------
-
-
-def add_orchestrate_arguments(parser: argparse.ArgumentParser) -> None:
-    add_settings_arguments(parser)
-    parser.add_argument("--summary-out", type=Path, default=None)
-
-
-async def _orchestrate(settings: RunSettings) -> dict[str, Any]:
-    client = connect_redis_async(settings.redis_url, socket_timeout=30)
-    try:
-        return await Orchestrator(settings, client).run()
-    finally:
-        await client.aclose()
-
-
-def orchestrate_main(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args)
-    configure_logging(settings.log_json, logging.WARNING, run_id=settings.run_id)
-    preflight_client("orchestrate", settings, unfinished_run=True).close()
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        summary = asyncio.run(_orchestrate(settings))
-    except KeyboardInterrupt:
-        print(
-            f"rlship orchestrate: run {settings.run_id} interrupted; its tasks are dropped within "
-            f"{ALIVE_SECONDS} s, its keys kept: the same command resumes it",
-            file=sys.stderr,
-        )
-        return 130
-    except (RunStateLost, RedisOutOfMemory, LeaseLost) as exc:
-        print(f"rlship orchestrate: {exc}", file=sys.stderr)
-        return 3
-    except EmptySteps as exc:
-        print(f"rlship orchestrate: run {settings.run_id} stopped: {exc}", file=sys.stderr)
-        return 4
-    except redis.exceptions.OutOfMemoryError as exc:
-        print(
-            f"rlship orchestrate: Redis at {mask_secrets(settings.redis_url)} is out of memory ({exc}): "
-            "raise its maxmemory or free memory, then start again (the run resumes)",
-            file=sys.stderr,
-        )
-        return 3
-    except redis.ResponseError as exc:
-        shown = mask_secrets(settings.redis_url)
-        print(f"rlship orchestrate: Redis at {shown} refused a command: {exc}", file=sys.stderr)
-        return 3
-    except redis.ConnectionError as exc:
-        print(
-            f"rlship orchestrate: Redis at {mask_secrets(settings.redis_url)} stayed unreachable "
-            f"for {OUTAGE_SECONDS:.0f} s: {exc}",
-            file=sys.stderr,
-        )
-        return 3
-    if args.summary_out is not None:
-        args.summary_out.write_text(json.dumps(summary))
-    return 0
-
-
-# -- rlship trainer -----------------------------------------------------------------------
-
-
-def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
-    add_settings_arguments(parser)
-    parser.add_argument("--rank", type=int, required=True, help="this rank, 0 to ranks - 1")
-    parser.add_argument(
-        "--idle-timeout", type=float, default=None, help="exit after this long without a step"
-    )
-
-
-def trainer_main(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args)
-    configure_logging(settings.log_json, logging.INFO, run_id=settings.run_id, rank=args.rank)
-    require("trainer", [rank_in_run(args.rank, settings.ranks)])
-    preflight_client("trainer", settings).close()
-    client = connect_redis(settings.redis_url)
-    received = client.hkeys(RunKeys(settings.run_id).received(args.rank))
-    next_step = max((int(s) + 1 for s in received), default=settings.start_step)
-    receiver = open_receiver(
-        settings.transport,
-        args.rank,
-        host=settings.zmq_host,
-        port=settings.zmq_port,
-        output_dir=Path(settings.output_dir),
-        next_step=next_step,
-        replay=RetainedPayloads(client, settings.run_id),
-    )
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
-        TrainerRank(receiver, client, settings.run_id, settings.ranks, settings.first_step).run(
-            steps=settings.step_numbers.stop - next_step, idle_timeout=args.idle_timeout
-        )
-    finally:
-        receiver.close()
-    return 0

@@ -1,5 +1,5 @@
 """`rlship status [RUN_ID]`: a run followed from another terminal, with the display `rlship
-run` draws (orchestrator.progress); without a run id, the runs Redis holds and their state.
+run` draws (orchestrator.commands.progress); without a run id, the runs Redis holds and their state.
 
 A run is `running` while an orchestrator holds its lease (renewed every second, gone
 within `LEASE_SECONDS` of its death), `finished` once it shipped every step, `stopped`
@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 import redis
 
-from orchestrator.progress import REFRESH_SECONDS, ProgressDisplay, StatusReader
+from orchestrator.commands.progress import REFRESH_SECONDS, ProgressDisplay, StatusReader
 from orchestrator.run_info import RunInfo
 from orchestrator.settings import add_settings_arguments, settings_from_args
 from tasks.logs import mask_secrets

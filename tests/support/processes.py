@@ -20,7 +20,7 @@ import psutil
 import pytest
 import redis
 
-from orchestrator.processes import answering_workers, celery_worker_command, delete_queues
+from orchestrator.commands.processes import answering_workers, celery_worker_command, delete_queues
 
 REPO = Path(__file__).resolve().parents[2]
 COMMAND_DEADLINE_SECONDS = 30
@@ -64,7 +64,7 @@ def require_module(name: str) -> ModuleType:
 
 
 def python_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "orchestrator.cli", *args]
+    return [sys.executable, "-m", "orchestrator.commands.cli", *args]
 
 
 def free_port() -> int:
@@ -87,7 +87,7 @@ def rlship(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
     """The command's result; one still running at the deadline fails the test, and it and
     everything it started are ended by PID."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", *args],
+        [sys.executable, "-m", "orchestrator.commands.cli", *args],
         env={**os.environ, **(env or {})},
         cwd=REPO,
         stdout=subprocess.PIPE,

@@ -16,8 +16,9 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
+from orchestrator.commands.produce import run_producer
 from orchestrator.orchestrator import Orchestrator
-from orchestrator.producer import RolloutProducer, run_producer
+from orchestrator.producer import RolloutProducer
 from orchestrator.settings import RunSettings, settings_to_env
 from tests.support.factories import group
 from tests.support.processes import REPO, Workers, python_command

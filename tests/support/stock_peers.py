@@ -39,7 +39,7 @@ from typing import Any
 
 import msgspec
 
-from orchestrator.bench.encode import WireMicroBatch
+from orchestrator.commands.bench.encode import WireMicroBatch
 
 REPO = Path(__file__).resolve().parents[2]
 POLL_SECONDS = 1.0  # prime-rl's filesystem receiver waits for a path about once a second

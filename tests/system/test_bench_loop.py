@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.cli import main
+from orchestrator.commands.cli import main
 from tests.support.processes import require_module
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.chaos import Kill, compare
+from orchestrator.commands.chaos import Kill, compare
 from tests.support.processes import REPO, python_command
 
 pytestmark = pytest.mark.timeout(400)

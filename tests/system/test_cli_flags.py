@@ -16,14 +16,14 @@ from typing import Literal, get_args, get_origin
 import pytest
 
 from orchestrator.settings import RunSettings
-from tests.support.processes import REPO
+from tests.support.processes import REPO, python_command
 
 
 def rlship(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """The CLI's result, with no settings from the developer's shell."""
     clean = {k: v for k, v in os.environ.items() if not k.upper().startswith("RLSHIP_")}
     return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args],
+        [*python_command(), *args],
         env={**clean, **(env or {})},
         cwd=REPO,
         capture_output=True,
@@ -132,7 +132,7 @@ def test_version() -> None:
 def test_bench_encode_says_what_it_is_doing_while_it_runs(tmp_path: Path) -> None:
     """A whole run takes minutes: its first lines come before it finishes (it is ended then)."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", "bench", "encode", "--json", str(tmp_path / "b.json")],
+        [*python_command(), "bench", "encode", "--json", str(tmp_path / "b.json")],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -166,7 +166,7 @@ def test_a_command_whose_extra_is_not_installed_names_the_extra() -> None:
     """Without msgspec (hidden from this one process), `rlship bench encode` says which
     extra installs it, in one line."""
     script = (
-        "import sys; sys.modules['msgspec'] = None; from orchestrator.cli import main; "
+        "import sys; sys.modules['msgspec'] = None; from orchestrator.commands.cli import main; "
         "sys.exit(main(['bench', 'encode', '--json', 'unused.json']))"
     )
     command = [sys.executable, "-c", script]

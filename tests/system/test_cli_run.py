@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import uuid
 
 import pytest
 
-from tests.support.processes import REPO, session_queue
+from tests.support.processes import REPO, python_command, session_queue
 from tests.support.reference import compare, reference_records
 from transport.zmq import free_port_pair
 
@@ -21,7 +20,7 @@ def test_rlship_run_ships_every_step_to_every_rank(redis_url, tmp_path):
     run_id = f"cli-{uuid.uuid4().hex[:8]}"
     summary_path = tmp_path / "summary.json"
     command = [
-        sys.executable, "-m", "orchestrator.cli", "run", "--steps", "3", "--ranks", "2",
+        *python_command(), "run", "--steps", "3", "--ranks", "2",
         "--batch-size", "16", "--group-size", "4", "--seq-len", "512", "--run-id", run_id,
         "--zmq-port", str(free_port_pair()), "--output-dir", str(tmp_path),
         "--cpu-queue", session_queue(f"cpu-{run_id}"), "--ship-queue", session_queue(f"ship-{run_id}"),

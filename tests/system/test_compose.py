@@ -29,7 +29,7 @@ from celery.app.control import Inspect
 from celery.bin.celery import celery as celery_cli
 from flower.options import options as flower_options
 
-from orchestrator.cli import COMMANDS
+from orchestrator.commands.cli import COMMANDS
 from orchestrator.settings import CONFIG_ENV, RunSettings, env_name
 from tests.support.compose import InterpolationError, compose, compose_interpolate, container_argv, procfile
 from tests.support.processes import REPO, session_queue

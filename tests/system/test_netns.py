@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from orchestrator.processes import ProcessGroup, redis_answers, rlship_command, worker_commands
-from orchestrator.run import received_by_rank, sent_checksums
+from orchestrator.commands.processes import ProcessGroup, redis_answers, rlship_command, worker_commands
+from orchestrator.commands.run import received_by_rank, sent_checksums
 from orchestrator.settings import RunSettings, settings_to_env
 from tests.support.processes import require
 from transport.keys import RunKeys

@@ -16,7 +16,7 @@ import psutil
 import pytest
 import redis
 
-from orchestrator.config_cli import toml_value
+from orchestrator.commands.config import toml_value
 from tests.support.processes import REPO, python_command, running_workers
 from tests.support.shiprun import ship_settings
 from transport.keys import RunKeys

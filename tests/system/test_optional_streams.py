@@ -11,7 +11,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from orchestrator.bench.encode import WireEncodedTensor, WireMicroBatch
+from orchestrator.commands.bench.encode import WireEncodedTensor, WireMicroBatch
 from orchestrator.producer import RolloutProducer, RolloutRejected
 from tests.support.factories import rollout
 from tests.support.shiprun import open_policy_gate, ship, ship_settings

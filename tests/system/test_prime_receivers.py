@@ -9,7 +9,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from orchestrator.bench.encode import WireMicroBatch
+from orchestrator.commands.bench.encode import WireMicroBatch
 from tests.support.factories import make_batch
 from transport.codec import encode_microbatches
 from transport.filesystem import FileSender

@@ -10,7 +10,7 @@ import time
 
 import redis
 
-from orchestrator.progress import (
+from orchestrator.commands.progress import (
     STAGES,
     ProgressDisplay,
     Snapshot,

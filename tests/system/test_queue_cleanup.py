@@ -10,7 +10,7 @@ import redis
 from kombu import Connection, Exchange, Queue
 from kombu.message import Message
 
-from orchestrator.processes import delete_queues
+from orchestrator.commands.processes import delete_queues
 
 
 def unacked_routes(client: redis.Redis) -> list[str]:

@@ -14,7 +14,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,10 +21,10 @@ from pathlib import Path
 import pytest
 import redis
 
+from orchestrator.commands.processes import redis_answers
 from orchestrator.orchestrator import Orchestrator
-from orchestrator.processes import redis_answers
 from orchestrator.watchdog import STALL_CHECK_SECONDS
-from tests.support.processes import REPO, Workers, running_workers
+from tests.support.processes import REPO, Workers, python_command, running_workers
 from tests.support.shiprun import deterministic_run, ship_settings, start_orchestrator, start_trainers, stop
 from transport.connection import connect_redis_async
 from transport.keys import RunKeys
@@ -50,7 +49,7 @@ def test_rlship_run_survives_its_redis_being_killed(tmp_path):
     steps, run_id = 12, "redis-killed"
     url = f"redis://127.0.0.1:{free_port_pair()}/0"
     command = [
-        sys.executable, "-m", "orchestrator.cli", "run", "--redis-url", url, "--run-id", run_id,
+        *python_command(), "run", "--redis-url", url, "--run-id", run_id,
         "--steps", str(steps), "--ranks", "2", "--stall-seconds", "5",
         "--output-dir", str(tmp_path / "run"), "--summary-json", str(tmp_path / "summary.json"),
     ]  # fmt: skip

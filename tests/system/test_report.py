@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
-from orchestrator.cli import main as rlship
-from orchestrator.report import CHARTS, load_records, stage_names, summary_rows
-from tests.support.processes import REPO, Workers
+from orchestrator.commands.cli import main as rlship
+from orchestrator.commands.report import CHARTS, load_records, stage_names, summary_rows
+from tests.support.processes import REPO, Workers, python_command
 from tests.support.shiprun import ship, ship_settings
 
 
@@ -102,7 +101,7 @@ def test_report_without_records_says_so(tmp_path: Path) -> None:
 )
 def test_report_names_a_record_of_the_wrong_shape(tmp_path: Path, line: str, problem: str) -> None:
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n' + line + "\n")
-    command = [sys.executable, "-m", "orchestrator.cli", "report", str(tmp_path)]
+    command = [*python_command(), "report", str(tmp_path)]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines() == [f"rlship report: {tmp_path / 'metrics.jsonl'}: {problem}"]

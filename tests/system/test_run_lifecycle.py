@@ -10,18 +10,17 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 
 import psutil
 import pytest
 
-from orchestrator.processes import delete_queues
+from orchestrator.commands.processes import delete_queues
 from tasks.cohort import CohortBuilder
 from tasks.manifest import ShipConfig, StepManifest
 from tasks.ship import send
-from tests.support.processes import REPO, session_queue, wait_for
+from tests.support.processes import REPO, python_command, session_queue, wait_for
 from transport.zmq import free_port_pair
 
 DEADLINE_SECONDS = 180
@@ -29,7 +28,7 @@ DEADLINE_SECONDS = 180
 
 def run_command(run_id: str, steps: int, tmp_path, port: int) -> list[str]:
     return [
-        sys.executable, "-m", "orchestrator.cli", "run", "--steps", str(steps), "--run-id", run_id,
+        *python_command(), "run", "--steps", str(steps), "--run-id", run_id,
         "--batch-size", "16", "--group-size", "4", "--seq-len", "512", "--zmq-port", str(port),
         "--output-dir", str(tmp_path), "--cpu-queue", session_queue(f"cpu-{run_id}"),
         "--ship-queue", session_queue(f"ship-{run_id}"),
@@ -103,7 +102,7 @@ def test_a_run_stopped_by_sigterm_leaves_nothing_behind_and_resumes(client, redi
     assert f"run id '{run_id}' was used by a run that finished ({shipped + 2} records" in third.stderr
     # So is an orchestrator alone (a second `honcho start` of a finished run).
     alone = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "orchestrate", "--run-id", run_id], env=env, cwd=REPO,
+        [*python_command(), "orchestrate", "--run-id", run_id], env=env, cwd=REPO,
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert alone.returncode == 2 and "was used by a run that finished" in alone.stderr, alone.stderr

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from orchestrator.processes import celery_worker_command
-from tests.support.processes import REPO, free_port, rlship
+from orchestrator.commands.processes import celery_worker_command
+from tests.support.processes import REPO, free_port, python_command, rlship
 from transport.zmq import free_port_pair
 
 PASSWORD = "s3cr3t-Pa55-" + uuid.uuid4().hex[:6]
@@ -93,7 +92,7 @@ def test_a_run_on_a_redis_with_a_password_prints_and_writes_no_password(
     address = start_redis("--requirepass", PASSWORD)
     output_dir = tmp_path / "run"
     command = [
-        sys.executable, "-m", "orchestrator.cli", "run", "--steps", "1", "--ranks", "1",
+        *python_command(), "run", "--steps", "1", "--ranks", "1",
         "--batch-size", "16", "--group-size", "4", "--seq-len", "512", "--zmq-port", str(free_port_pair()),
         "--run-id", run_id(), "--output-dir", str(output_dir),
         "--summary-json", str(output_dir / "summary.json"), *(["--log-json"] if log_format == "json" else []),

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import redis
 
-from orchestrator.processes import delete_queues
+from orchestrator.commands.processes import delete_queues
 from tasks import ship
 from tasks.cohort import NUMERIC_COLUMNS, CohortBuilder
 from tasks.manifest import ShipConfig, StepManifest

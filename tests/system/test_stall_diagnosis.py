@@ -10,7 +10,6 @@ import contextlib
 import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from orchestrator.orchestrator import Orchestrator
 from orchestrator.producer import RolloutProducer
 from orchestrator.settings import RunSettings
 from tests.support.factories import group
-from tests.support.processes import REPO, refused, session_queue
+from tests.support.processes import REPO, python_command, refused, session_queue
 from tests.support.shiprun import ship_settings, start_trainers, stop
 
 DEADLINE_SECONDS = 60
@@ -116,7 +115,7 @@ def test_a_redis_out_of_memory_stops_the_orchestrator_saying_so(start_redis, tmp
     produce_one_step(small, settings)
     small.config_set("maxmemory", small.info("memory")["used_memory"])  # full: every write is refused
     done = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "orchestrate", "--run-id", "oom", "--redis-url", url,
+        [*python_command(), "orchestrate", "--run-id", "oom", "--redis-url", url,
          "--output-dir", str(tmp_path), "--batch-size", "8", "--group-size", "4"],
         env={**os.environ}, cwd=REPO, capture_output=True, text=True, timeout=DEADLINE_SECONDS,
     )  # fmt: skip

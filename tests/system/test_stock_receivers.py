@@ -27,7 +27,7 @@ import psutil
 import pytest
 import zmq
 
-from orchestrator.processes import delete_run_keys
+from orchestrator.commands.processes import delete_run_keys
 from tasks.faults import arm
 from tests.support.factories import payload
 from tests.support.processes import running_workers, wait_for

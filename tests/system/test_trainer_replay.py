@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from orchestrator.producer import run_producer
+from orchestrator.commands.produce import run_producer
 from tests.support.shiprun import (
     ShipResult,
     leftover_keys,

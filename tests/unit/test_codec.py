@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.bench.encode import WireEncodedTensor, WireMicroBatch, WireRoutedExperts
+from orchestrator.commands.bench.encode import WireEncodedTensor, WireMicroBatch, WireRoutedExperts
 from tests.support.factories import make_batch
 from transport import _msgpack_arrays as mp
 from transport.codec import (

@@ -8,13 +8,12 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
 import pytest
 
-from orchestrator.cli import main as rlship
+from orchestrator.commands.cli import main as rlship
 from orchestrator.settings import (
     RunSettings,
     add_settings_arguments,
@@ -23,7 +22,7 @@ from orchestrator.settings import (
     settings_to_env,
 )
 from tasks.logs import mask_secrets
-from tests.support.processes import REPO
+from tests.support.processes import REPO, python_command
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -171,7 +170,7 @@ def test_config_file_errors_name_the_file_and_key(tmp_path: Path) -> None:
 def test_invalid_value_stops_rlship_run_before_it_starts(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("RLSHIP_")}
     finished = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "run", "--output-dir", str(tmp_path / "run")],
+        [*python_command(), "run", "--output-dir", str(tmp_path / "run")],
         env={**env, "RLSHIP_TRANSPORT": "carrier-pigeon", "PYTHONPATH": str(REPO)},
         cwd=tmp_path, capture_output=True, text=True, timeout=60,
     )  # fmt: skip

@@ -3,7 +3,7 @@
 The same seeded synthetic steps are shipped by the same stage functions to real trainer
 rank processes over ZMQ, with every stage on the event loop (`inline`), in threads
 (`thread`, the seed's design) and in Celery worker processes through Redis (`celery`,
-rlship). Each placement runs in a fresh process (`orchestrator.bench.placements`) with
+rlship). Each placement runs in a fresh process (`orchestrator.commands.bench.placements`) with
 its own run id, ZMQ ports and trainer ranks, so peaks and timelines never mix.
 
 Per placement: loop lag (10 ms probe) and heartbeat delay (50 ms) over the ship windows
@@ -34,10 +34,16 @@ import numpy as np
 import psutil
 import redis
 
-from orchestrator.bench.cpu import SHIP_KINDS, CpuSampler, machine_cpu_seconds
-from orchestrator.bench.placements import PLACEMENTS, StepBatch, cut_manifest, encode_step, step_batches
-from orchestrator.bench.plot import plot_lag
-from orchestrator.processes import (
+from orchestrator.commands.bench.cpu import SHIP_KINDS, CpuSampler, machine_cpu_seconds
+from orchestrator.commands.bench.placements import (
+    PLACEMENTS,
+    StepBatch,
+    cut_manifest,
+    encode_step,
+    step_batches,
+)
+from orchestrator.commands.bench.plot import plot_lag
+from orchestrator.commands.processes import (
     ProcessGroup,
     delete_run_keys,
     redis_answers,
@@ -45,8 +51,8 @@ from orchestrator.processes import (
     wait_for_workers,
     worker_commands,
 )
+from orchestrator.commands.run import received_by_rank
 from orchestrator.producer import RolloutProducer
-from orchestrator.run import received_by_rank
 from orchestrator.settings import RunSettings, settings_to_env
 from transport.checksum import payload_checksum
 from transport.keys import RunKeys
@@ -253,7 +259,7 @@ def run_placement(
         child = group.start(
             "orchestrator",
             _prioritized(
-                [sys.executable, "-m", "orchestrator.bench.placements", str(spec), str(result)],
+                [sys.executable, "-m", "orchestrator.commands.bench.placements", str(spec), str(result)],
                 args.orchestrator_nice,
                 fifo=args.orchestrator_fifo,
             ),

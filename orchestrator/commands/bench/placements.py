@@ -10,7 +10,7 @@ their own memory, as the seed's orchestrator did; they are made before the ship 
 which runs from the cut to the published record. On the loop, a `LagProbe` observes lag
 every 10 ms and a heartbeat (a `LagProbe` of 50 ms) ticks, both with their timelines.
 
-Each placement runs in a fresh process (`python -m orchestrator.bench.placements SPEC
+Each placement runs in a fresh process (`python -m orchestrator.commands.bench.placements SPEC
 RESULT`) so that its peak RSS is its own; the bench command starts it.
 """
 
@@ -32,12 +32,12 @@ import psutil
 import redis.asyncio as aioredis
 
 from orchestrator.accounting import Accounting, outcome_row
+from orchestrator.commands.produce import SyntheticWorkload
 from orchestrator.dispatcher import Dispatcher
 from orchestrator.gate import POLL_SECONDS
 from orchestrator.groups import TRAINABLE, Outcome, decide_group
 from orchestrator.lag_probe import LagProbe
 from orchestrator.orchestrator import Orchestrator
-from orchestrator.producer import SyntheticWorkload
 from orchestrator.records import RolloutRecord
 from orchestrator.settings import RunSettings
 from tasks.cohort import CohortBuilder
@@ -322,7 +322,8 @@ def peak_rss_bytes() -> int:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m orchestrator.bench.placements SPEC RESULT`: SPEC holds placement, settings, timeout."""
+    """`python -m orchestrator.commands.bench.placements SPEC RESULT`: SPEC holds the placement,
+    the settings and the timeout."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the bench asks for stacks on timeout
     spec = json.loads(Path(argv[0]).read_text())
     settings = RunSettings(**spec["settings"])

@@ -1,13 +1,15 @@
-"""`rlship` command line: run, trainer, produce, bench."""
+"""`rlship`: the command line. Each command is a module of `orchestrator.commands` with an
+`add_arguments(parser)` and a `main(args)`; this module finds the command, imports it,
+parses its arguments and turns what no command foresaw into one line (secrets masked)."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.metadata
 import re
 import sys
 import traceback
+from collections.abc import Callable
 
 import redis
 from pydantic import ValidationError
@@ -15,37 +17,62 @@ from pydantic import ValidationError
 from orchestrator.settings import validation_problems
 from tasks.logs import mask_secrets
 
-# Subcommand -> (module, its argument-adding function, its main function, description).
-COMMANDS: dict[str, tuple[str, str, str, str]] = {
-    "run": ("orchestrator.run", "add_arguments", "main",
-            "the whole system on this machine: Redis, workers, trainer ranks, producer, orchestrator"),
-    "orchestrate": ("orchestrator.run", "add_orchestrate_arguments", "orchestrate_main",
-                    "the orchestrator alone (what `run` starts)"),
-    "trainer": ("orchestrator.run", "add_trainer_arguments", "trainer_main",
-                "one reference trainer rank: receive, check, acknowledge each step"),
-    "produce": ("orchestrator.producer", "add_arguments", "main", "the synthetic rollout producer"),
-    "bench encode": ("orchestrator.bench.encode", "add_arguments", "main",
-                     "encoder/decoder memory and speed, against msgpack and msgspec"),
-    "bench loop": ("orchestrator.bench.loop", "add_arguments", "main",
-                   "event-loop lag while shipping: stages inline, in threads, in Celery workers"),
-    "config show": ("orchestrator.config_cli", "add_arguments", "main",
-                    "the effective settings (environment < --config TOML < flags), secrets masked"),
-    "config table": ("orchestrator.config_cli", "add_table_arguments", "table_main",
-                     "every setting (flag, variable, default, description) as the README's Markdown table"),
-    "chaos": ("orchestrator.chaos", "add_arguments", "main",
-              "a seeded run while its workers and orchestrator are killed, against a fault-free one"),
-    "status": ("orchestrator.status", "add_arguments", "main",
-               "a run's live status from another terminal; without RUN_ID, the runs Redis holds"),
-    "doctor": ("orchestrator.doctor", "add_arguments", "main",
-               "what a run needs (Redis, password, eviction, ports, output dir, workers): one line each"),
-    "report": ("orchestrator.report", "add_arguments", "main",
-               "report.html and PNG charts of a run from its metrics.jsonl"),
-}  # fmt: skip
+CommandEntry = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int | None]]
+
+# Subcommand -> what it does (its --help description); `load_command` imports it.
+COMMANDS: dict[str, str] = {
+    "run": "the whole system on this machine: Redis, workers, trainer ranks, producer, orchestrator",
+    "orchestrate": "the orchestrator alone (what `run` starts)",
+    "trainer": "one reference trainer rank: receive, check, acknowledge each step",
+    "produce": "the synthetic rollout producer",
+    "bench encode": "encoder/decoder memory and speed, against msgpack and msgspec",
+    "bench loop": "event-loop lag while shipping: stages inline, in threads, in Celery workers",
+    "config show": "the effective settings (environment < --config TOML < flags), secrets masked",
+    "config table": "every setting (flag, variable, default, description) as the README's Markdown table",
+    "chaos": "a seeded run while its workers and orchestrator are killed, against a fault-free one",
+    "status": "a run's live status from another terminal; without RUN_ID, the runs Redis holds",
+    "doctor": "what a run needs (Redis, password, eviction, ports, output dir, workers): one line each",
+    "report": "report.html and PNG charts of a run from its metrics.jsonl",
+}
+
+
+def load_command(name: str) -> CommandEntry:
+    """The command's argument-adding and main functions. Imported only when the command
+    runs: a command of an optional extra must not stop the others, and start-up stays quick."""
+    match name:
+        case "run":
+            from orchestrator.commands.run import add_arguments, main
+        case "orchestrate":
+            from orchestrator.commands.orchestrate import add_arguments, main
+        case "trainer":
+            from orchestrator.commands.trainer import add_arguments, main
+        case "produce":
+            from orchestrator.commands.produce import add_arguments, main
+        case "bench encode":
+            from orchestrator.commands.bench.encode import add_arguments, main
+        case "bench loop":
+            from orchestrator.commands.bench.loop import add_arguments, main
+        case "config show":
+            from orchestrator.commands.config import add_arguments, main
+        case "config table":
+            from orchestrator.commands.config import add_table_arguments as add_arguments
+            from orchestrator.commands.config import table_main as main
+        case "chaos":
+            from orchestrator.commands.chaos import add_arguments, main
+        case "status":
+            from orchestrator.commands.status import add_arguments, main
+        case "doctor":
+            from orchestrator.commands.doctor import add_arguments, main
+        case "report":
+            from orchestrator.commands.report import add_arguments, main
+        case _:
+            raise KeyError(name)
+    return add_arguments, main
 
 
 def usage() -> str:
     width = max(len(name) for name in COMMANDS)
-    lines = [f"  rlship {name:<{width}}  {text}" for name, (*_, text) in COMMANDS.items()]
+    lines = [f"  rlship {name:<{width}}  {text}" for name, text in COMMANDS.items()]
     return "usage: rlship COMMAND [options]   (rlship COMMAND --help for its options)\n\n" + "\n".join(lines)
 
 
@@ -95,19 +122,18 @@ def extras_installing(package: str) -> list[str]:
 
 
 def run_command(name: str, argv: list[str]) -> int:
-    module_name, add_arguments, main_function, help_text = COMMANDS[name]
-    parser = argparse.ArgumentParser(prog=f"rlship {name}", description=help_text)
+    parser = argparse.ArgumentParser(prog=f"rlship {name}", description=COMMANDS[name])
     try:
-        module = importlib.import_module(module_name)
+        add_arguments, command_main = load_command(name)
     except ModuleNotFoundError as exc:
         extras = extras_installing(exc.name or "")
         install = f"pip install -e '.[{extras[0]}]'" if extras else "see the README's quick start"
         print(f"rlship {name}: needs the Python package {exc.name!r}: {install}", file=sys.stderr)
         return 2
-    getattr(module, add_arguments)(parser)
+    add_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        return int(getattr(module, main_function)(args) or 0)
+        return int(command_main(args) or 0)
     except SystemExit as exc:
         if isinstance(exc.code, str):
             raise SystemExit(mask_secrets(exc.code)) from None

@@ -1,0 +1,83 @@
+"""`rlship orchestrate`: the orchestrator alone, as `rlship run` starts it (or an operator
+beside workers and trainers started elsewhere). Ends in one line for each way a run
+cannot go on; the run's keys are kept, so the same command resumes it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from orchestrator.commands.checks import preflight_client
+from orchestrator.commands.run import interrupt_on_sigterm
+from orchestrator.diagnosis import RedisOutOfMemory
+from orchestrator.errors import EmptySteps, LeaseLost, RunStateLost
+from orchestrator.lease import ALIVE_SECONDS
+from orchestrator.logs import configure_logging
+from orchestrator.orchestrator import Orchestrator
+from orchestrator.settings import RunSettings, add_settings_arguments, settings_from_args
+from tasks.logs import mask_secrets
+from transport.connection import OUTAGE_SECONDS, connect_redis_async
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_settings_arguments(parser)
+    parser.add_argument("--summary-out", type=Path, default=None)
+
+
+async def _orchestrate(settings: RunSettings) -> dict[str, Any]:
+    client = connect_redis_async(settings.redis_url, socket_timeout=30)
+    try:
+        return await Orchestrator(settings, client).run()
+    finally:
+        await client.aclose()
+
+
+def main(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    configure_logging(settings.log_json, logging.WARNING, run_id=settings.run_id)
+    preflight_client("orchestrate", settings, unfinished_run=True).close()
+    signal.signal(signal.SIGTERM, interrupt_on_sigterm)
+    try:
+        summary = asyncio.run(_orchestrate(settings))
+    except KeyboardInterrupt:
+        print(
+            f"rlship orchestrate: run {settings.run_id} interrupted; its tasks are dropped within "
+            f"{ALIVE_SECONDS} s, its keys kept: the same command resumes it",
+            file=sys.stderr,
+        )
+        return 130
+    except (RunStateLost, RedisOutOfMemory, LeaseLost) as exc:
+        print(f"rlship orchestrate: {exc}", file=sys.stderr)
+        return 3
+    except EmptySteps as exc:
+        print(f"rlship orchestrate: run {settings.run_id} stopped: {exc}", file=sys.stderr)
+        return 4
+    except redis.exceptions.OutOfMemoryError as exc:
+        print(
+            f"rlship orchestrate: Redis at {mask_secrets(settings.redis_url)} is out of memory ({exc}): "
+            "raise its maxmemory or free memory, then start again (the run resumes)",
+            file=sys.stderr,
+        )
+        return 3
+    except redis.ResponseError as exc:
+        shown = mask_secrets(settings.redis_url)
+        print(f"rlship orchestrate: Redis at {shown} refused a command: {exc}", file=sys.stderr)
+        return 3
+    except redis.ConnectionError as exc:
+        print(
+            f"rlship orchestrate: Redis at {mask_secrets(settings.redis_url)} stayed unreachable "
+            f"for {OUTAGE_SECONDS:.0f} s: {exc}",
+            file=sys.stderr,
+        )
+        return 3
+    if args.summary_out is not None:
+        args.summary_out.write_text(json.dumps(summary))
+    return 0

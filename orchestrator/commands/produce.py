@@ -1,0 +1,169 @@
+"""`rlship produce`: the synthetic rollout producer of local runs, tests and benchmarks.
+
+`SyntheticWorkload` makes realistic, seeded rollouts: several envs, long-tailed lengths,
+multi-turn masks, binary and fractional rewards with per-task difficulty (so some groups
+have zero advantage), errors and truncations. `run_producer` writes them through a
+`RolloutProducer` as the run admits them, stamped with the trainers' policy version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from orchestrator.commands.checks import preflight_client
+from orchestrator.logs import configure_logging
+from orchestrator.producer import PASSING_REFUSALS, AdmissionRefused, RolloutProducer, RolloutRejected
+from orchestrator.records import RolloutRecord
+from orchestrator.settings import RunSettings, add_settings_arguments, settings_from_args
+from transport.connection import connect_redis
+
+WAIT_REPORT_SECONDS = 5.0  # how often a waiting producer says why
+log = logging.getLogger("rlship.producer")
+
+
+@dataclass
+class SyntheticWorkload:
+    """Seeded synthetic rollouts, one group at a time."""
+
+    seed: int = 0
+    group_size: int = 8
+    seq_len: int = 2048
+    vocab_size: int = 151_936
+    envs: tuple[str, ...] = ("math", "code", "chat")
+    error_rate: float = 0.02
+    cancel_rate: float = 0.01
+    policy_version: int = 0
+    routed_experts: bool = False
+    _rng: np.random.Generator = field(init=False, repr=False)
+    _groups: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self._rng = np.random.default_rng(self.seed)
+
+    def _lengths(self) -> tuple[int, int]:
+        rng = self._rng
+        prompt = int(np.clip(rng.lognormal(4.5, 0.6), 8, self.seq_len // 4))
+        completion = int(np.clip(rng.lognormal(5.5, 1.0), 1, self.seq_len - prompt))
+        return prompt, completion
+
+    def _arrays(self, prompt: int, completion: int, turns: int) -> dict[str, np.ndarray]:
+        rng = self._rng
+        total = prompt + completion
+        ids = np.minimum(rng.zipf(1.3, total), self.vocab_size - 1).astype(np.int32)
+        mask = np.zeros(total, dtype=bool)
+        mask[prompt:] = True
+        if turns > 1 and completion >= 2 * turns:
+            # Environment responses between assistant turns are context, not trained on.
+            cuts = prompt + np.sort(rng.choice(np.arange(1, completion), size=2 * (turns - 1), replace=False))
+            for start, stop in zip(cuts[0::2], cuts[1::2], strict=True):
+                mask[start:stop] = False
+        logprobs = np.where(mask, -rng.exponential(0.7, total), 0.0).astype(np.float32)
+        arrays = {"input_ids": ids, "loss_mask": mask, "inference_logprobs": logprobs}
+        if self.routed_experts:
+            arrays["routed_experts"] = rng.integers(0, 64, size=(total, 2, 4), dtype=np.uint8)
+        return arrays
+
+    def group(self) -> list[tuple[RolloutRecord, dict[str, np.ndarray]]]:
+        """One group: `group_size` rollouts of one task of one env."""
+        rng = self._rng
+        index = self._groups
+        self._groups += 1
+        env = self.envs[index % len(self.envs)]
+        difficulty = float(rng.beta(0.6, 0.6))  # near 0 or 1 often: many zero-advantage groups
+        fractional = env == "chat"
+        out = []
+        for member in range(self.group_size):
+            prompt, completion = self._lengths()
+            turns = int(rng.integers(1, 4)) if env == "code" else 1
+            error = "timeout" if rng.random() < self.error_rate else None
+            cancelled = error is None and rng.random() < self.cancel_rate
+            truncated = prompt + completion >= self.seq_len - 1
+            reward = float(rng.random() < difficulty) if not fractional else round(float(rng.beta(2, 5)), 3)
+            record = RolloutRecord(
+                rollout_id=f"s{self.seed}-g{index}-r{member}",
+                group_id=f"g{index}",
+                task_id=f"{env}-task{index % 97}",
+                env=env,
+                policy_version=self.policy_version,
+                reward=0.0 if error else reward,
+                num_input_tokens=prompt,
+                num_output_tokens=completion,
+                num_turns=turns,
+                temperature=1.0,
+                is_truncated=truncated,
+                error=error,
+                cancelled=cancelled,
+                stop_condition="length" if truncated else "stop",
+                metrics={"solve_time": float(rng.exponential(2.0))} if env == "math" else {},
+            )
+            out.append((record, self._arrays(prompt, completion, turns)))
+        return out
+
+    def groups(self) -> Iterator[list[tuple[RolloutRecord, dict[str, np.ndarray]]]]:
+        while True:
+            yield self.group()
+
+
+def run_producer(
+    settings: RunSettings,
+    groups: int | None = None,
+    stop: threading.Event | None = None,
+    poll_seconds: float = 0.5,
+) -> int:
+    """Produce groups until `groups` are written or `stop` is set (or forever), each as the
+    run admits it, stamped with the trainers' policy version at the time. While the run
+    refuses (backlog, gate held), wait, saying why every few seconds; a group the run can
+    never take is skipped with a warning."""
+    client = connect_redis(settings.redis_url)
+    producer = RolloutProducer.for_run(client, settings)
+    workload = SyntheticWorkload(
+        seed=settings.seed,
+        group_size=settings.group_size,
+        seq_len=settings.seq_len,
+        vocab_size=settings.vocab_size,
+    )
+    # A resumed run: the groups its earlier start wrote are made again (same seed) and skipped.
+    for _ in range(int(client.get(producer.keys.produced) or 0) // settings.group_size):
+        workload.group()
+    stopped = stop.is_set if stop is not None else lambda: False
+    written = 0
+    reported = 0.0
+    while (groups is None or written < groups) and not stopped():
+        group = workload.group()
+        while not stopped():
+            version = producer.policy_version()
+            stamped = [(r.model_copy(update={"policy_version": version}), a) for r, a in group]
+            try:
+                producer.produce(stamped, timeout=poll_seconds)
+            except AdmissionRefused as exc:
+                if exc.reason in PASSING_REFUSALS:
+                    if time.monotonic() - reported >= WAIT_REPORT_SECONDS:
+                        log.warning("producer waits: %s", exc)
+                        reported = time.monotonic()
+                    continue
+                log.warning("%s; group skipped", exc)
+            except RolloutRejected as exc:
+                log.warning("%s", exc)
+            break
+        written += 1
+    return written
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_settings_arguments(parser)
+    parser.add_argument("--groups", type=int, default=None, help="stop after this many groups")
+
+
+def main(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    configure_logging(settings.log_json, logging.INFO, run_id=settings.run_id)
+    preflight_client("produce", settings).close()
+    run_producer(settings, groups=args.groups)
+    return 0
