@@ -47,6 +47,7 @@ import psutil
 import redis
 
 from orchestrator.commands.processes import (
+    SOURCE_ROOT,
     ProcessGroup,
     delete_run_keys,
     rlship_command,
@@ -65,7 +66,7 @@ from transport.zmq import free_port_pair
 
 STOCK_STAGES = tuple(stage for stage in STAGE_NAMES if stage != "send")  # see the module docstring
 WORKERS = ("cpu-worker", "ship-worker")
-STOCK_PEERS = Path(__file__).resolve().parent.parent / "tests" / "support" / "stock_peers.py"
+STOCK_PEERS = SOURCE_ROOT / "tests" / "support" / "stock_peers.py"
 HANG_SECONDS = 30.0  # after the run, how long a stock rank may take to get its last step
 
 

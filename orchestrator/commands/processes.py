@@ -20,6 +20,9 @@ from orchestrator.worker_queries import answering_workers
 from tasks.logs import mask_secrets
 from transport.keys import RunKeys
 
+# Where children start: `python -m orchestrator.commands.cli` finds the packages here.
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
+
 
 def rlship_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "orchestrator.commands.cli", *args]
@@ -70,7 +73,7 @@ class ProcessGroup:
             env={**os.environ, **self.env},
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
-            cwd=Path(__file__).resolve().parent.parent,
+            cwd=SOURCE_ROOT,
         )
         self.processes[name] = process
         return process

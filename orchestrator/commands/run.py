@@ -22,7 +22,7 @@ import redis
 
 from orchestrator.commands.checks import preflight_run
 from orchestrator.commands.processes import ProcessGroup, ensure_redis, rlship_command, worker_commands
-from orchestrator.commands.progress import REFRESH_SECONDS, ProgressDisplay, StatusReader
+from orchestrator.commands.progress import REFRESH_SECONDS, ProgressDisplay
 from orchestrator.logs import configure_logging
 from orchestrator.settings import (
     RUN_DEFAULTS,
@@ -32,6 +32,7 @@ from orchestrator.settings import (
     run_defaults,
     settings_to_env,
 )
+from orchestrator.status_reader import StatusReader
 from transport.keys import RunKeys
 from transport.store import DEFAULT_TTL_SECONDS, PayloadStore
 

@@ -20,7 +20,8 @@ import psutil
 import pytest
 import redis
 
-from orchestrator.commands.processes import answering_workers, celery_worker_command, delete_queues
+from orchestrator.commands.processes import celery_worker_command, delete_queues
+from orchestrator.worker_queries import answering_workers
 
 REPO = Path(__file__).resolve().parents[2]
 COMMAND_DEADLINE_SECONDS = 30

@@ -10,18 +10,8 @@ import time
 
 import redis
 
-from orchestrator.commands.progress import (
-    STAGES,
-    ProgressDisplay,
-    Snapshot,
-    StatusReader,
-    StepMarks,
-    in_flight,
-    parse_status,
-    progress_bar,
-    redraw,
-    status_lines,
-)
+from orchestrator.commands.progress import ProgressDisplay, progress_bar, redraw, status_lines
+from orchestrator.status_reader import STAGES, Snapshot, StatusReader, StepMarks, in_flight, parse_status
 from transport.keys import RunKeys
 
 STATUS = {
