@@ -38,7 +38,7 @@ from transport.filesystem import FileReceiver
 from transport.numbering import PRIME_RL_FIRST_STEP
 from transport.replay import RetainedPayloads
 from transport.trainer import Acknowledgements
-from transport.zmq import ZMQReceiver
+from transport.zmq_receiver import ZMQReceiver
 
 Decode = Callable[[bytes | memoryview], Any]
 

@@ -1,6 +1,7 @@
-"""ZMQ step transport (docs/transports.md, "ZMQ"): one bound publisher, one SUB per rank.
+"""The sending end of the ZMQ step transport (docs/transports.md, "ZMQ"): one bound
+publisher, one SUB per rank (the receiving end: transport/zmq_receiver.py).
 
-Sender: an XPUB socket at host:port and a PULL socket at host:port+1. Each message is two
+An XPUB socket at host:port and a PULL socket at host:port+1. Each message is two
 frames, `data_rank|{rank}|{step}` and the payload. Nothing is published to a rank before
 it is ready, and "ready" means two things have been seen: the rank's READY announcement
 (its rank as ASCII on the PULL socket) and its subscription arriving at the publisher. The
@@ -22,63 +23,20 @@ written it to the kernel's socket buffer (the last <= 8 KiB of it may sit in lib
 output batch while the kernel buffer is full), which the kernel delivers even if the
 process dies next. A caller that marks a step sent after `send` returns (tasks/ship.py's
 `last_sent`) marks only what has left.
-
-Receiver: a SUB socket subscribed to `data_rank|{rank}|` and a PUSH socket to port+1. It
-re-announces READY while it waits, so a sender that restarted and bound again (a
-replacement ship worker) learns about it without the trainer restarting. PUB/SUB cannot
-replay, so with a `ReplaySource` the receiver fills what the socket lost from the sender's
-retained payloads: the steps before the first one it sees (a restarted rank), a gap
-(a message lost in flight), and a step the sender reports sent that has not arrived after
-`replay_after` seconds (the last step of a run lost in flight).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
-import random
-import socket
 import time
-from collections import deque
-from pathlib import Path
 from typing import Protocol
 
 import zmq
 
-from transport.base import (
-    Closeable,
-    Payload,
-    ReceivedStep,
-    ReplaySource,
-    SequencedReceiver,
-    StepSequencer,
-)
+from transport.base import Closeable, Payload
+from transport.zmq_sockets import endpoint, poll_ms, rank_prefix, topic
 
 logger = logging.getLogger("rlship.transport")
-
-TOPIC_PREFIX = b"data_rank|"
-
-
-def rank_prefix(rank: int) -> bytes:
-    """The subscription prefix of one rank; the trailing `|` keeps rank 1 from matching 10."""
-    return b"%s%d|" % (TOPIC_PREFIX, rank)
-
-
-def topic(step: int, rank: int) -> bytes:
-    """The first frame of a message: `data_rank|{rank}|{step}`."""
-    return b"%s%d|%d" % (TOPIC_PREFIX, rank, step)
-
-
-def parse_topic(frame: bytes) -> tuple[int, int] | None:
-    """(rank, step) from a topic frame, or None if it is not one of ours."""
-    parts = frame.split(b"|")
-    if len(parts) != 3 or parts[0] + b"|" != TOPIC_PREFIX:
-        return None
-    rank, step = parts[1], parts[2]
-    if not (rank.isdigit() and step.isdigit()):
-        return None
-    return int(rank), int(step)
 
 
 class AnnouncementLog(Protocol):
@@ -87,57 +45,6 @@ class AnnouncementLog(Protocol):
     def load(self) -> set[int]: ...
 
     def add(self, rank: int) -> None: ...
-
-
-EPHEMERAL_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-LOWEST_PAIR_PORT = 20000
-
-
-def ephemeral_port_floor() -> int:
-    """The lowest port the kernel hands out for outgoing connections (Linux's default where
-    the range cannot be read)."""
-    try:
-        return int(EPHEMERAL_PORT_RANGE.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def candidate_ports(tries: int = 100) -> list[int]:
-    """Random ports from LOWEST_PAIR_PORT up to below the ephemeral range, each with room
-    for its neighbour there too."""
-    floor = max(ephemeral_port_floor(), LOWEST_PAIR_PORT + 2)
-    return [random.randrange(LOWEST_PAIR_PORT, floor - 1) for _ in range(tries)]
-
-
-def free_port_pair(host: str = "127.0.0.1") -> int:
-    """A port p with p and p + 1 free on `host`: the data and control ports of a sender.
-
-    Chosen below the kernel's ephemeral range, which the pair is free of until the sender
-    binds it: inside it, any process's next outgoing connection may take the port first (a
-    worker's Redis connection did, in the bench), or a stock prime-rl rank dialling it
-    before the sender binds may be given it as its own source port (a TCP self-connect)."""
-    for port in candidate_ports():
-        with socket.socket() as first:
-            try:
-                first.bind((host, port))
-            except OSError:
-                continue
-            with socket.socket() as second:
-                try:
-                    second.bind((host, port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError(f"no free port pair on {host}")
-
-
-def _endpoint(host: str, port: int) -> str:
-    return f"tcp://{host}:{port}"
-
-
-def _poll_ms(seconds: float) -> int:
-    """A zmq poll timeout in ms that never rounds a positive wait down to a busy 0."""
-    return max(1, math.ceil(seconds * 1000))
 
 
 class ZMQSender(Closeable):
@@ -189,11 +96,11 @@ class ZMQSender(Closeable):
             self._pub.setsockopt(zmq.LINGER, linger_ms)
             self._pub.copy_threshold = 0  # track every payload, however small (module docstring)
             if send_timeout is not None:
-                self._pub.setsockopt(zmq.SNDTIMEO, _poll_ms(send_timeout))
-            self._pub.bind(_endpoint(host, port))
+                self._pub.setsockopt(zmq.SNDTIMEO, poll_ms(send_timeout))
+            self._pub.bind(endpoint(host, port))
             self._pull = self._ctx.socket(zmq.PULL)
             self._pull.setsockopt(zmq.LINGER, 0)
-            self._pull.bind(_endpoint(host, port + 1))
+            self._pull.bind(endpoint(host, port + 1))
         except BaseException:
             self._ctx.destroy(linger=0)
             self._closed = True
@@ -227,7 +134,7 @@ class ZMQSender(Closeable):
                 if remaining <= 0:
                     return False
                 wait = min(wait, remaining)
-            self._poller.poll(_poll_ms(wait))
+            self._poller.poll(poll_ms(wait))
 
     def send(self, step: int, rank: int, payload: Payload) -> None:
         """Publish one rank's payload for `step` without copying it; return once it has left
@@ -329,137 +236,7 @@ class ZMQSender(Closeable):
         was_ready = self._ready
         self._ready = len(ready) == self.ranks
         if self._ready and not was_ready:
-            logger.info("all %d ranks ready on %s", self.ranks, _endpoint(self.host, self.port))
+            logger.info("all %d ranks ready on %s", self.ranks, endpoint(self.host, self.port))
         elif was_ready and not self._ready:
             missing = sorted(set(range(self.ranks)) - ready)
             logger.warning("ranks %s lost their subscription; sends wait until they return", missing)
-
-
-class ZMQReceiver(SequencedReceiver):
-    """One trainer rank's receiving end; delivers each step once, in order (StepSequencer).
-
-    Payloads are returned as memoryviews of the received frame (no copy); the frame stays
-    alive as long as the memoryview does, also after `close()`.
-    """
-
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        rank: int,
-        *,
-        next_step: int,
-        hwm: int = 64,
-        announce_interval: float = 1.0,
-        replay: ReplaySource | None = None,
-        replay_after: float = 1.0,
-    ) -> None:
-        if rank < 0:
-            raise ValueError(f"rank must be >= 0, got {rank}")
-        if announce_interval <= 0:
-            raise ValueError(f"announce_interval must be > 0, got {announce_interval}")
-        self.host = host
-        self.port = port
-        self.announce_interval = announce_interval
-        self.replay = replay
-        self.replay_after = replay_after
-        self.replayed = 0
-        self._ready: deque[ReceivedStep] = deque()
-        self._last_arrival = -math.inf  # a restarted rank catches up at its first receive
-        self._sequencer = StepSequencer(rank, next_step)
-        self._ready_msg = str(rank).encode()
-        self._closed = False
-        self._ctx = zmq.Context()
-        try:
-            self._sub = self._ctx.socket(zmq.SUB)
-            self._sub.setsockopt(zmq.RCVHWM, hwm)
-            self._sub.setsockopt(zmq.LINGER, 0)
-            self._sub.setsockopt(zmq.SUBSCRIBE, rank_prefix(rank))
-            self._sub.connect(_endpoint(host, port))
-            # READY is idempotent and repeated, so it must never make the trainer wait:
-            # a tiny queue, non-blocking sends, nothing kept at close.
-            self._push = self._ctx.socket(zmq.PUSH)
-            self._push.setsockopt(zmq.SNDHWM, 1)
-            self._push.setsockopt(zmq.LINGER, 0)
-            self._push.connect(_endpoint(host, port + 1))
-        except BaseException:
-            self._ctx.destroy(linger=0)
-            self._closed = True
-            raise
-        self._last_announce = -math.inf
-        self._announce()
-
-    def receive(self, timeout: float | None = None) -> ReceivedStep | None:
-        """The next deliverable step, or None after `timeout` seconds (None: wait forever)."""
-        if self._closed:
-            raise RuntimeError("ZMQReceiver is closed")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            if self._ready:
-                return self._ready.popleft()
-            try:
-                frames = self._sub.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                frames = None
-            if frames is not None:
-                self._accept(frames)
-                continue
-            now = time.monotonic()
-            if self.replay is not None and now - self._last_arrival >= self.replay_after:
-                self._last_arrival = now
-                self._replay_through(self.replay.last_sent(self.rank))
-                if self._ready:
-                    continue
-            if deadline is not None and now >= deadline:
-                return None
-            if now >= self._last_announce + self.announce_interval:
-                self._announce()
-            wait = self._last_announce + self.announce_interval - now
-            if deadline is not None:
-                wait = min(wait, deadline - now)
-            self._sub.poll(_poll_ms(wait), zmq.POLLIN)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._sub.close(linger=0)
-        self._push.close(linger=0)
-        self._ctx.term()
-
-    def _announce(self) -> None:
-        self._last_announce = time.monotonic()
-        # Again: a READY is still queued (the sender is not up yet); that one will do.
-        with contextlib.suppress(zmq.Again):
-            self._push.send(self._ready_msg, zmq.NOBLOCK)
-
-    def _accept(self, frames: list[zmq.Frame]) -> None:
-        """Queue a received message for delivery, after any lost steps before it."""
-        if len(frames) != 2:
-            logger.error("rank %d: dropping a message of %d frames (expected 2)", self.rank, len(frames))
-            return
-        parsed = parse_topic(frames[0].bytes)
-        if parsed is None or parsed[0] != self.rank:
-            logger.error("rank %d: dropping a message with topic %r", self.rank, frames[0].bytes[:64])
-            return
-        step = parsed[1]
-        self._last_arrival = time.monotonic()
-        if self.replay is not None and step > self.next_step:
-            self._replay_through(step - 1)
-        if self._sequencer.admit(step):
-            self._ready.append(ReceivedStep(step=step, rank=self.rank, payload=frames[1].buffer))
-
-    def _replay_through(self, last: int) -> None:
-        """Queue steps next_step..last from the replay source, stopping at the first one it
-        no longer holds (the sequencer then reports the gap)."""
-        assert self.replay is not None
-        while self.next_step <= last:
-            step = self.next_step
-            payload = self.replay.payload(step, self.rank)
-            if payload is None:
-                logger.error("rank %d: step %d was lost and is no longer retained", self.rank, step)
-                return
-            self._sequencer.admit(step)
-            self._ready.append(ReceivedStep(step=step, rank=self.rank, payload=payload))
-            self.replayed += 1
-            logger.warning("rank %d: step %d replayed from the retained payloads", self.rank, step)
