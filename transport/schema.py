@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import numpy as np
 
@@ -21,15 +21,6 @@ class SchemaError(ValueError):
 
 # Tensor dtypes producers send that numpy has no name for (torch's), and their item sizes.
 _EXTRA_ITEMSIZES = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
-
-
-def _freeze_tensor(tensor: Any, what: str) -> None:
-    """A raw tensor's fields as bytes and a tuple of ints, checked against each other."""
-    if not isinstance(tensor.dtype, str):
-        raise SchemaError(f"{what}.dtype: expected str, got {tensor.dtype!r}")
-    object.__setattr__(tensor, "data", bytes(tensor.data))
-    object.__setattr__(tensor, "shape", tuple(int(d) for d in tensor.shape))
-    _check_tensor_bytes(what, tensor.data, tensor.shape, tensor.dtype)
 
 
 def _check_tensor_bytes(what: str, data: bytes, shape: tuple[int, ...], dtype: str) -> None:
@@ -51,41 +42,53 @@ def _check_tensor_bytes(what: str, data: bytes, shape: tuple[int, ...], dtype: s
         )
 
 
-@dataclass(frozen=True, slots=True)
-class RoutedExperts:
-    """Per-token expert routing (MoE), `[tokens, layers, topk]`, carried as raw bytes with
-    their shape and dtype (prime-rl's wire order: data, shape, dtype)."""
+class _RawTensor:
+    """What the two raw tensors on the wire share (they differ in field order only): the
+    fields frozen to bytes and a tuple of ints and checked against each other when one is
+    built, and building one from a numpy array."""
 
+    __slots__ = ()
+    _field: ClassVar[str]
+    """The MicroBatch field the tensor travels in, which errors name."""
+    # Each subclass declares these as its dataclass fields, in its own wire order.
     data: bytes
     shape: tuple[int, ...]
     dtype: str
 
     def __post_init__(self) -> None:
-        _freeze_tensor(self, "routed_experts")
+        if not isinstance(self.dtype, str):
+            raise SchemaError(f"{self._field}.dtype: expected str, got {self.dtype!r}")
+        object.__setattr__(self, "data", bytes(self.data))
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        _check_tensor_bytes(self._field, self.data, self.shape, self.dtype)
 
     @classmethod
-    def from_array(cls, array: np.ndarray) -> RoutedExperts:
+    def from_array(cls, array: np.ndarray) -> Self:
         array = np.ascontiguousarray(array)
-        return cls(data=array.tobytes(), shape=array.shape, dtype=array.dtype.name)
+        return cls(data=array.tobytes(), shape=array.shape, dtype=array.dtype.name)  # type: ignore[call-arg]
 
 
 @dataclass(frozen=True, slots=True)
-class EncodedTensor:
+class RoutedExperts(_RawTensor):
+    """Per-token expert routing (MoE), `[tokens, layers, topk]`, carried as raw bytes with
+    their shape and dtype (prime-rl's wire order: data, shape, dtype)."""
+
+    _field: ClassVar[str] = "routed_experts"
+    data: bytes
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedTensor(_RawTensor):
     """One multimodal model input (an `mm_kwargs` value, e.g. `pixel_values`): raw bytes
     with their dtype and shape, as prime-rl encodes a tensor (wire order: dtype, shape,
     data). The dtype is the producer's name for it ("float32", "bfloat16", ...)."""
 
+    _field: ClassVar[str] = "mm_kwargs"
     dtype: str
     shape: tuple[int, ...]
     data: bytes
-
-    def __post_init__(self) -> None:
-        _freeze_tensor(self, "mm_kwargs")
-
-    @classmethod
-    def from_array(cls, array: np.ndarray) -> EncodedTensor:
-        array = np.ascontiguousarray(array)
-        return cls(dtype=array.dtype.name, shape=array.shape, data=array.tobytes())
 
     @classmethod
     def concatenate(cls, name: str, tensors: Sequence[EncodedTensor]) -> EncodedTensor:
