@@ -182,18 +182,13 @@ class ZMQSender(Closeable):
     def _drain(self) -> None:
         """Consume all pending control messages without blocking."""
         changed = False
-        while True:
-            try:
-                msg = self._pub.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            changed |= self._on_subscription(msg)
-        while True:
-            try:
-                msg = self._pull.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            changed |= self._on_announce(msg)
+        for sock, handle in ((self._pub, self._on_subscription), (self._pull, self._on_announce)):
+            while True:
+                try:
+                    msg = sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                changed |= handle(msg)
         if changed:
             self._update_ready()
 
