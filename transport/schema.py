@@ -129,27 +129,8 @@ def as_encoded_tensors(value: Any) -> dict[str, EncodedTensor]:
     return out
 
 
-# Wire order of the 16 MicroBatch fields, and the numpy dtype each per-token/per-sample
-# array is held in (None: not a numeric array).
-MICROBATCH_FIELDS: tuple[str, ...] = (
-    "input_ids",
-    "loss_mask",
-    "advantages",
-    "inference_logprobs",
-    "position_ids",
-    "sequence_lengths",
-    "temperatures",
-    "env_names",
-    "seq_lens",
-    "ref_logprobs",
-    "routed_experts",
-    "mm_kwargs",
-    "mm_token_type_ids",
-    "rl_weights",
-    "ce_weights",
-    "ref_kl_weights",
-)
-
+# The numpy dtype each per-token/per-sample array is held in (the fields not listed are
+# not numeric arrays).
 ARRAY_DTYPES: dict[str, np.dtype] = {
     "input_ids": np.dtype(np.int64),
     "loss_mask": np.dtype(np.bool_),
@@ -178,18 +159,6 @@ PER_TOKEN_FIELDS: tuple[str, ...] = (
     "rl_weights",
     "ce_weights",
     "ref_kl_weights",
-)
-
-OPTIONAL_FIELDS: frozenset[str] = frozenset(
-    {
-        "ref_logprobs",
-        "routed_experts",
-        "mm_kwargs",
-        "mm_token_type_ids",
-        "rl_weights",
-        "ce_weights",
-        "ref_kl_weights",
-    }
 )
 
 
@@ -244,7 +213,9 @@ def _as_strings(name: str, value: Sequence[str]) -> list[str]:
 
 @dataclass(slots=True, eq=False)
 class MicroBatch:
-    """One packed micro-batch: several samples concatenated along the token axis."""
+    """One packed micro-batch: several samples concatenated along the token axis. Its fields
+    are the wire's 16 in their wire order (`MICROBATCH_FIELDS`); the optional ones default
+    to None (`OPTIONAL_FIELDS`)."""
 
     input_ids: np.ndarray
     loss_mask: np.ndarray
@@ -333,3 +304,11 @@ class MicroBatch:
             elif mine != theirs:
                 return False
         return True
+
+
+MICROBATCH_FIELDS: tuple[str, ...] = tuple(field.name for field in fields(MicroBatch))
+"""The wire order of the 16 MicroBatch fields."""
+OPTIONAL_FIELDS: frozenset[str] = frozenset(
+    field.name for field in fields(MicroBatch) if field.default is None
+)
+"""The fields a micro-batch may leave out (None)."""
