@@ -132,7 +132,7 @@ def _sender(run_id: str, config: ShipConfig) -> StepSender:
     knows every rank that announced READY to an earlier ship worker of the run."""
     if config.transport == "zmq":
         from transport.announcements import RedisAnnouncements
-        from transport.zmq import ZMQSender
+        from transport.zmq_sender import ZMQSender
 
         return ZMQSender(
             config.zmq_host,
@@ -157,9 +157,9 @@ def send(ctx: StepContext, rank: int) -> None:
 
     Exactly-once to a receiver that neither drops duplicates nor replays (prime-rl's)
     rests on two marks around a send that returns only once the message has left the
-    process (transport.zmq: in the kernel's socket buffer, delivered even if this process
-    dies next): `sending` before it, `last_sent` after. A ship worker killed before the
-    message left loses it with its libzmq queue; the redelivered task finds `sending`
+    process (transport.zmq_sender: in the kernel's socket buffer, delivered even if this
+    process dies next): `sending` before it, `last_sent` after. A ship worker killed before
+    the message left loses it with its libzmq queue; the redelivered task finds `sending`
     above `last_sent` and sends it again, correctly. The one window left: killed after the
     message left and before `last_sent` reached Redis (one Redis round trip; measured in
     the README), the step is delivered and sent again, a duplicate to a stock receiver

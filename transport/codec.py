@@ -20,8 +20,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from transport import _msgpack_arrays as mp
-from transport._msgpack_arrays import array_header
+from transport._msgpack_arrays import readers, writers
+from transport._msgpack_arrays.writers import array_header
 from transport.schema import (
     ARRAY_DTYPES,
     MICROBATCH_FIELDS,
@@ -77,13 +77,13 @@ def _env_name_runs(names: list[str], sample_lengths: np.ndarray) -> _Runs:
                 runs.append([name, count])
     for run in runs:
         if run[0] not in encoded:
-            encoded[run[0]] = mp.encode_str(run[0])
+            encoded[run[0]] = writers.encode_str(run[0])
     return [(encoded[name], count) for name, count in runs]
 
 
 def _experts_parts(experts: RoutedExperts) -> list[bytes]:
     """routed_experts as [bin data, shape, dtype]: the small head and tail, and the data."""
-    head = b"\x93" + mp.bin_header(len(experts.data))
+    head = b"\x93" + writers.bin_header(len(experts.data))
     tail = msgpack.packb(list(experts.shape)) + msgpack.packb(experts.dtype)
     return [head, experts.data, tail]
 
@@ -91,10 +91,11 @@ def _experts_parts(experts: RoutedExperts) -> list[bytes]:
 def _mm_kwargs_parts(mm_kwargs: dict[str, EncodedTensor]) -> list[bytes]:
     """mm_kwargs as a map of name -> [dtype, shape, bin data], in the map's order: small
     encoded pieces and each tensor's raw bytes, to be written one after another."""
-    parts = [mp.map_header(len(mm_kwargs))]
+    parts = [writers.map_header(len(mm_kwargs))]
     for name, tensor in mm_kwargs.items():
-        head = mp.encode_str(name) + b"\x93" + mp.encode_str(tensor.dtype) + msgpack.packb(list(tensor.shape))
-        parts += [head + mp.bin_header(len(tensor.data)), tensor.data]
+        head = writers.encode_str(name) + b"\x93" + writers.encode_str(tensor.dtype)
+        head += msgpack.packb(list(tensor.shape))
+        parts += [head + writers.bin_header(len(tensor.data)), tensor.data]
     return parts
 
 
@@ -118,7 +119,7 @@ def _field_size(batch: MicroBatch, name: str, runs: _Runs) -> int:
         return size + 9 * len(value)
     if kind == "b":
         return size + len(value)
-    return size + mp.int_body_size(value)
+    return size + writers.int_body_size(value)
 
 
 def _plan(batches: Sequence[MicroBatch]) -> tuple[int, list[_Runs]]:
@@ -136,16 +137,16 @@ def wire_size(batches: Sequence[MicroBatch]) -> int:
 
 
 _WRITERS: dict[str, Callable[[np.ndarray, np.ndarray, int], int]] = {
-    "i": mp.write_ints,
-    "f": mp.write_floats,
-    "b": mp.write_bools,
+    "i": writers.write_ints,
+    "f": writers.write_floats,
+    "b": writers.write_bools,
 }
 
 
 def _write_microbatch(batch: MicroBatch, runs: _Runs, out: np.ndarray, pos: int) -> int:
     """Fields strictly in wire order: an int field's last word store may spill up to 7
     bytes into the next field, which is then written over it."""
-    pos = mp.put(out, pos, _MICROBATCH_HEADER)
+    pos = writers.put(out, pos, _MICROBATCH_HEADER)
     for name in MICROBATCH_FIELDS:
         value = getattr(batch, name)
         if value is None:
@@ -156,10 +157,10 @@ def _write_microbatch(batch: MicroBatch, runs: _Runs, out: np.ndarray, pos: int)
                 out[pos : pos + len(part)] = np.frombuffer(part, np.uint8)
                 pos += len(part)
         else:
-            pos = mp.put(out, pos, array_header(len(value)))
+            pos = writers.put(out, pos, array_header(len(value)))
             if name == "env_names":
                 for encoded, count in runs:
-                    pos = mp.write_repeated(encoded, count, out, pos)
+                    pos = writers.write_repeated(encoded, count, out, pos)
             else:
                 pos = _WRITERS[_KIND[name]](value, out, pos)
     return pos
@@ -172,7 +173,7 @@ def encode_microbatches_into(batches: Sequence[MicroBatch], out: Any, size: int 
     if size is not None and size != total:
         raise ValueError(f"size {size} does not match the payload's wire size {total}")
     target = np.frombuffer(out, np.uint8, count=total)  # writes never pass `total`
-    pos = mp.put(target, 0, array_header(len(batches)))
+    pos = writers.put(target, 0, array_header(len(batches)))
     for batch, batch_runs in zip(batches, runs, strict=True):
         pos = _write_microbatch(batch, batch_runs, target, pos)
     if pos != total:
@@ -185,7 +186,7 @@ def encode_microbatches(batches: Sequence[MicroBatch]) -> memoryview:
     (hand it to Redis, ZMQ or a file without another copy; `bytes(...)` if you need bytes)."""
     total, runs = _plan(batches)
     out = np.empty(total, np.uint8)
-    pos = mp.put(out, 0, array_header(len(batches)))
+    pos = writers.put(out, 0, array_header(len(batches)))
     for batch, batch_runs in zip(batches, runs, strict=True):
         pos = _write_microbatch(batch, batch_runs, out, pos)
     return memoryview(out)
@@ -203,10 +204,10 @@ def encode_microbatch(batch: MicroBatch) -> memoryview:
 # --- decoding ------------------------------------------------------------------------------
 
 _READERS: dict[str, Callable[[np.ndarray, int, int], tuple[Any, int]]] = {
-    "i": mp.read_ints,
-    "f": mp.read_floats,
-    "b": mp.read_bools,
-    "str": mp.read_repeated_strs,
+    "i": readers.read_ints,
+    "f": readers.read_floats,
+    "b": readers.read_bools,
+    "str": readers.read_repeated_strs,
 }
 
 
@@ -225,7 +226,7 @@ def _read_array_header(buffer: np.ndarray, pos: int) -> tuple[int, int] | None:
 
 def _read_any(buffer: np.ndarray, pos: int, what: str) -> tuple[Any, int]:
     try:
-        return mp.read_object(buffer, pos)
+        return readers.read_object(buffer, pos)
     except msgpack.OutOfData as exc:
         raise CodecError(f"{what}: payload truncated at byte {len(buffer)} (value starts at {pos})") from exc
     except (ValueError, msgpack.UnpackException) as exc:
@@ -235,7 +236,7 @@ def _read_any(buffer: np.ndarray, pos: int, what: str) -> tuple[Any, int]:
 def _describe(buffer: np.ndarray, pos: int) -> str:
     """What kind of value is at `pos`, for error messages."""
     try:
-        return type(mp.read_object(buffer, pos)[0]).__name__
+        return type(readers.read_object(buffer, pos)[0]).__name__
     except (ValueError, msgpack.UnpackException, msgpack.OutOfData):
         return f"byte 0x{int(buffer[pos]):02x}" if pos < len(buffer) else "end of payload"
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from transport.base import ReceivedStep, StepReceiver
 from transport.codec import decode_microbatches
@@ -38,7 +38,7 @@ from transport.filesystem import FileReceiver
 from transport.numbering import PRIME_RL_FIRST_STEP
 from transport.replay import RetainedPayloads
 from transport.trainer import Acknowledgements
-from transport.zmq import ZMQReceiver
+from transport.zmq_receiver import ZMQReceiver
 
 Decode = Callable[[bytes | memoryview], Any]
 
@@ -63,31 +63,42 @@ def _setting(value: Any, env: str, default: Any = None) -> Any:
     return default
 
 
-class ExactlyOnceReceiver:
-    """The MicroBatchReceiver interface over one of rlship's step receivers."""
+class RunSettings(TypedDict, total=False):
+    """The run a receiver acknowledges in; a setting left out or None is read from the
+    environment (`_setting`)."""
 
-    def __init__(
-        self,
-        receiver: StepReceiver,
-        data_rank: int,
-        *,
-        run_id: str | None,
-        redis_url: str | None,
-        ranks: int | None,
-        decode: Decode | None,
-        first_step: int | None,
-    ) -> None:
+    run_id: str | None
+    redis_url: str | None
+    ranks: int | None
+    decode: Decode | None
+    first_step: int | None
+
+
+class ExactlyOnceReceiver:
+    """The MicroBatchReceiver interface over one of rlship's step receivers, which it owns:
+    it is closed with this one, or at once if the run's settings cannot be read."""
+
+    def __init__(self, receiver: StepReceiver, data_rank: int, **run: Unpack[RunSettings]) -> None:
         self.data_rank = data_rank
         self._receiver = receiver
-        self._decode = decode or default_decode()
-        self.client = connect_redis(_setting(redis_url, "REDIS_URL", "redis://127.0.0.1:6379/0"))
-        self.run_id = str(_setting(run_id, "RLSHIP_RUN_ID"))
-        self._acknowledgements = Acknowledgements(
-            self.client,
-            self.run_id,
-            int(_setting(ranks, "RLSHIP_RANKS")),
-            int(_setting(first_step, "RLSHIP_FIRST_STEP", PRIME_RL_FIRST_STEP)),
-        )
+        try:
+            unexpected = sorted(run.keys() - RunSettings.__annotations__.keys())
+            if unexpected:  # **run would otherwise take a misspelt setting silently
+                raise TypeError(f"{type(self).__name__}() got unexpected keyword arguments {unexpected}")
+            self._decode = run.get("decode") or default_decode()
+            self.client = connect_redis(
+                _setting(run.get("redis_url"), "REDIS_URL", "redis://127.0.0.1:6379/0")
+            )
+            self.run_id = str(_setting(run.get("run_id"), "RLSHIP_RUN_ID"))
+            self._acknowledgements = Acknowledgements(
+                self.client,
+                self.run_id,
+                int(_setting(run.get("ranks"), "RLSHIP_RANKS")),
+                int(_setting(run.get("first_step"), "RLSHIP_FIRST_STEP", PRIME_RL_FIRST_STEP)),
+            )
+        except BaseException:
+            receiver.close()
+            raise
         self._pending: ReceivedStep | None = None
 
     @property
@@ -138,12 +149,8 @@ class ZMQMicroBatchReceiver(ExactlyOnceReceiver):
         current_step: int,
         transport: Any,
         *,
-        run_id: str | None = None,
-        redis_url: str | None = None,
-        ranks: int | None = None,
-        decode: Decode | None = None,
-        first_step: int | None = None,
         replay_after: float = 1.0,
+        **run: Unpack[RunSettings],
     ) -> None:
         self.output_dir = Path(output_dir)
         receiver = ZMQReceiver(
@@ -154,19 +161,7 @@ class ZMQMicroBatchReceiver(ExactlyOnceReceiver):
             hwm=getattr(transport, "hwm", 64),
             replay_after=replay_after,
         )
-        try:
-            super().__init__(
-                receiver,
-                data_rank,
-                run_id=run_id,
-                redis_url=redis_url,
-                ranks=ranks,
-                decode=decode,
-                first_step=first_step,
-            )
-        except BaseException:
-            receiver.close()
-            raise
+        super().__init__(receiver, data_rank, **run)
         receiver.replay = RetainedPayloads(self.client, self.run_id)
 
 
@@ -181,21 +176,9 @@ class FileSystemMicroBatchReceiver(ExactlyOnceReceiver):
         data_rank: int,
         current_step: int,
         *,
-        run_id: str | None = None,
-        redis_url: str | None = None,
-        ranks: int | None = None,
-        decode: Decode | None = None,
-        first_step: int | None = None,
         poll_interval: float = 0.05,
+        **run: Unpack[RunSettings],
     ) -> None:
         self.output_dir = Path(output_dir)
         receiver = FileReceiver(output_dir, data_rank, next_step=current_step, poll_interval=poll_interval)
-        super().__init__(
-            receiver,
-            data_rank,
-            run_id=run_id,
-            redis_url=redis_url,
-            ranks=ranks,
-            decode=decode,
-            first_step=first_step,
-        )
+        super().__init__(receiver, data_rank, **run)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import numpy as np
 
@@ -21,15 +21,6 @@ class SchemaError(ValueError):
 
 # Tensor dtypes producers send that numpy has no name for (torch's), and their item sizes.
 _EXTRA_ITEMSIZES = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
-
-
-def _freeze_tensor(tensor: Any, what: str) -> None:
-    """A raw tensor's fields as bytes and a tuple of ints, checked against each other."""
-    if not isinstance(tensor.dtype, str):
-        raise SchemaError(f"{what}.dtype: expected str, got {tensor.dtype!r}")
-    object.__setattr__(tensor, "data", bytes(tensor.data))
-    object.__setattr__(tensor, "shape", tuple(int(d) for d in tensor.shape))
-    _check_tensor_bytes(what, tensor.data, tensor.shape, tensor.dtype)
 
 
 def _check_tensor_bytes(what: str, data: bytes, shape: tuple[int, ...], dtype: str) -> None:
@@ -51,41 +42,53 @@ def _check_tensor_bytes(what: str, data: bytes, shape: tuple[int, ...], dtype: s
         )
 
 
-@dataclass(frozen=True, slots=True)
-class RoutedExperts:
-    """Per-token expert routing (MoE), `[tokens, layers, topk]`, carried as raw bytes with
-    their shape and dtype (prime-rl's wire order: data, shape, dtype)."""
+class _RawTensor:
+    """What the two raw tensors on the wire share (they differ in field order only): the
+    fields frozen to bytes and a tuple of ints and checked against each other when one is
+    built, and building one from a numpy array."""
 
+    __slots__ = ()
+    _field: ClassVar[str]
+    """The MicroBatch field the tensor travels in, which errors name."""
+    # Each subclass declares these as its dataclass fields, in its own wire order.
     data: bytes
     shape: tuple[int, ...]
     dtype: str
 
     def __post_init__(self) -> None:
-        _freeze_tensor(self, "routed_experts")
+        if not isinstance(self.dtype, str):
+            raise SchemaError(f"{self._field}.dtype: expected str, got {self.dtype!r}")
+        object.__setattr__(self, "data", bytes(self.data))
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        _check_tensor_bytes(self._field, self.data, self.shape, self.dtype)
 
     @classmethod
-    def from_array(cls, array: np.ndarray) -> RoutedExperts:
+    def from_array(cls, array: np.ndarray) -> Self:
         array = np.ascontiguousarray(array)
-        return cls(data=array.tobytes(), shape=array.shape, dtype=array.dtype.name)
+        return cls(data=array.tobytes(), shape=array.shape, dtype=array.dtype.name)  # type: ignore[call-arg]
 
 
 @dataclass(frozen=True, slots=True)
-class EncodedTensor:
+class RoutedExperts(_RawTensor):
+    """Per-token expert routing (MoE), `[tokens, layers, topk]`, carried as raw bytes with
+    their shape and dtype (prime-rl's wire order: data, shape, dtype)."""
+
+    _field: ClassVar[str] = "routed_experts"
+    data: bytes
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedTensor(_RawTensor):
     """One multimodal model input (an `mm_kwargs` value, e.g. `pixel_values`): raw bytes
     with their dtype and shape, as prime-rl encodes a tensor (wire order: dtype, shape,
     data). The dtype is the producer's name for it ("float32", "bfloat16", ...)."""
 
+    _field: ClassVar[str] = "mm_kwargs"
     dtype: str
     shape: tuple[int, ...]
     data: bytes
-
-    def __post_init__(self) -> None:
-        _freeze_tensor(self, "mm_kwargs")
-
-    @classmethod
-    def from_array(cls, array: np.ndarray) -> EncodedTensor:
-        array = np.ascontiguousarray(array)
-        return cls(dtype=array.dtype.name, shape=array.shape, data=array.tobytes())
 
     @classmethod
     def concatenate(cls, name: str, tensors: Sequence[EncodedTensor]) -> EncodedTensor:
@@ -126,27 +129,8 @@ def as_encoded_tensors(value: Any) -> dict[str, EncodedTensor]:
     return out
 
 
-# Wire order of the 16 MicroBatch fields, and the numpy dtype each per-token/per-sample
-# array is held in (None: not a numeric array).
-MICROBATCH_FIELDS: tuple[str, ...] = (
-    "input_ids",
-    "loss_mask",
-    "advantages",
-    "inference_logprobs",
-    "position_ids",
-    "sequence_lengths",
-    "temperatures",
-    "env_names",
-    "seq_lens",
-    "ref_logprobs",
-    "routed_experts",
-    "mm_kwargs",
-    "mm_token_type_ids",
-    "rl_weights",
-    "ce_weights",
-    "ref_kl_weights",
-)
-
+# The numpy dtype each per-token/per-sample array is held in (the fields not listed are
+# not numeric arrays).
 ARRAY_DTYPES: dict[str, np.dtype] = {
     "input_ids": np.dtype(np.int64),
     "loss_mask": np.dtype(np.bool_),
@@ -175,18 +159,6 @@ PER_TOKEN_FIELDS: tuple[str, ...] = (
     "rl_weights",
     "ce_weights",
     "ref_kl_weights",
-)
-
-OPTIONAL_FIELDS: frozenset[str] = frozenset(
-    {
-        "ref_logprobs",
-        "routed_experts",
-        "mm_kwargs",
-        "mm_token_type_ids",
-        "rl_weights",
-        "ce_weights",
-        "ref_kl_weights",
-    }
 )
 
 
@@ -241,7 +213,9 @@ def _as_strings(name: str, value: Sequence[str]) -> list[str]:
 
 @dataclass(slots=True, eq=False)
 class MicroBatch:
-    """One packed micro-batch: several samples concatenated along the token axis."""
+    """One packed micro-batch: several samples concatenated along the token axis. Its fields
+    are the wire's 16 in their wire order (`MICROBATCH_FIELDS`); the optional ones default
+    to None (`OPTIONAL_FIELDS`)."""
 
     input_ids: np.ndarray
     loss_mask: np.ndarray
@@ -330,3 +304,11 @@ class MicroBatch:
             elif mine != theirs:
                 return False
         return True
+
+
+MICROBATCH_FIELDS: tuple[str, ...] = tuple(field.name for field in fields(MicroBatch))
+"""The wire order of the 16 MicroBatch fields."""
+OPTIONAL_FIELDS: frozenset[str] = frozenset(
+    field.name for field in fields(MicroBatch) if field.default is None
+)
+"""The fields a micro-batch may leave out (None)."""

@@ -137,7 +137,7 @@ def open_receiver(
 ) -> StepReceiver:
     """The rank's receiver for the configured transport (files need no replay: they stay)."""
     if transport == "zmq":
-        from transport.zmq import ZMQReceiver
+        from transport.zmq_receiver import ZMQReceiver
 
         return ZMQReceiver(host, port, rank, next_step=next_step, replay=replay)
     if transport == "fs":

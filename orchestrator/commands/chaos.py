@@ -62,7 +62,7 @@ from tasks.faults import arm, fault_field
 from tasks.graph import PER_RANK_STAGES, STAGE_NAMES
 from transport.keys import RunKeys
 from transport.store import PayloadStore
-from transport.zmq import free_port_pair
+from transport.zmq_sockets import free_port_pair
 
 STOCK_STAGES = tuple(stage for stage in STAGE_NAMES if stage != "send")  # see the module docstring
 WORKERS = ("cpu-worker", "ship-worker")

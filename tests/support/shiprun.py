@@ -25,7 +25,7 @@ from tests.support.processes import REPO, Workers, python_command
 from transport.keys import RunKeys
 from transport.numbering import version_after
 from transport.store import PayloadStore
-from transport.zmq import free_port_pair
+from transport.zmq_sockets import free_port_pair
 
 
 def ship_settings(

@@ -12,7 +12,7 @@ import pytest
 
 from tests.support.processes import REPO, python_command, session_queue
 from tests.support.reference import compare, reference_records
-from transport.zmq import free_port_pair
+from transport.zmq_sockets import free_port_pair
 
 
 @pytest.mark.timeout(300)

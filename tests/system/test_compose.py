@@ -33,7 +33,7 @@ from orchestrator.commands.cli import COMMANDS
 from orchestrator.settings import CONFIG_ENV, RunSettings, env_name
 from tests.support.compose import InterpolationError, compose, compose_interpolate, container_argv, procfile
 from tests.support.processes import REPO, session_queue
-from transport.zmq import free_port_pair
+from transport.zmq_sockets import free_port_pair
 
 # Redis, the two kinds of workers, Flower, the orchestrator, the producer and the trainer ranks.
 SERVICES = {"redis", "cpu-worker", "ship-worker", "flower", "orchestrator", "producer"} | {

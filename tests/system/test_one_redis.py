@@ -20,7 +20,7 @@ from orchestrator.commands.config import toml_value
 from tests.support.processes import REPO, python_command, running_workers
 from tests.support.shiprun import ship_settings
 from transport.keys import RunKeys
-from transport.zmq import free_port_pair
+from transport.zmq_sockets import free_port_pair
 
 # What this test itself sends the environment's server (redis-py introduces itself first).
 OWN_COMMANDS = {"hello", "client|setinfo", "ping", "info", "dbsize", "scan"}

@@ -23,7 +23,7 @@ from tests.support.processes import (
     rlship,
 )
 from transport.store import PayloadStore
-from transport.zmq import free_port_pair
+from transport.zmq_sockets import free_port_pair
 
 
 def test_a_wrong_password_is_named_at_once_by_every_command(start_redis, tmp_path):

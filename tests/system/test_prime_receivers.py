@@ -16,7 +16,8 @@ from transport.filesystem import FileSender
 from transport.keys import RunKeys
 from transport.prime_receivers import FileSystemMicroBatchReceiver, ZMQMicroBatchReceiver
 from transport.store import PayloadStore
-from transport.zmq import ZMQSender, free_port_pair
+from transport.zmq_sender import ZMQSender
+from transport.zmq_sockets import free_port_pair
 
 pytestmark = pytest.mark.timeout(60)
 HOST = "127.0.0.1"

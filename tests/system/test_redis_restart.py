@@ -28,7 +28,7 @@ from tests.support.processes import REPO, Workers, python_command, running_worke
 from tests.support.shiprun import deterministic_run, ship_settings, start_orchestrator, start_trainers, stop
 from transport.connection import connect_redis_async
 from transport.keys import RunKeys
-from transport.zmq import free_port_pair
+from transport.zmq_sockets import free_port_pair
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -21,7 +21,7 @@ from tasks.cohort import CohortBuilder
 from tasks.manifest import ShipConfig, StepManifest
 from tasks.ship import send
 from tests.support.processes import REPO, python_command, session_queue, wait_for
-from transport.zmq import free_port_pair
+from transport.zmq_sockets import free_port_pair
 
 DEADLINE_SECONDS = 180
 

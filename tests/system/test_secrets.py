@@ -15,7 +15,7 @@ import pytest
 
 from orchestrator.commands.processes import celery_worker_command
 from tests.support.processes import REPO, free_port, python_command, rlship
-from transport.zmq import free_port_pair
+from transport.zmq_sockets import free_port_pair
 
 PASSWORD = "s3cr3t-Pa55-" + uuid.uuid4().hex[:6]
 

@@ -26,7 +26,7 @@ from orchestrator.settings import RunSettings
 from tests.support.processes import REPO, Workers, python_command, wait_for
 from tests.support.shiprun import ShipResult, ship, ship_settings, start_trainers, stop
 from transport.keys import RunKeys
-from transport.zmq import free_port_pair
+from transport.zmq_sockets import free_port_pair
 
 STEPS = 4
 

@@ -16,7 +16,8 @@ from tests.support.stock_peers import (
     start_stock_peer,
 )
 from transport.filesystem import FileSender
-from transport.zmq import ZMQSender, free_port_pair
+from transport.zmq_sender import ZMQSender
+from transport.zmq_sockets import free_port_pair
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -35,7 +35,8 @@ from tests.support.shiprun import deterministic_run, metrics_lines, run_orchestr
 from tests.support.stock_peers import read_record, start_stock_peer
 from transport.announcements import RedisAnnouncements
 from transport.keys import RunKeys
-from transport.zmq import ZMQSender, free_port_pair
+from transport.zmq_sender import ZMQSender
+from transport.zmq_sockets import free_port_pair
 
 pytestmark = pytest.mark.timeout(300)
 HOST = "127.0.0.1"

@@ -23,7 +23,9 @@ from tests.support.shiprun import (
 from transport.keys import RunKeys
 from transport.replay import RetainedPayloads
 from transport.store import PayloadStore
-from transport.zmq import ZMQReceiver, ZMQSender, free_port_pair
+from transport.zmq_receiver import ZMQReceiver
+from transport.zmq_sender import ZMQSender
+from transport.zmq_sockets import free_port_pair
 
 pytestmark = pytest.mark.timeout(180)
 HOST = "127.0.0.1"

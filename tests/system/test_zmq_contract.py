@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import zmq
 
-import transport.zmq as transport_zmq
+import transport.zmq_sockets as zmq_sockets
 from transport.replay import RetainedPayloads
 from transport.store import PayloadStore
-from transport.zmq import ZMQReceiver, ZMQSender, _poll_ms, free_port_pair, parse_topic, topic
+from transport.zmq_receiver import ZMQReceiver
+from transport.zmq_sender import ZMQSender
+from transport.zmq_sockets import free_port_pair, parse_topic, poll_ms, topic
 
 HOST = "127.0.0.1"
 WAIT = 30.0
@@ -57,7 +59,7 @@ def test_a_closed_receiver_says_so() -> None:
 
 
 def test_poll_ms_never_rounds_a_wait_down_to_zero() -> None:
-    assert [_poll_ms(s) for s in (0.0, 0.0001, 0.001, 0.0015, 2.0)] == [1, 1, 1, 2, 2000]
+    assert [poll_ms(s) for s in (0.0, 0.0001, 0.001, 0.0015, 2.0)] == [1, 1, 1, 2, 2000]
 
 
 def test_topics() -> None:
@@ -163,8 +165,8 @@ def fake_sockets(
     monkeypatch: pytest.MonkeyPatch, candidates: list[int], taken: set[int]
 ) -> list[tuple[str, int]]:
     binds: list[tuple[str, int]] = []
-    monkeypatch.setattr(transport_zmq, "candidate_ports", lambda: candidates)
-    monkeypatch.setattr(transport_zmq.socket, "socket", lambda: FakeSocket(taken, binds))
+    monkeypatch.setattr(zmq_sockets, "candidate_ports", lambda: candidates)
+    monkeypatch.setattr(zmq_sockets.socket, "socket", lambda: FakeSocket(taken, binds))
     return binds
 
 
@@ -192,7 +194,7 @@ def test_port_pairs_lie_below_the_ephemeral_range() -> None:
     """A rank that dials a port inside the kernel's ephemeral range before the sender binds
     can be handed that port as its own source port (a TCP self-connect) and hold it."""
     floor = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    candidates = transport_zmq.candidate_ports()
+    candidates = zmq_sockets.candidate_ports()
     assert len(candidates) == 100 and len(set(candidates)) > 50
     assert all(port >= 20000 and port + 1 < floor for port in candidates)
     ports = [free_port_pair() for _ in range(50)]

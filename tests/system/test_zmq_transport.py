@@ -18,7 +18,9 @@ import pytest
 import zmq
 
 from transport.base import ReceivedStep, StepReceiver, StepSender, StepSequencer
-from transport.zmq import ZMQReceiver, ZMQSender, free_port_pair, parse_topic, topic
+from transport.zmq_receiver import ZMQReceiver
+from transport.zmq_sender import ZMQSender
+from transport.zmq_sockets import free_port_pair, parse_topic, topic
 
 HOST = "127.0.0.1"
 MIB = 1 << 20
@@ -101,7 +103,7 @@ def test_topic_round_trip() -> None:
 
 def test_transport_imports_neither_celery_nor_upper_layers() -> None:
     code = (
-        "import sys, transport.base, transport.zmq, transport.filesystem\n"
+        "import sys, transport.base, transport.zmq_sender, transport.zmq_receiver, transport.filesystem\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('celery', 'orchestrator', 'tasks'))\n"
         "assert not bad, bad\n"
     )

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from orchestrator.commands.bench.encode import WireEncodedTensor, WireMicroBatch, WireRoutedExperts
 from tests.support.factories import make_batch
-from transport import _msgpack_arrays as mp
+from transport._msgpack_arrays import CHUNK, SMALL, readers, writers
 from transport.codec import (
     array_header,
     decode_microbatches,
@@ -191,12 +191,12 @@ def test_int_arrays_match_msgpack(drawn: list[int], size: int, seed: int, max_sh
     array = np.concatenate([np.array(drawn, np.int64), noise])
     values = array.tolist()
     expected = msgpack.packb(values)[len(array_header(len(values))) :]
-    assert mp.int_body_size(array) == len(expected)
+    assert writers.int_body_size(array) == len(expected)
     out = np.empty(len(expected), np.uint8)
-    assert mp.write_ints(array, out, 0) == len(expected)
+    assert writers.write_ints(array, out, 0) == len(expected)
     assert out.tobytes() == expected
-    decoded, end = mp.read_ints(np.frombuffer(expected, np.uint8), 0, len(values))
-    if len(values) >= mp._SMALL:  # shorter arrays are left to msgpack by design
+    decoded, end = readers.read_ints(np.frombuffer(expected, np.uint8), 0, len(values))
+    if len(values) >= SMALL:  # shorter arrays are left to msgpack by design
         assert decoded is not None and end == len(expected)
         assert np.array_equal(decoded, array)
 
@@ -235,9 +235,9 @@ def test_every_int_width_boundary(value: int) -> None:
 def test_all_int_widths_across_chunks() -> None:
     """Several chunks of every width class, with boundaries at chunk edges."""
     rng = np.random.default_rng(7)
-    widths = rng.integers(0, 64, 3 * mp.CHUNK + 17)
+    widths = rng.integers(0, 64, 3 * CHUNK + 17)
     values = rng.integers(INT64_MIN, INT64_MAX, len(widths), dtype=np.int64) >> widths
-    values[mp.CHUNK - 4 : mp.CHUNK + 4] = INT_BOUNDARIES[:8]
+    values[CHUNK - 4 : CHUNK + 4] = INT_BOUNDARIES[:8]
     values[-8:] = INT_BOUNDARIES[-8:]
     check_roundtrip([make_batch(values)])
 
@@ -322,9 +322,9 @@ def test_env_names_varying_per_token() -> None:
 
 def test_str_header_widths() -> None:
     for length in (0, 31, 32, 255, 256, 65535, 65536):
-        assert mp.str_header(length) == msgpack.packb("a" * length)[: len(mp.str_header(length))]
+        assert writers.str_header(length) == msgpack.packb("a" * length)[: len(writers.str_header(length))]
     for length in (0, 255, 256, 65535, 65536):
-        assert mp.bin_header(length) == msgpack.packb(b"a" * length)[: len(mp.bin_header(length))]
+        assert writers.bin_header(length) == msgpack.packb(b"a" * length)[: len(writers.bin_header(length))]
 
 
 def test_decodes_non_canonical_shapes_through_the_general_path() -> None:

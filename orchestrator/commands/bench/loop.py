@@ -56,7 +56,7 @@ from orchestrator.producer import RolloutProducer
 from orchestrator.settings import RunSettings, settings_to_env
 from transport.checksum import payload_checksum
 from transport.keys import RunKeys
-from transport.zmq import free_port_pair
+from transport.zmq_sockets import free_port_pair
 
 TRAINER_IDLE_SECONDS = 300
 TRAINER_DRAIN_SECONDS = 120.0

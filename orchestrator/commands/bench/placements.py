@@ -50,7 +50,7 @@ from tasks.stages.prune import prune_samples, worker_drops
 from tasks.stages.publish import build_record, running_totals
 from tasks.stages.release import trim_process_memory
 from transport.keys import RunKeys
-from transport.zmq import ZMQSender
+from transport.zmq_sender import ZMQSender
 
 PLACEMENTS: tuple[str, ...] = ("inline", "thread", "celery")
 HEARTBEAT_SECONDS = 0.05

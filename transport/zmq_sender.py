@@ -1,0 +1,237 @@
+"""The sending end of the ZMQ step transport (docs/transports.md, "ZMQ"): one bound
+publisher, one SUB per rank (the receiving end: transport/zmq_receiver.py).
+
+An XPUB socket at host:port and a PULL socket at host:port+1. Each message is two
+frames, `data_rank|{rank}|{step}` and the payload. Nothing is published to a rank before
+it is ready, and "ready" means two things have been seen: the rank's READY announcement
+(its rank as ASCII on the PULL socket) and its subscription arriving at the publisher. The
+second is why this is XPUB rather than PUB: a READY can overtake the subscription, and a
+PUB would silently drop whatever it publishes in between (the "slow joiner"). Readiness is
+per rank, never all ranks at once: a replacement sender (a ship worker started again) must
+reach the ranks still waiting even when another rank has finished and left. prime-rl's
+stock receivers announce READY once, when they start; with an `AnnouncementLog` the
+sender keeps every announcement (in Redis) so that a replacement knows the ranks that
+announced to its predecessor, and needs only their subscriptions (a SUB reconnects by
+itself, and libzmq resends its subscriptions once the application next calls into the
+socket: a trainer blocked in `recv` or `poll` does; one that never touches it does not).
+
+`send` returns once the message has left the process: libzmq queues a message and its
+I/O thread writes it to the TCP socket later, and a process that dies (SIGKILL) loses
+whatever is still queued. Each message is tracked (zero-copy, `copy_threshold` 0, so the
+tracker follows the real buffer) and `send` waits until libzmq has released it, i.e.
+written it to the kernel's socket buffer (the last <= 8 KiB of it may sit in libzmq's
+output batch while the kernel buffer is full), which the kernel delivers even if the
+process dies next. A caller that marks a step sent after `send` returns (tasks/ship.py's
+`last_sent`) marks only what has left.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol
+
+import zmq
+
+from transport.base import Closeable, Payload
+from transport.zmq_sockets import endpoint, poll_ms, rank_prefix, topic
+
+logger = logging.getLogger("rlship.transport")
+
+
+class AnnouncementLog(Protocol):
+    """Where a sender keeps the ranks that announced READY, so the announcement outlives it."""
+
+    def load(self) -> set[int]: ...
+
+    def add(self, rank: int) -> None: ...
+
+
+class ZMQSender(Closeable):
+    """Publishes each (step, rank) payload to that rank's subscriber, after all ranks are ready.
+
+    The publisher sets XPUB_NODROP: when a rank's queue holds `hwm` messages, `send` blocks
+    (backpressure from a slow trainer) instead of silently dropping a training step as a
+    plain PUB would. `send_timeout` bounds each wait of `send`, for readiness and for queue
+    space (TimeoutError); None waits forever.
+    A rank whose subscription disappears (its trainer disconnected) is not ready again
+    until it resubscribes, so `send` waits rather than publish into the void.
+    `announcements` carries READY announcements across senders (module docstring).
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        ranks: int,
+        *,
+        hwm: int = 64,
+        linger_ms: int = 1000,
+        send_timeout: float | None = None,
+        announcements: AnnouncementLog | None = None,
+    ) -> None:
+        if ranks < 1:
+            raise ValueError(f"ranks must be >= 1, got {ranks}")
+        self.host = host
+        self.port = port
+        self.ranks = ranks
+        self.linger_ms = linger_ms
+        self._send_timeout = send_timeout
+        self._announcements = announcements
+        self._announced: set[int] = (
+            {r for r in announcements.load() if 0 <= r < ranks} if announcements is not None else set()
+        )
+        # Messages handed to libzmq that have not left the process yet, by (step, rank).
+        self._leaving: dict[tuple[int, int], zmq.MessageTracker] = {}
+        self._topics: set[bytes] = set()
+        self._subscribed: set[int] = set()
+        self._ready = False
+        self._closed = False
+        self._ctx = zmq.Context()
+        try:
+            self._pub = self._ctx.socket(zmq.XPUB)
+            self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+            self._pub.setsockopt(zmq.XPUB_NODROP, 1)
+            self._pub.setsockopt(zmq.SNDHWM, hwm)
+            self._pub.setsockopt(zmq.LINGER, linger_ms)
+            self._pub.copy_threshold = 0  # track every payload, however small (module docstring)
+            if send_timeout is not None:
+                self._pub.setsockopt(zmq.SNDTIMEO, poll_ms(send_timeout))
+            self._pub.bind(endpoint(host, port))
+            self._pull = self._ctx.socket(zmq.PULL)
+            self._pull.setsockopt(zmq.LINGER, 0)
+            self._pull.bind(endpoint(host, port + 1))
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            self._closed = True
+            raise
+        self._poller = zmq.Poller()
+        self._poller.register(self._pub, zmq.POLLIN)
+        self._poller.register(self._pull, zmq.POLLIN)
+
+    @property
+    def ready_ranks(self) -> frozenset[int]:
+        """Ranks that have both announced READY and are currently subscribed."""
+        return frozenset(self._announced & self._subscribed)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    def wait_ready(self, timeout: float | None = None, rank: int | None = None) -> bool:
+        """Block until `rank` (every rank, if None) is ready; False if `timeout` seconds
+        pass first. A message published to a rank with no subscriber would be lost, but
+        another rank's absence must not hold it back."""
+        self._check_open()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._drain()
+            if self._ready if rank is None else rank in self.ready_ranks:
+                return True
+            wait = 1.0
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                wait = min(wait, remaining)
+            self._poller.poll(poll_ms(wait))
+
+    def send(self, step: int, rank: int, payload: Payload) -> None:
+        """Publish one rank's payload for `step` without copying it; return once it has left
+        the process (module docstring).
+
+        The buffer is handed to libzmq as is: do not mutate a bytearray/memoryview after
+        passing it in. Blocks until this rank is ready, while its queue is full and until
+        the message has left; each wait is bounded by `send_timeout` (TimeoutError). A
+        message that timed out waiting to leave is still queued: sending the same (step,
+        rank) again waits for it instead of publishing a second copy.
+        """
+        self._check_open()
+        if not 0 <= rank < self.ranks:
+            raise ValueError(f"rank {rank} out of range 0..{self.ranks - 1}")
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        tracker = self._leaving.get((step, rank))
+        if tracker is None:
+            if not self.wait_ready(self._send_timeout, rank=rank):
+                raise TimeoutError(f"rank {rank} step {step}: not ready within send_timeout")
+            try:
+                tracker = self._pub.send_multipart([topic(step, rank), payload], copy=False, track=True)
+            except zmq.Again as exc:
+                raise TimeoutError(f"rank {rank} step {step}: send queue full past send_timeout") from exc
+            self._leaving[(step, rank)] = tracker
+        try:
+            tracker.wait(-1 if self._send_timeout is None else self._send_timeout)
+        except zmq.NotDone as exc:
+            raise TimeoutError(f"rank {rank} step {step}: still queued in libzmq past send_timeout") from exc
+        del self._leaving[(step, rank)]
+
+    def close(self) -> None:
+        """Close both sockets; pending messages get at most `linger_ms` to leave."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pub.close(linger=self.linger_ms)
+        self._pull.close(linger=0)
+        self._ctx.term()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("ZMQSender is closed")
+
+    def _drain(self) -> None:
+        """Consume all pending control messages without blocking."""
+        changed = False
+        for sock, handle in ((self._pub, self._on_subscription), (self._pull, self._on_announce)):
+            while True:
+                try:
+                    msg = sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                changed |= handle(msg)
+        if changed:
+            self._update_ready()
+
+    def _on_subscription(self, msg: bytes) -> bool:
+        if not msg or msg[0] not in (0, 1):
+            return False
+        sub_topic = bytes(msg[1:])
+        if msg[0] == 1:
+            if sub_topic in self._topics:
+                return False  # XPUB_VERBOSE repeats: a reconnect, or a second subscriber
+            self._topics.add(sub_topic)
+        else:
+            # Without XPUB_VERBOSER, an unsubscribe arrives only when the topic's last
+            # subscriber has gone, so a set of topics is exact.
+            self._topics.discard(sub_topic)
+        # A topic covers a rank when every message of that rank matches it (it is a
+        # prefix of the rank prefix, e.g. b"" or b"data_rank|3|").
+        self._subscribed = {
+            r for r in range(self.ranks) if any(rank_prefix(r).startswith(t) for t in self._topics)
+        }
+        return True
+
+    def _on_announce(self, msg: bytes) -> bool:
+        text = msg.strip()
+        if text.startswith(b"ack|"):
+            return False  # prime-rl's per-step consumption ack: nothing to do with readiness
+        if not text.isdigit() or int(text) >= self.ranks:
+            logger.warning("ignoring READY %r: not a rank in 0..%d", msg[:32], self.ranks - 1)
+            return False
+        rank = int(text)
+        if rank in self._announced:
+            return False
+        self._announced.add(rank)
+        if self._announcements is not None:
+            self._announcements.add(rank)
+        return True
+
+    def _update_ready(self) -> None:
+        ready = self.ready_ranks
+        was_ready = self._ready
+        self._ready = len(ready) == self.ranks
+        if self._ready and not was_ready:
+            logger.info("all %d ranks ready on %s", self.ranks, endpoint(self.host, self.port))
+        elif was_ready and not self._ready:
+            missing = sorted(set(range(self.ranks)) - ready)
+            logger.warning("ranks %s lost their subscription; sends wait until they return", missing)
