@@ -13,8 +13,6 @@ IDENTIFIER_PATTERN = r"^[A-Za-z0-9_.\-/]{1,200}$"
 IDENTIFIER = re.compile(IDENTIFIER_PATTERN)
 Identifier = Annotated[str, Field(pattern=IDENTIFIER_PATTERN)]
 
-# Arrays a producer stores for each rollout (see `tasks.stages.finalize` for the checks).
-ROLLOUT_ARRAYS = ("input_ids", "loss_mask", "inference_logprobs")
 
 
 class RolloutRecord(BaseModel):

@@ -91,18 +91,6 @@ def unpack_arrays(blob: bytes, key: str = "<blob>") -> dict[str, Any]:
         raise PayloadCorruptError(f"{key}: stored arrays do not decode ({exc})") from exc
 
 
-def _queue_rollout_writes(
-    pipe: Any, keys: RunKeys, rollouts: Mapping[str, Mapping[str, np.ndarray]], ttl: int
-) -> None:
-    for rollout_id, arrays in rollouts.items():
-        pipe.set(keys.rollout(rollout_id), pack_arrays(arrays), ex=ttl, nx=True)
-
-
-def _refused(rollout_ids: Iterable[str], written: list[Any]) -> list[str]:
-    """The ids whose SET NX found the key there already."""
-    return [rollout_id for rollout_id, ok in zip(rollout_ids, written, strict=True) if not ok]
-
-
 def _decode_rollouts(keys: list[str], values: list[bytes | None]) -> dict[str, dict[str, np.ndarray]]:
     found = _check_found(keys, values)
     return {key.rsplit(":", 1)[1]: unpack_arrays(v, key) for key, v in zip(keys, found, strict=True)}
@@ -135,16 +123,6 @@ class PayloadStore:
         self.client = client
         self.keys = RunKeys(run_id)
         self.ttl = ttl_seconds
-
-    def put_rollouts(self, rollouts: Mapping[str, Mapping[str, np.ndarray]]) -> list[str]:
-        """Store several rollouts' arrays in one round trip; return the ids refused (and
-        counted) because they were stored already."""
-        pipe = self.client.pipeline(transaction=False)
-        _queue_rollout_writes(pipe, self.keys, rollouts, self.ttl)
-        refused = _refused(rollouts, pipe.execute())
-        if refused:
-            self.client.incrby(self.keys.refused_writes, len(refused))
-        return refused
 
     def get_rollouts(self, rollout_ids: Iterable[str]) -> dict[str, dict[str, np.ndarray]]:
         """Fetch several rollouts in one round trip; a missing one raises PayloadMissingError."""

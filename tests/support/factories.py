@@ -8,7 +8,9 @@ import numpy as np
 
 from orchestrator.records import RolloutRecord
 from transport.codec import encode_microbatches
+from transport.keys import RunKeys
 from transport.schema import MicroBatch
+from transport.store import pack_arrays
 
 
 def rollout(
@@ -77,3 +79,13 @@ def make_batch(
 def payload(step: int) -> bytes:
     """A small valid payload for `step` (its length grows with the step)."""
     return bytes(encode_microbatches([make_batch(np.arange(step + 3))]))
+
+
+def store_rollout_arrays(
+    client: Any, run_id: str, rollouts: dict[str, dict[str, np.ndarray]], ttl_seconds: int = 600
+) -> None:
+    """Rollouts' arrays under their claim-check keys, as a producer's script writes them
+    (once, with an expiry), for tests of what reads them."""
+    keys = RunKeys(run_id)
+    for rollout_id, arrays in rollouts.items():
+        client.set(keys.rollout(rollout_id), pack_arrays(arrays), ex=ttl_seconds, nx=True)

@@ -20,6 +20,7 @@ from orchestrator.commands.processes import delete_queues
 from tasks import ship
 from tasks.cohort import NUMERIC_COLUMNS, CohortBuilder
 from tasks.manifest import ShipConfig, StepManifest
+from tests.support.factories import store_rollout_arrays
 from transport.keys import RunKeys
 from transport.store import PayloadStore
 
@@ -42,7 +43,7 @@ def shipped_step(
                         cpu_queue=f"cpu-{run_id}", ship_queue=f"ship-{run_id}")  # fmt: skip
     builder = CohortBuilder()
     for rollout_id, (ids, prompt, advantage, env) in ROLLOUTS.items():
-        store.put_rollouts({rollout_id: {
+        store_rollout_arrays(client, run_id, {rollout_id: {
             "input_ids": np.array(ids, dtype=np.int32),
             "loss_mask": np.arange(len(ids)) >= prompt,
             "inference_logprobs": -np.arange(len(ids), dtype=np.float32) / 4,

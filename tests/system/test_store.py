@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
+from tests.support.factories import store_rollout_arrays
 from transport.store import (
     AsyncPayloadStore,
     PayloadCorruptError,
@@ -40,7 +41,7 @@ def test_blob_is_compact_and_round_trips_zero_copy():
 
 def test_put_get_missing_and_corrupt(client, run_id):
     store = PayloadStore(client, run_id, ttl_seconds=600)
-    store.put_rollouts({"a": _arrays(), "b": _arrays(4)})
+    store_rollout_arrays(client, run_id, {"a": _arrays(), "b": _arrays(4)})
     got = store.get_rollouts(["a", "b"])
     np.testing.assert_array_equal(got["b"]["input_ids"], np.arange(4))
     assert 0 < client.ttl(store.keys.rollout("a")) <= 600, "every write carries a TTL"
@@ -57,8 +58,8 @@ def test_put_get_missing_and_corrupt(client, run_id):
 def test_delete_step_is_one_call_and_touches_only_its_run(client, run_id):
     mine = PayloadStore(client, run_id)
     other = PayloadStore(client, run_id + "-other")
-    mine.put_rollouts({"r1": _arrays()})
-    other.put_rollouts({"r1": _arrays()})
+    store_rollout_arrays(client, run_id, {"r1": _arrays()})
+    store_rollout_arrays(client, run_id + "-other", {"r1": _arrays()})
     mine.put_payload(7, 0, b"rank0")
     mine.put_payload(7, 1, memoryview(b"rank1"))
     other.put_payload(7, 0, b"theirs")
@@ -100,7 +101,7 @@ def test_payloads_are_retained_until_every_rank_acknowledges(client, run_id):
 
 def test_async_store(client, redis_url, run_id):
     """The loop's store: it drops rollouts that cannot train and never reads their arrays."""
-    PayloadStore(client, run_id).put_rollouts({"x": _arrays(), "y": _arrays()})
+    store_rollout_arrays(client, run_id, {"x": _arrays(), "y": _arrays()})
 
     async def scenario() -> None:
         aclient = aioredis.Redis.from_url(redis_url)
