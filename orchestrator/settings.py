@@ -11,8 +11,8 @@ import os
 import secrets
 import time
 import tomllib
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 from urllib.parse import urlsplit
@@ -229,22 +229,17 @@ class RunSettings(BaseSettings):
         values = self.model_dump(exclude=self.derived() - changes.keys())
         return type(self).model_validate({**values, **changes})
 
+    def named(self, names: Iterable[str], **computed: Any) -> dict[str, Any]:
+        """The settings called `names`, for a record made of run settings: built from its own
+        field names, a field added to it needs no line of its own. `computed` gives the fields
+        whose value is not a plain copy of the same-named setting."""
+        return {**{name: getattr(self, name) for name in names if name not in computed}, **computed}
+
     def ship_config(self) -> ShipConfig:
-        return ShipConfig(
-            ranks=self.ranks,
-            seq_len=self.seq_len,
-            transport=self.transport,
-            zmq_host=self.zmq_host,
-            zmq_port=self.zmq_port,
-            output_dir=str(self.output_dir),
-            pad_to_multiple=self.pad_to_multiple,
-            vocab_size=self.vocab_size,
-            cpu_queue=self.cpu_queue,
-            ship_queue=self.ship_queue,
-            samples_per_step=self.samples_per_step,
-            replay_steps=self.replay_steps,
-            first_step=self.first_step,
-        )
+        """What the workers need of the settings. `output_dir` travels as text: the manifest
+        is msgpack, which has no paths."""
+        names = [field.name for field in fields(ShipConfig)]
+        return ShipConfig(**self.named(names, output_dir=str(self.output_dir)))
 
     @property
     def step_numbers(self) -> range:
