@@ -119,15 +119,8 @@ class Admission:
 
     @classmethod
     def for_run(cls, settings: RunSettings) -> Admission:
-        return cls(
-            limit=settings.outstanding_limit,
-            batch_size=settings.batch_size,
-            group_size=settings.group_size,
-            first_step=settings.first_step,
-            start_step=settings.step_numbers.start,
-            max_async_level=settings.max_async_level,
-            max_off_policy_steps=settings.max_off_policy_steps,
-        )
+        """The same-named settings; `limit` is the backlog the run allows (`outstanding_limit`)."""
+        return cls(**settings.values_for(cls, limit=settings.outstanding_limit))
 
     @property
     def largest_call(self) -> int:

@@ -11,13 +11,13 @@ import os
 import secrets
 import time
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from tasks.app import DEFAULT_REDIS_URL
@@ -229,17 +229,17 @@ class RunSettings(BaseSettings):
         values = self.model_dump(exclude=self.derived() - changes.keys())
         return type(self).model_validate({**values, **changes})
 
-    def named(self, names: Iterable[str], **computed: Any) -> dict[str, Any]:
-        """The settings called `names`, for a record made of run settings: built from its own
-        field names, a field added to it needs no line of its own. `computed` gives the fields
-        whose value is not a plain copy of the same-named setting."""
+    def values_for(self, record: type, **computed: Any) -> dict[str, Any]:
+        """A value for each field of `record` (a dataclass or a pydantic model) made of run
+        settings: the same-named setting, so a field added to it needs no line of its own;
+        `computed` gives the fields whose value is not a plain copy."""
+        names = record.model_fields if issubclass(record, BaseModel) else [f.name for f in fields(record)]
         return {**{name: getattr(self, name) for name in names if name not in computed}, **computed}
 
     def ship_config(self) -> ShipConfig:
         """What the workers need of the settings. `output_dir` travels as text: the manifest
         is msgpack, which has no paths."""
-        names = [field.name for field in fields(ShipConfig)]
-        return ShipConfig(**self.named(names, output_dir=str(self.output_dir)))
+        return ShipConfig(**self.values_for(ShipConfig, output_dir=str(self.output_dir)))
 
     @property
     def step_numbers(self) -> range:
