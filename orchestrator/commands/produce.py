@@ -19,7 +19,7 @@ import numpy as np
 
 from orchestrator.commands.checks import preflight_client
 from orchestrator.logs import configure_logging
-from orchestrator.producer import PASSING_REFUSALS, AdmissionRefused, RolloutProducer, RolloutRejected
+from orchestrator.producer import AdmissionRefused, RolloutProducer, RolloutRejected
 from orchestrator.records import RolloutRecord
 from orchestrator.settings import RunSettings, add_settings_arguments, settings_from_args
 from transport.connection import connect_redis
@@ -143,7 +143,7 @@ def run_producer(
             try:
                 producer.produce(stamped, timeout=poll_seconds)
             except AdmissionRefused as exc:
-                if exc.reason in PASSING_REFUSALS:
+                if exc.passes:
                     if time.monotonic() - reported >= WAIT_REPORT_SECONDS:
                         log.warning("producer waits: %s", exc)
                         reported = time.monotonic()
