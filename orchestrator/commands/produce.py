@@ -21,7 +21,8 @@ from orchestrator.commands.checks import preflight_client
 from orchestrator.logs import configure_logging
 from orchestrator.producer import AdmissionRefused, RolloutProducer, RolloutRejected
 from orchestrator.records import RolloutRecord
-from orchestrator.settings import RunSettings, add_settings_arguments, settings_from_args
+from orchestrator.settings import RunSettings
+from orchestrator.settings_resolution import add_settings_arguments, settings_from_args
 from transport.connection import connect_redis
 
 WAIT_REPORT_SECONDS = 5.0  # how often a waiting producer says why

@@ -15,13 +15,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.commands.cli import main as rlship
-from orchestrator.settings import (
-    RunSettings,
-    add_settings_arguments,
-    resolve_settings,
-    settings_from_args,
-    settings_to_env,
-)
+from orchestrator.settings import RunSettings, settings_to_env
+from orchestrator.settings_resolution import add_settings_arguments, resolve_settings, settings_from_args
 from tasks.logs import mask_secrets
 from tasks.manifest import ShipConfig
 from tests.support.processes import REPO, python_command
