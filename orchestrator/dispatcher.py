@@ -148,10 +148,9 @@ class Dispatcher:
                 verdict = StepVerdict.from_wire(msgpack.unpackb(raw, raw=False))
         self.unsettled = None
         if verdict is None or not verdict.empty:
-            self.ingest.accounting.empty_in_a_row = 0
+            self.ingest.kept()
             return
-        await self._take_back(step)
-        in_a_row = self.ingest.accounting.empty_in_a_row
+        in_a_row = await self._take_back(step)
         reasons = ", ".join(f"{field} {count}" for field, count in sorted(verdict.dropped.items()))
         log.warning(
             "step %d: the workers dropped all %d of its rollouts (%s); cutting step %d again "
@@ -231,13 +230,14 @@ class Dispatcher:
         pipe.xtrim(self.keys.rollout_stream, minid=oldest_held)
         pipe.execute()
 
-    async def _take_back(self, step: int) -> None:
+    async def _take_back(self, step: int) -> int:
         """Undo the cut of an empty step: its rollouts are discarded (`empty_step`), its keys
         deleted, its window of `all` statistics and event-loop lag go to the next cut, and
         the step number is cut again. The manifest is read back from Redis, so a restarted
-        orchestrator takes back a cut of its predecessor the same way."""
+        orchestrator takes back a cut of its predecessor the same way. Returns the empty
+        cuts in a row, this one included."""
         manifest = StepManifest.from_bytes(await self._read_manifest(step))
-        self.ingest.put_back(manifest)
+        in_a_row = self.ingest.put_back(manifest)
         self.probe.put_back(manifest.loop_lag_ms)
         # The rollout log knows the rollouts this process cut (not a predecessor's).
         self.rollout_log.dropped_at_cut(self.cut_rollouts.pop(step, []), step, EMPTY_STEP)
@@ -248,6 +248,7 @@ class Dispatcher:
         pipe.set(self.keys.next_step, step)
         pipe.set(self.keys.checkpoint, self.ingest.checkpoint().to_bytes())
         await pipe.execute()
+        return in_a_row
 
     async def _read_manifest(self, step: int) -> bytes:
         raw = await self.client.get(self.keys.step(step, StepValue.MANIFEST))

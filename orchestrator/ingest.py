@@ -5,7 +5,7 @@ trainable ones wait in `pending` for a cut, the others are counted and their pay
 released at once. Every finalized rollout also goes to the `window` of `all` statistics
 the next cut carries. Ingest owns the stream cursor, the open groups and their stream
 entries, `pending`, `window` and the accounting; the cut takes from them through
-`take`, `take_window` and `put_back`, and restarts from `checkpoint`.
+`take`, `take_window`, `put_back` and `kept`, and restarts from `checkpoint`.
 """
 
 from __future__ import annotations
@@ -158,12 +158,17 @@ class Ingest:
         window, self.window = self.window.build(), CohortBuilder()
         return window
 
-    def put_back(self, manifest: StepManifest) -> None:
+    def put_back(self, manifest: StepManifest) -> int:
         """Undo a cut the workers emptied: its rollouts are discarded (`empty_step`) and its
-        window goes to the next cut."""
+        window goes to the next cut. Returns the empty cuts in a row, this one included."""
         self.accounting.empty_cut(len(manifest.effective))
         self.accounting.stale_in_window += int(manifest.counters.get("off_policy/stale_dropped", 0))
         self.window = CohortBuilder.from_cohort(Cohort.concat([manifest.window, self.window.build()]))
+        return self.accounting.empty_in_a_row
+
+    def kept(self) -> None:
+        """A cut the workers shipped: the empty cuts before it are no longer in a row."""
+        self.accounting.empty_in_a_row = 0
 
     def oldest_held(self) -> str:
         """The oldest stream entry a restart must re-read: the stream is trimmed to it."""

@@ -100,6 +100,11 @@ class AdmissionRefused(RuntimeError):
         super().__init__(f"produce refused ({reason}): {message}")
         self.reason = reason
 
+    @property
+    def passes(self) -> bool:
+        """Whether waiting cures it (backlog, gate held): the run admits the call once it has room."""
+        return self.reason in PASSING_REFUSALS
+
 
 PASSING_REFUSALS = frozenset({"backlog", "gate_held"})
 
@@ -119,15 +124,8 @@ class Admission:
 
     @classmethod
     def for_run(cls, settings: RunSettings) -> Admission:
-        return cls(
-            limit=settings.outstanding_limit,
-            batch_size=settings.batch_size,
-            group_size=settings.group_size,
-            first_step=settings.first_step,
-            start_step=settings.step_numbers.start,
-            max_async_level=settings.max_async_level,
-            max_off_policy_steps=settings.max_off_policy_steps,
-        )
+        """The same-named settings; `limit` is the backlog the run allows (`outstanding_limit`)."""
+        return cls(**settings.values_for(cls, limit=settings.outstanding_limit))
 
     @property
     def largest_call(self) -> int:
@@ -273,6 +271,11 @@ class _Producer:
             return [self.ttl, -1, -1, "", *data]
         return [self.ttl, self.admission.limit, gate.room, gate.next_step_read, *data]
 
+    @staticmethod
+    def _waits_out(refused: AdmissionRefused, deadline: float) -> bool:
+        """Whether `produce` waits and tries again: a refusal that passes, before the deadline."""
+        return refused.passes and time.monotonic() < deadline
+
     def _verdict(self, rollouts: Rollouts, gate: _Gate | None, reply: list[Any]) -> bool:
         """Whether the call is done (False: a step was cut meanwhile, admission is worked out
         again); raise what the script refused: the whole call, or some of its ids."""
@@ -324,11 +327,10 @@ class RolloutProducer(_Producer):
                 reply = self._produce(keys=keys, args=self._call_arguments(gate, data))
                 if self._verdict(rollouts, gate, reply):
                     return
-                continue
             except AdmissionRefused as exc:
-                if exc.reason not in PASSING_REFUSALS or time.monotonic() >= deadline:
+                if not self._waits_out(exc, deadline):
                     raise
-            time.sleep(ADMISSION_POLL_SECONDS)
+                time.sleep(ADMISSION_POLL_SECONDS)
 
     def outstanding(self) -> int:
         """Rollouts appended but not yet accounted for by the orchestrator (shipped or discarded)."""
@@ -356,8 +358,7 @@ class AsyncRolloutProducer(_Producer):
                 reply = await self._produce(keys=keys, args=self._call_arguments(gate, data))
                 if self._verdict(rollouts, gate, reply):
                     return
-                continue
             except AdmissionRefused as exc:
-                if exc.reason not in PASSING_REFUSALS or time.monotonic() >= deadline:
+                if not self._waits_out(exc, deadline):
                     raise
-            await asyncio.sleep(ADMISSION_POLL_SECONDS)
+                await asyncio.sleep(ADMISSION_POLL_SECONDS)

@@ -22,15 +22,8 @@ class RunInfo(BaseModel):
 
     @classmethod
     def from_settings(cls, settings: RunSettings) -> RunInfo:
-        return cls(
-            run_id=settings.run_id,
-            start_step=settings.step_numbers.start,
-            steps=settings.steps,
-            ranks=settings.ranks,
-            cpu_queue=settings.cpu_queue,
-            ship_queue=settings.ship_queue,
-            output_dir=str(settings.output_dir),
-        )
+        """The same-named settings, the output directory as text (as `RunInfo` is JSON)."""
+        return cls(**settings.values_for(cls, output_dir=str(settings.output_dir)))
 
     @property
     def queues(self) -> list[str]:

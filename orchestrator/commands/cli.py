@@ -14,7 +14,7 @@ from collections.abc import Callable
 import redis
 from pydantic import ValidationError
 
-from orchestrator.settings import validation_problems
+from orchestrator.settings_resolution import validation_problems
 from tasks.logs import mask_secrets
 
 CommandEntry = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int | None]]

@@ -14,16 +14,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from orchestrator.settings import (
+from orchestrator.settings import RunSettings, env_name, shown_value
+from orchestrator.settings_resolution import (
     RUN_DEFAULTS,
     ResolvedSettings,
-    RunSettings,
     add_settings_arguments,
     choices,
     default_text,
-    env_name,
     resolve_settings,
-    shown_value,
 )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from orchestrator.commands.checks import doctor_checks
-from orchestrator.settings import add_settings_arguments, settings_from_args
+from orchestrator.settings_resolution import add_settings_arguments, settings_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

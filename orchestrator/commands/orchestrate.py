@@ -22,7 +22,8 @@ from orchestrator.errors import EmptySteps, LeaseLost, RunStateLost
 from orchestrator.lease import ALIVE_SECONDS
 from orchestrator.logs import configure_logging
 from orchestrator.orchestrator import Orchestrator
-from orchestrator.settings import RunSettings, add_settings_arguments, settings_from_args
+from orchestrator.settings import RunSettings
+from orchestrator.settings_resolution import add_settings_arguments, settings_from_args
 from tasks.logs import mask_secrets
 from transport.connection import OUTAGE_SECONDS, connect_redis_async
 

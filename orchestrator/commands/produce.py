@@ -19,9 +19,10 @@ import numpy as np
 
 from orchestrator.commands.checks import preflight_client
 from orchestrator.logs import configure_logging
-from orchestrator.producer import PASSING_REFUSALS, AdmissionRefused, RolloutProducer, RolloutRejected
+from orchestrator.producer import AdmissionRefused, RolloutProducer, RolloutRejected
 from orchestrator.records import RolloutRecord
-from orchestrator.settings import RunSettings, add_settings_arguments, settings_from_args
+from orchestrator.settings import RunSettings
+from orchestrator.settings_resolution import add_settings_arguments, settings_from_args
 from transport.connection import connect_redis
 
 WAIT_REPORT_SECONDS = 5.0  # how often a waiting producer says why
@@ -143,7 +144,7 @@ def run_producer(
             try:
                 producer.produce(stamped, timeout=poll_seconds)
             except AdmissionRefused as exc:
-                if exc.reason in PASSING_REFUSALS:
+                if exc.passes:
                     if time.monotonic() - reported >= WAIT_REPORT_SECONDS:
                         log.warning("producer waits: %s", exc)
                         reported = time.monotonic()

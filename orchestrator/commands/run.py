@@ -24,13 +24,12 @@ from orchestrator.commands.checks import preflight_run
 from orchestrator.commands.processes import ProcessGroup, ensure_redis, rlship_command, worker_commands
 from orchestrator.commands.progress import REFRESH_SECONDS, ProgressDisplay
 from orchestrator.logs import configure_logging
-from orchestrator.settings import (
+from orchestrator.settings import RunSettings, settings_to_env
+from orchestrator.settings_resolution import (
     RUN_DEFAULTS,
-    RunSettings,
     add_settings_arguments,
     resolve_settings,
     run_defaults,
-    settings_to_env,
 )
 from orchestrator.status_reader import StatusReader
 from transport.keys import RunKeys

@@ -18,7 +18,7 @@ import redis
 
 from orchestrator.commands.progress import REFRESH_SECONDS, ProgressDisplay
 from orchestrator.run_info import RunInfo
-from orchestrator.settings import add_settings_arguments, settings_from_args
+from orchestrator.settings_resolution import add_settings_arguments, settings_from_args
 from orchestrator.status_reader import StatusReader
 from tasks.logs import mask_secrets
 from transport.keys import RunKeys, run_id_of_marker, run_markers_pattern

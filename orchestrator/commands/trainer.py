@@ -11,7 +11,7 @@ from pathlib import Path
 
 from orchestrator.commands.checks import preflight_client, rank_in_run, require
 from orchestrator.logs import configure_logging
-from orchestrator.settings import add_settings_arguments, settings_from_args
+from orchestrator.settings_resolution import add_settings_arguments, settings_from_args
 from transport.connection import connect_redis
 from transport.keys import RunKeys
 from transport.replay import RetainedPayloads

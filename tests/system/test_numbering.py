@@ -16,7 +16,8 @@ import os
 import pytest
 
 from orchestrator.groups import TRAINABLE, decide_group
-from orchestrator.settings import RunSettings, add_settings_arguments, settings_from_args, settings_to_env
+from orchestrator.settings import RunSettings, settings_to_env
+from orchestrator.settings_resolution import add_settings_arguments, settings_from_args
 from tests.support.factories import group
 from tests.support.shiprun import delivered, ship, ship_settings
 from transport.keys import RunKeys

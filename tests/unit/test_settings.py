@@ -5,6 +5,7 @@ value and its source."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,14 +15,10 @@ from pathlib import Path
 import pytest
 
 from orchestrator.commands.cli import main as rlship
-from orchestrator.settings import (
-    RunSettings,
-    add_settings_arguments,
-    resolve_settings,
-    settings_from_args,
-    settings_to_env,
-)
+from orchestrator.settings import RunSettings, settings_to_env
+from orchestrator.settings_resolution import add_settings_arguments, resolve_settings, settings_from_args
 from tasks.logs import mask_secrets
+from tasks.manifest import ShipConfig
 from tests.support.processes import REPO, python_command
 
 
@@ -85,6 +82,22 @@ def test_children_get_the_resolved_settings(monkeypatch: pytest.MonkeyPatch, tmp
     assert child == parent and child.log_json
     assert not settings_from_args(parse("--no-log-json")).log_json
 
+
+
+def test_ship_config_is_the_same_named_settings(tmp_path: Path) -> None:
+    """Each field of the workers' config is the run setting of its name (`output_dir` as
+    text), checked on settings that all differ from the config's defaults."""
+    settings = RunSettings(
+        ranks=3, seq_len=128, transport="fs", zmq_host="10.0.0.2", zmq_port=6000,
+        output_dir=tmp_path / "run", pad_to_multiple=16, vocab_size=1000, cpu_queue="compute",
+        ship_queue="send", samples_per_step=2, replay_steps=9, first_step=1,
+    )  # fmt: skip
+    config = settings.ship_config()
+    for field in dataclasses.fields(ShipConfig):
+        setting = getattr(settings, field.name)
+        expected = str(setting) if isinstance(setting, Path) else setting
+        assert getattr(config, field.name) == expected, field.name
+        assert expected != field.default, f"{field.name}: pick a value other than the default"
 
 @pytest.mark.parametrize(
     ("url", "masked"),
