@@ -34,7 +34,12 @@ from orchestrator.settings import RunSettings, settings_to_env
 from tests.support.factories import group
 from tests.support.processes import REPO, python_command
 from tests.support.shiprun import run_orchestrator, ship_settings
-from tests.support.stock_peers import pause_announcements, read_record, resume_announcements, start_stock_peer
+from tests.support.stock_peers import (
+    pause_announcements,
+    read_record,
+    resume_announcements,
+    start_stock_ranks,
+)
 from transport.keys import RunKeys
 from transport.store import DEFAULT_TTL_SECONDS, PayloadStore
 
@@ -311,13 +316,7 @@ def test_external_trainers_gate_holds_while_unannounced_and_memory_stays_flat(
     assert settings.first_step == 1, "external trainers number steps as prime-rl does"
     keys = RunKeys(run_id)
     status = f"rlship:{run_id}:status"
-    records = [tmp_path / f"stock-rank-{rank}.jsonl" for rank in range(settings.ranks)]
-    peers = [
-        start_stock_peer(
-            "zmq", rank, record, output_dir=tmp_path, port=settings.zmq_port, start_step=1, steps=STEPS
-        )
-        for rank, record in enumerate(records)
-    ]
+    records, peers = start_stock_ranks(settings, [STEPS] * settings.ranks)
     producer_log = tmp_path / "producer.log"
     producer = subprocess.Popen(
         python_command("produce"),
