@@ -133,12 +133,20 @@ def admission_settings(run_id: str, redis_url: str, **overrides) -> RunSettings:
     return RunSettings(**{**values, **overrides})
 
 
-def test_backlog_refusal_writes_nothing_and_passes_once_accounted(client, redis_url, run_id):
+@pytest.fixture
+def backlog_at_limit(client, redis_url, run_id) -> tuple[RunSettings, RolloutProducer]:
+    """A run that allows 8 rollouts outstanding and its producer, which has written 8 (two
+    groups) that the orchestrator has not taken yet."""
     settings = admission_settings(run_id, redis_url, max_outstanding_rollouts=8)
-    keys = RunKeys(run_id)
     producer = RolloutProducer.for_run(client, settings)
     producer.produce(group("a", [1.0, 0.0, 1.0, 0.0]))
     producer.produce(group("b", [1.0, 0.0, 1.0, 0.0]))
+    return settings, producer
+
+
+def test_backlog_refusal_writes_nothing_and_passes_once_accounted(client, run_id, backlog_at_limit):
+    _, producer = backlog_at_limit
+    keys = RunKeys(run_id)
     with pytest.raises(AdmissionRefused, match=r"backlog.*8 rollouts outstanding.*limit of 8") as refused:
         producer.produce(group("c", [1.0, 0.0, 1.0, 0.0]))
     assert refused.value.reason == "backlog"
@@ -210,12 +218,9 @@ def test_a_step_cut_between_the_read_and_the_call_is_worked_out_again(client, re
     PayloadStore(client, run_id).delete_all_rollouts()
 
 
-def test_a_timeout_waits_until_admitted(client, redis_url, run_id):
-    settings = admission_settings(run_id, redis_url, max_outstanding_rollouts=8)
+def test_a_timeout_waits_until_admitted(client, redis_url, run_id, backlog_at_limit):
+    settings, producer = backlog_at_limit
     keys = RunKeys(run_id)
-    producer = RolloutProducer.for_run(client, settings)
-    producer.produce(group("a", [1.0, 0.0, 1.0, 0.0]))
-    producer.produce(group("b", [1.0, 0.0, 1.0, 0.0]))
     started = time.monotonic()
     with pytest.raises(AdmissionRefused, match="backlog"):
         producer.produce(group("c", [1.0, 0.0, 1.0, 0.0]), timeout=0.5)
