@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from orchestrator.producer import RolloutProducer
 from orchestrator.settings import RunSettings, settings_to_env
 from tests.support.factories import group
 from tests.support.processes import REPO, Workers, python_command
+from tests.support.stock_peers import start_stock_ranks
 from transport.keys import RunKeys
 from transport.numbering import version_after
 from transport.store import PayloadStore
@@ -120,6 +122,19 @@ def ship(settings: RunSettings, trainers: bool = True, produce: bool = True) -> 
     # As `rlship run` does once the producer has stopped: what it wrote late never ships.
     PayloadStore(redis.Redis.from_url(settings.redis_url), settings.run_id).delete_all_rollouts()
     return result
+
+
+def ship_to_stock_ranks(settings: RunSettings, steps: Sequence[int]) -> list[Path]:
+    """Ship the run, its rollouts written beforehand, to stock ranks that exit after their
+    `steps[rank]` steps (`start_stock_ranks`); the records of what each got."""
+    records, peers = start_stock_ranks(settings, steps)
+    try:
+        ship(settings, trainers=False, produce=False)
+        assert [peer.wait(60) for peer in peers] == [0] * settings.ranks
+    finally:
+        for peer in peers:
+            peer.kill()
+    return records
 
 
 def metrics_lines(settings: RunSettings) -> list[dict[str, float]]:

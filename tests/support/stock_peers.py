@@ -33,13 +33,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from orchestrator.commands.bench.encode import WireMicroBatch
+
+if TYPE_CHECKING:  # the peers run as `python -m tests.support.stock_peers` and need no settings
+    from orchestrator.settings import RunSettings
 
 REPO = Path(__file__).resolve().parents[2]
 POLL_SECONDS = 1.0  # prime-rl's filesystem receiver waits for a path about once a second
@@ -207,6 +210,23 @@ def start_stock_peer(transport: str, rank: int, record: str | Path, **options: A
         stdout=log,
         stderr=subprocess.STDOUT,
     )
+
+
+def start_stock_ranks(
+    settings: RunSettings, steps: Sequence[int | None]
+) -> tuple[list[Path], list[subprocess.Popen]]:
+    """A peer for every rank of the run, over its transport and from its start step, that
+    exits after `steps[rank]` steps (None: reads until killed); their record files
+    (`stock-rank-{rank}.jsonl` in the run's output directory) and their processes."""
+    records = [Path(settings.output_dir) / f"stock-rank-{rank}.jsonl" for rank in range(settings.ranks)]
+    peers = [
+        start_stock_peer(
+            settings.transport, rank, record, output_dir=settings.output_dir, port=settings.zmq_port,
+            start_step=settings.start_step, steps=steps[rank],
+        )
+        for rank, record in enumerate(records)
+    ]  # fmt: skip
+    return records, peers
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.commands.chaos import Kill, compare
+from orchestrator.commands.chaos.kills import Kill
+from orchestrator.commands.chaos.report import compare
 from tests.support.processes import REPO, python_command
 
 pytestmark = pytest.mark.timeout(400)

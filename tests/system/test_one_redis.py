@@ -33,9 +33,7 @@ def commands_seen(client: redis.Redis) -> set[str]:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("given_by", ["flag", "config"])
 def test_the_orchestrator_keeps_the_run_on_the_redis_it_is_given(
-    start_redis,
-    tmp_path: Path,
-    given_by: str,
+    start_redis, tmp_path: Path, given_by: str
 ) -> None:
     run_url = f"redis://{start_redis()}/0"
     environment_url = f"redis://{start_redis()}/0"
@@ -99,10 +97,7 @@ def test_the_orchestrator_keeps_the_run_on_the_redis_it_is_given(
 
 
 @pytest.mark.timeout(240)
-def test_rlship_run_keeps_every_child_on_the_redis_its_config_names(
-    start_redis,
-    tmp_path: Path,
-) -> None:
+def test_rlship_run_keeps_every_child_on_the_redis_its_config_names(start_redis, tmp_path: Path) -> None:
     """`rlship run` passes the Redis it resolved on to its workers, trainer ranks, producer
     and orchestrator: none of them falls back to the environment's REDIS_URL."""
     run_url = f"redis://{start_redis()}/0"

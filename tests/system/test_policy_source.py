@@ -34,7 +34,12 @@ from orchestrator.settings import RunSettings, settings_to_env
 from tests.support.factories import group
 from tests.support.processes import REPO, python_command
 from tests.support.shiprun import run_orchestrator, ship_settings
-from tests.support.stock_peers import pause_announcements, read_record, resume_announcements, start_stock_peer
+from tests.support.stock_peers import (
+    pause_announcements,
+    read_record,
+    resume_announcements,
+    start_stock_ranks,
+)
 from transport.keys import RunKeys
 from transport.store import DEFAULT_TTL_SECONDS, PayloadStore
 
@@ -128,12 +133,20 @@ def admission_settings(run_id: str, redis_url: str, **overrides) -> RunSettings:
     return RunSettings(**{**values, **overrides})
 
 
-def test_backlog_refusal_writes_nothing_and_passes_once_accounted(client, redis_url, run_id):
+@pytest.fixture
+def backlog_at_limit(client, redis_url, run_id) -> tuple[RunSettings, RolloutProducer]:
+    """A run that allows 8 rollouts outstanding and its producer, which has written 8 (two
+    groups) that the orchestrator has not taken yet."""
     settings = admission_settings(run_id, redis_url, max_outstanding_rollouts=8)
-    keys = RunKeys(run_id)
     producer = RolloutProducer.for_run(client, settings)
     producer.produce(group("a", [1.0, 0.0, 1.0, 0.0]))
     producer.produce(group("b", [1.0, 0.0, 1.0, 0.0]))
+    return settings, producer
+
+
+def test_backlog_refusal_writes_nothing_and_passes_once_accounted(client, run_id, backlog_at_limit):
+    _, producer = backlog_at_limit
+    keys = RunKeys(run_id)
     with pytest.raises(AdmissionRefused, match=r"backlog.*8 rollouts outstanding.*limit of 8") as refused:
         producer.produce(group("c", [1.0, 0.0, 1.0, 0.0]))
     assert refused.value.reason == "backlog"
@@ -205,12 +218,9 @@ def test_a_step_cut_between_the_read_and_the_call_is_worked_out_again(client, re
     PayloadStore(client, run_id).delete_all_rollouts()
 
 
-def test_a_timeout_waits_until_admitted(client, redis_url, run_id):
-    settings = admission_settings(run_id, redis_url, max_outstanding_rollouts=8)
+def test_a_timeout_waits_until_admitted(client, redis_url, run_id, backlog_at_limit):
+    settings, producer = backlog_at_limit
     keys = RunKeys(run_id)
-    producer = RolloutProducer.for_run(client, settings)
-    producer.produce(group("a", [1.0, 0.0, 1.0, 0.0]))
-    producer.produce(group("b", [1.0, 0.0, 1.0, 0.0]))
     started = time.monotonic()
     with pytest.raises(AdmissionRefused, match="backlog"):
         producer.produce(group("c", [1.0, 0.0, 1.0, 0.0]), timeout=0.5)
@@ -311,13 +321,7 @@ def test_external_trainers_gate_holds_while_unannounced_and_memory_stays_flat(
     assert settings.first_step == 1, "external trainers number steps as prime-rl does"
     keys = RunKeys(run_id)
     status = f"rlship:{run_id}:status"
-    records = [tmp_path / f"stock-rank-{rank}.jsonl" for rank in range(settings.ranks)]
-    peers = [
-        start_stock_peer(
-            "zmq", rank, record, output_dir=tmp_path, port=settings.zmq_port, start_step=1, steps=STEPS
-        )
-        for rank, record in enumerate(records)
-    ]
+    records, peers = start_stock_ranks(settings, [STEPS] * settings.ranks)
     producer_log = tmp_path / "producer.log"
     producer = subprocess.Popen(
         python_command("produce"),

@@ -83,9 +83,7 @@ def test_a_refused_password_is_not_printed(start_redis) -> None:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("log_format", ["text", "json"])
 def test_a_run_on_a_redis_with_a_password_prints_and_writes_no_password(
-    start_redis,
-    tmp_path: Path,
-    log_format: str,
+    start_redis, tmp_path: Path, log_format: str
 ) -> None:
     """The password is right: the whole run (workers, trainer ranks, producer, orchestrator)
     uses it, and neither its terminal output nor any file it writes shows it."""

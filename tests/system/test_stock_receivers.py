@@ -31,8 +31,8 @@ from orchestrator.commands.processes import delete_run_keys
 from tasks.faults import arm
 from tests.support.factories import payload
 from tests.support.processes import running_workers, wait_for
-from tests.support.shiprun import deterministic_run, metrics_lines, run_orchestrator, ship
-from tests.support.stock_peers import read_record, start_stock_peer
+from tests.support.shiprun import deterministic_run, metrics_lines, run_orchestrator, ship_to_stock_ranks
+from tests.support.stock_peers import read_record, start_stock_peer, start_stock_ranks
 from transport.announcements import RedisAnnouncements
 from transport.keys import RunKeys
 from transport.zmq_sender import ZMQSender
@@ -127,21 +127,9 @@ def test_ship_worker_killed_five_times_stock_ranks_get_every_step_once(
             trainers="external", stall_seconds=3.0, transport=transport
         )
         assert settings.step_numbers == range(1, STEPS + 1), "numbered as prime-rl numbers them"
-        records = [tmp_path / f"stock-rank-{rank}.jsonl" for rank in range(settings.ranks)]
-        peers = [
-            start_stock_peer(
-                transport,
-                rank,
-                record,
-                output_dir=tmp_path,
-                port=settings.zmq_port,
-                start_step=settings.start_step,
-                # Over ZMQ a rank reads until stopped: one that stopped after 30 messages would
-                # count a duplicate as a step and never take the last one.
-                steps=STEPS if transport == "fs" else None,
-            )
-            for rank, record in enumerate(records)
-        ]  # fmt: skip
+        # Over ZMQ a rank reads until stopped: one that stopped after 30 messages would count
+        # a duplicate as a step and never take the last one.
+        records, peers = start_stock_ranks(settings, [STEPS if transport == "fs" else None] * settings.ranks)
         outcome: dict[str, object] = {}
         orchestrator = threading.Thread(
             target=lambda: outcome.update(result=asyncio.run(run_orchestrator(settings, timeout=240)))
@@ -212,20 +200,7 @@ def test_the_window_left_by_a_killed_send(fault, order, client, redis_url, run_i
             trainers="external", stall_seconds=3.0
         )
         arm(client, run_id, fault, step=2, rank=1)
-        records = [tmp_path / f"stock-rank-{rank}.jsonl" for rank in range(settings.ranks)]
-        peers = [
-            start_stock_peer(
-                "zmq", rank, records[rank], output_dir=tmp_path, port=settings.zmq_port, start_step=1,
-                steps=len(order) if rank == 1 else 3,
-            )
-            for rank in range(settings.ranks)
-        ]  # fmt: skip
-        try:
-            ship(settings, trainers=False, produce=False)
-            assert [peer.wait(60) for peer in peers] == [0, 0]
-        finally:
-            for peer in peers:
-                peer.kill()
+        records = ship_to_stock_ranks(settings, [3, len(order)])
     assert client.hlen(RunKeys(run_id).faults) == 0, "the armed fault fired"
     assert [r["topic_step"] for r in read_record(records[0])] == [1, 2, 3]
     assert [r["topic_step"] for r in read_record(records[1])] == order
@@ -248,19 +223,7 @@ def test_a_trainer_resumed_at_step_5_gets_step_5_first(transport, client, redis_
         settings = deterministic_run(client, run_id, redis_url, workers, tmp_path, 3).with_changes(
             trainers="external", transport=transport, start_step=5
         )
-        records = [tmp_path / f"stock-rank-{rank}.jsonl" for rank in range(settings.ranks)]
-        peers = [
-            start_stock_peer(
-                transport, rank, record, output_dir=tmp_path, port=settings.zmq_port, start_step=5, steps=3
-            )
-            for rank, record in enumerate(records)
-        ]
-        try:
-            ship(settings, trainers=False, produce=False)
-            assert [peer.wait(60) for peer in peers] == [0, 0]
-        finally:
-            for peer in peers:
-                peer.kill()
+        records = ship_to_stock_ranks(settings, [3, 3])
     for record in records:
         got = read_record(record)
         assert [r["step"] for r in got] == [5, 6, 7]

@@ -3,6 +3,7 @@ zmq context). Ports are picked free at run time; every wait is bounded."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import multiprocessing as mp
@@ -10,7 +11,7 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,12 +87,20 @@ def collect(queue: Any, kind: str, count: int) -> list[tuple[Any, ...]]:
     return got
 
 
-def in_process_pair(ranks: int = 1, **sender_kwargs: Any) -> tuple[ZMQSender, list[ZMQReceiver]]:
+@contextlib.contextmanager
+def in_process_pair(ranks: int = 1, **sender_kwargs: Any) -> Iterator[tuple[ZMQSender, list[ZMQReceiver]]]:
+    """A sender and its ready receivers in this process, all closed on the way out (closing
+    is idempotent: a test may close one itself first)."""
     port = free_port_pair()
     sender = ZMQSender(HOST, port, ranks, **sender_kwargs)
     receivers = [ZMQReceiver(HOST, port, rank, announce_interval=0.2, next_step=0) for rank in range(ranks)]
-    assert sender.wait_ready(WAIT)
-    return sender, receivers
+    try:
+        assert sender.wait_ready(WAIT)
+        yield sender, receivers
+    finally:
+        for receiver in receivers:
+            receiver.close()
+        sender.close()
 
 
 def test_topic_round_trip() -> None:
@@ -112,13 +121,9 @@ def test_transport_imports_neither_celery_nor_upper_layers() -> None:
 
 @pytest.mark.timeout(60)
 def test_protocols_are_satisfied() -> None:
-    sender, (receiver,) = in_process_pair()
-    try:
+    with in_process_pair() as (sender, (receiver,)):
         assert isinstance(sender, StepSender)
         assert isinstance(receiver, StepReceiver)
-    finally:
-        receiver.close()
-        sender.close()
 
 
 @pytest.mark.timeout(60)
@@ -212,9 +217,8 @@ def test_wait_ready_times_out_while_a_rank_is_missing() -> None:
 
 @pytest.mark.timeout(60)
 def test_duplicate_step_is_dropped_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
-    sender, (receiver,) = in_process_pair()
     caplog.set_level(logging.WARNING, logger="rlship.transport")
-    try:
+    with in_process_pair() as (sender, (receiver,)):
         sender.send(0, 0, b"zero")
         sender.send(0, 0, b"zero")
         sender.send(1, 0, b"one")
@@ -228,16 +232,12 @@ def test_duplicate_step_is_dropped_and_logged_once(caplog: pytest.LogCaptureFixt
         assert receiver.next_step == 2
         warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "duplicate" in r.message]
         assert len(warnings) == 1
-    finally:
-        receiver.close()
-        sender.close()
 
 
 @pytest.mark.timeout(60)
 def test_gap_is_reported_and_a_late_step_is_not_delivered(caplog: pytest.LogCaptureFixture) -> None:
-    sender, (receiver,) = in_process_pair()
     caplog.set_level(logging.WARNING, logger="rlship.transport")
-    try:
+    with in_process_pair() as (sender, (receiver,)):
         for step in (0, 2, 1, 3):
             sender.send(step, 0, b"step %d" % step)
         delivered = [receiver.receive(WAIT) for _ in range(3)]
@@ -247,9 +247,6 @@ def test_gap_is_reported_and_a_late_step_is_not_delivered(caplog: pytest.LogCapt
         assert receiver.late_dropped == 1
         assert receiver.duplicates_dropped == 0
         assert any(r.levelno == logging.ERROR and "gap" in r.message for r in caplog.records)
-    finally:
-        receiver.close()
-        sender.close()
 
 
 @pytest.mark.timeout(60)
@@ -284,12 +281,10 @@ def test_replacement_sender_on_same_port_reaches_a_running_receiver(procs: list[
 
 @pytest.mark.timeout(60)
 def test_payload_outlives_receiver_close() -> None:
-    sender, (receiver,) = in_process_pair()
     data = payload_for(0, 3)  # 3 MiB: a real zero-copy frame, not a small inline message
-    sender.send(0, 0, data)
-    got = receiver.receive(WAIT)
-    receiver.close()
-    sender.close()
+    with in_process_pair() as (sender, (receiver,)):
+        sender.send(0, 0, data)
+        got = receiver.receive(WAIT)
     assert got is not None and digest(got.payload) == digest(data)
 
 
@@ -317,22 +312,23 @@ def test_close_is_prompt_without_a_peer() -> None:
 def test_close_is_prompt_with_undelivered_messages_queued() -> None:
     """A receiver that stops reading: the sender's queue fills (send blocks, here until
     send_timeout), and close() still returns within about linger_ms."""
-    sender, (receiver,) = in_process_pair(hwm=2, send_timeout=1.0, linger_ms=1000)
     big = b"x" * (4 * MIB)
     sent = 0
-    with pytest.raises(
-        TimeoutError, match=r"^rank 0 step \d+: (send queue full|still queued in libzmq) past send_timeout$"
-    ):
-        for step in range(1000):
-            sender.send(step, 0, big)
-            sent += 1
-    assert sent >= 2
-    start_time = time.monotonic()
-    sender.close()
-    assert time.monotonic() - start_time < 4.0
-    start_time = time.monotonic()
-    receiver.close()
-    assert time.monotonic() - start_time < 2.5
+    with in_process_pair(hwm=2, send_timeout=1.0, linger_ms=1000) as (sender, (receiver,)):
+        with pytest.raises(
+            TimeoutError,
+            match=r"^rank 0 step \d+: (send queue full|still queued in libzmq) past send_timeout$",
+        ):
+            for step in range(1000):
+                sender.send(step, 0, big)
+                sent += 1
+        assert sent >= 2
+        start_time = time.monotonic()
+        sender.close()
+        assert time.monotonic() - start_time < 4.0
+        start_time = time.monotonic()
+        receiver.close()
+        assert time.monotonic() - start_time < 2.5
 
 
 def test_sequencer_rules(caplog: pytest.LogCaptureFixture) -> None:
@@ -380,8 +376,7 @@ def test_bind_failure_leaves_nothing_open() -> None:
 def test_a_departed_rank_does_not_hold_back_the_others() -> None:
     """Sending to rank 0 needs rank 0 only; sending to a rank whose trainer left waits (a
     publish to no subscriber would be lost) and times out."""
-    sender, (rank0, rank1) = in_process_pair(ranks=2, send_timeout=1.0)
-    try:
+    with in_process_pair(ranks=2, send_timeout=1.0) as (sender, (rank0, rank1)):
         rank1.close()
         deadline = time.monotonic() + WAIT
         while 1 in sender.ready_ranks and time.monotonic() < deadline:
@@ -392,9 +387,6 @@ def test_a_departed_rank_does_not_hold_back_the_others() -> None:
         assert received is not None and bytes(received.payload) == b"still delivered"
         with pytest.raises(TimeoutError, match="rank 1 step 0: not ready"):
             sender.send(0, 1, b"nobody listens")
-    finally:
-        rank0.close()
-        sender.close()
 
 
 @pytest.mark.timeout(60)

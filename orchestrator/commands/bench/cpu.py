@@ -14,6 +14,7 @@ the bench process itself: work of other programs on the machine during the windo
 from __future__ import annotations
 
 import os
+import resource
 import threading
 import time
 from collections.abc import Mapping
@@ -122,3 +123,16 @@ class CpuSampler:
                 }
             )
         return out
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds of this process and of every process it started and waited for."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def other_cpu_share(before: tuple[float, float], wall: float) -> float:
+    """The share of the machine's CPU that others (and Redis) used while the bench ran: the
+    figures are only as quiet as the machine was."""
+    others = (machine_cpu_seconds() - before[0]) - (own_cpu_seconds() - before[1])
+    return max(0.0, others) / (wall * (os.cpu_count() or 1))

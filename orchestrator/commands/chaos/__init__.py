@@ -1,0 +1,113 @@
+"""`rlship chaos`: the whole system shipping a seeded workload while its processes are
+killed, compared with a fault-free run of the same workload.
+
+Both runs ship the same rollouts, written up front in the same order (all on policy), so
+every step's payloads are byte-identical in a correct run whatever dies. During the chaos
+run, every `--kill-every` seconds one process dies by SIGKILL, in rotation:
+
+- a stage fault: the worker that runs a chosen stage of an upcoming step kills itself at
+  the worst moment of it (output written, completion not yet marked; `tasks.faults`),
+  the stage chosen at random among all eight;
+- a random pool process of the cpu worker, whatever it is doing;
+- once, the whole ship worker (the process that owns the ZMQ sockets), and once the
+  orchestrator, both mid-run; both are started again, as a supervisor would.
+
+The report counts what the trainer ranks received: steps per rank, duplicates, steps out
+of order, payloads that differ from the fault-free run, records published, keys left in
+Redis, and the kills (`--json PATH`).
+
+`--receivers stock` runs trainer ranks that receive as prime-rl's stock ones do
+(tests/support/stock_peers.py, from a checkout): READY once, no duplicate check, no replay, their
+own step count; what they got is read from their record files. A duplicate or a lost step
+reaches such a rank for good, so this mode also reports ranks that never got every step
+(`hung_ranks`, waited for 30 s after the run) and the sends a ship worker redid after a
+predecessor died mid-send (`interrupted_sends`: each is a duplicate only if that process
+died in the window between the message leaving it and its `last_sent` mark, tasks/ship.py).
+The `send` stage fault fires inside that window by construction, so this mode leaves it
+out of the rotation; the ship worker is killed `--ship-kills` times at random moments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import secrets
+import signal
+from pathlib import Path
+
+from orchestrator.commands.chaos.kills import STOCK_STAGES, KillPlan
+from orchestrator.commands.chaos.report import compare, print_report
+from orchestrator.commands.chaos.system import run_system
+from orchestrator.commands.processes import delete_run_keys
+from orchestrator.settings import RunSettings
+from tasks.graph import STAGE_NAMES
+from transport.zmq_sockets import free_port_pair
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--kill-every", type=float, default=1.0, help="seconds between kills")
+    parser.add_argument("--json", type=Path, default=Path("runs/chaos/chaos.json"))
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds each run may take")
+    parser.add_argument(
+        "--receivers",
+        choices=("rlship", "stock"),
+        default="rlship",
+        help="trainer ranks: rlship's, or ones that receive as prime-rl's stock receivers do",
+    )
+    parser.add_argument("--ship-kills", type=int, default=1, help="times the whole ship worker is killed")
+
+
+def main(args: argparse.Namespace) -> int:
+    base = RunSettings()  # REDIS_URL from the environment, as every rlship process reads it
+    token = secrets.token_hex(3)
+    out_dir = args.json.parent
+    common = {
+        "redis_url": base.redis_url,
+        "steps": args.steps,
+        "ranks": args.ranks,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "seed": args.seed,
+        "max_off_policy_steps": args.steps + 1,  # written up front, so never stale
+        "stall_seconds": 5.0,
+        "samples_per_step": 0,
+        "trainers": "external" if args.receivers == "stock" else "builtin",
+    }
+
+    def settings_for(name: str) -> RunSettings:
+        return RunSettings(
+            **common,
+            run_id=f"chaos-{name}-{token}",
+            # Its own directory each time: an earlier invocation's stock-rank records and
+            # policy broadcasts would otherwise be read as this one's.
+            output_dir=(out_dir / f"{name}-{token}").resolve(),
+            zmq_port=free_port_pair(),
+            cpu_queue=f"chaos-cpu-{name}-{token}",
+            ship_queue=f"chaos-ship-{name}-{token}",
+        )
+
+    reference, chaos = settings_for("reference"), settings_for("chaos")
+    print(f"rlship chaos: fault-free run of {args.steps} steps ({reference.run_id})", flush=True)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that every child is stopped
+    plan = KillPlan(args.ship_kills, STOCK_STAGES if args.receivers == "stock" else STAGE_NAMES)
+    expected = run_system(reference, None, random.Random(args.seed), args.timeout, args.receivers, plan)
+    print(f"rlship chaos: the same with a kill every {args.kill_every:g} s ({chaos.run_id})", flush=True)
+    rng = random.Random(args.seed)
+    observed = run_system(chaos, args.kill_every, rng, args.timeout, args.receivers, plan)
+    report = compare(args, chaos.step_numbers, expected, observed)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2))
+    print_report(report, args.json)
+    for settings in (reference, chaos):
+        delete_run_keys(settings)
+    return 0 if report["goal_met"] else 1
+
+
+def _exit_on_sigterm(*_: object) -> None:
+    raise SystemExit("rlship chaos: terminated")

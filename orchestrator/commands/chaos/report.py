@@ -1,0 +1,86 @@
+"""The report of `rlship chaos`: what the chaos run's trainer ranks received, compared
+with the fault-free run's, against the goal."""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from orchestrator.commands.chaos.kills import Kill
+
+
+def compare(
+    args: argparse.Namespace, step_numbers: range, expected: dict[str, Any], observed: dict[str, Any]
+) -> dict[str, Any]:
+    steps = [str(s) for s in step_numbers]
+    delivered, duplicates, out_of_order, mismatches, in_window = {}, 0, 0, 0, 0
+    # A send redone after a ship worker died between the message leaving and its mark (the
+    # window README's Reliability states): the one way a stock rank gets a step twice.
+    redone: dict[str, int] = observed.get("interrupted_sends", {})
+    for rank, got in observed["ranks"].items():
+        want = expected["ranks"][rank]["checksums"]
+        delivered[rank] = sum(s in got["checksums"] for s in steps)
+        duplicates += sum(n - 1 for n in got["deliveries"].values())
+        in_window += sum(n - 1 for s, n in got["deliveries"].items() if redone.get(f"{s}:{rank}", 0) >= n - 1)
+        out_of_order += sum(b <= a for a, b in zip(got["order"], got["order"][1:], strict=False))
+        mismatches += sum(got["checksums"][s] != want.get(s) for s in got["checksums"])
+    kills: list[Kill] = observed["kills"]
+    effective = [k for k in kills if k.fired]
+    report = {
+        "steps_expected": args.steps,
+        "steps_delivered_per_rank": delivered,
+        "duplicates_delivered": duplicates,
+        "duplicates_in_window": in_window,
+        "out_of_order": out_of_order,
+        "payload_mismatches": mismatches,
+        "records_published": len(set(observed["records"])),
+        "records_duplicated": len(observed["records"]) - len(set(observed["records"])),
+        "keys_left": len(observed["keys_left"]),
+        "kills": len(effective),
+        "kills_by_target": dict(Counter(k.target for k in effective)),
+        "kills_by_stage": dict(Counter(k.stage for k in effective if k.stage)),
+        "kill_log": [asdict(k) for k in kills],
+        "reference_keys_left": len(expected["keys_left"]),
+        "wall_seconds": {"fault_free": expected["wall_seconds"], "chaos": observed["wall_seconds"]},
+        "rollouts_written": observed["rollouts_written"],
+        "receivers": args.receivers,
+        "hung_ranks": observed["hung_ranks"],
+        "interrupted_sends": observed.get("interrupted_sends", {}),
+        "command": (
+            f"rlship chaos --steps {args.steps} --kill-every {args.kill_every:g} "
+            f"--receivers {args.receivers} --ship-kills {args.ship_kills} --json {args.json}"
+        ),
+    }
+    report["goal_met"] = (
+        all(n == args.steps for n in delivered.values())
+        and not report["hung_ranks"]
+        and duplicates == out_of_order == mismatches == 0
+        and report["records_published"] == args.steps
+        and report["records_duplicated"] == 0
+        and report["keys_left"] == 0
+        and report["kills"] >= 10
+        and {"orchestrator", "ship-worker"} <= set(report["kills_by_target"])
+        and report["kills_by_target"]["ship-worker"] >= args.ship_kills
+    )
+    return report
+
+
+def print_report(report: dict[str, Any], path: Path) -> None:
+    print(
+        f"\nrlship chaos: {report['kills']} kills {report['kills_by_target']} "
+        f"(stages {report['kills_by_stage']})\n"
+        f"  steps delivered per rank {report['steps_delivered_per_rank']} of {report['steps_expected']}; "
+        f"duplicates {report['duplicates_delivered']} ({report['duplicates_in_window']} of them sends "
+        f"redone in the window between leaving and the mark), out of order {report['out_of_order']}, "
+        f"payload mismatches {report['payload_mismatches']}; receivers {report['receivers']}, "
+        f"hung ranks {report['hung_ranks']}, sends redone after an interrupted one "
+        f"{sum(report['interrupted_sends'].values())}\n"
+        f"  records {report['records_published']} (duplicated {report['records_duplicated']}), "
+        f"keys left {report['keys_left']}; "
+        f"wall {report['wall_seconds']['fault_free']:.1f} s fault-free, "
+        f"{report['wall_seconds']['chaos']:.1f} s chaos\n"
+        f"  goal {'MET' if report['goal_met'] else 'MISSED'}; details in {path}"
+    )
