@@ -29,7 +29,7 @@ from celery.app.control import Inspect
 from celery.bin.celery import celery as celery_cli
 from flower.options import options as flower_options
 
-from orchestrator.commands.cli import COMMANDS
+from orchestrator.commands.cli import COMMANDS, load_command
 from orchestrator.settings import CONFIG_ENV, RunSettings, env_name
 from tests.support.compose import InterpolationError, compose, compose_interpolate, container_argv, procfile
 from tests.support.processes import REPO, session_queue
@@ -79,11 +79,10 @@ def check_rlship(argv: list[str]) -> None:
     assert argv[0] == "rlship", argv
     name = max((n for n in COMMANDS if argv[1 : 1 + len(n.split())] == n.split()), key=len, default=None)
     assert name is not None, f"{argv}: not an rlship command ({', '.join(COMMANDS)})"
-    module_name, add_arguments, main, _ = COMMANDS[name]
-    module = importlib.import_module(module_name)
-    assert callable(getattr(module, main))
+    add_arguments, main = load_command(name)
+    assert callable(main)
     parser = argparse.ArgumentParser(prog=f"rlship {name}", exit_on_error=False)
-    getattr(module, add_arguments)(parser)
+    add_arguments(parser)
     parser.parse_args(argv[1 + len(name.split()) :])
 
 
