@@ -311,6 +311,23 @@ def _released_already(ctx: StepContext, task: str) -> bool:
     return False
 
 
+def _report_evicted(ctx: StepContext, steps: list[int]) -> None:
+    """Count steps evicted unacknowledged; a warning the first time in a run, then info:
+    ranks that never acknowledge (prime-rl's stock receivers) make it every step."""
+    evicted = ctx.client.hincrby(ctx.keys.evicted, "steps", len(steps))
+    first = evicted == len(steps)
+    log.log(
+        logging.WARNING if first else logging.INFO,
+        "steps %s evicted from the replay window before every rank acknowledged them (%d in this "
+        "run); a rank restarting now cannot replay them%s",
+        steps,
+        evicted,
+        "; ranks that never acknowledge (stock receivers) evict every step: later ones are logged at info"
+        if first
+        else "",
+    )
+
+
 @stage_task("release", computes=False, skip=_released_already)
 def release(ctx: StepContext, ranks: int, replay_steps: int) -> None:
     """Delete every key of a published step but its per-rank payloads; release the payloads
@@ -320,12 +337,7 @@ def release(ctx: StepContext, ranks: int, replay_steps: int) -> None:
     deleted = ctx.store.delete_step(step)
     payloads = ctx.store.release_payloads(ranks, step, evict_through=step - replay_steps)
     if payloads.evicted_unacknowledged:
-        log.warning(
-            "steps %s evicted from the replay window before every rank acknowledged them; "
-            "a rank restarting now cannot replay them",
-            payloads.evicted_unacknowledged,
-        )
-        ctx.client.hincrby(ctx.keys.evicted, "steps", len(payloads.evicted_unacknowledged))
+        _report_evicted(ctx, payloads.evicted_unacknowledged)
     ctx.crash_if_armed("release")
     trim_process_memory()
     ctx.client.hset(ctx.keys.released, step, time.time())

@@ -13,6 +13,8 @@ numbering, the default with `trainers = "external"`), or from a resumed trainer'
   the message left, the step is sent again and arrives once; killed after it left and
   before `last_sent` (the `send` fault point), it arrives twice. Both are counted.
 - A trainer resumed at step 5: the run's first topic, file and record are step 5.
+- Stock ranks never acknowledge: every step past the replay window is evicted
+  unacknowledged, each counted, and the workers warn once a run, not once a step.
 """
 
 from __future__ import annotations
@@ -232,4 +234,24 @@ def test_a_trainer_resumed_at_step_5_gets_step_5_first(transport, client, redis_
     if transport == "fs":
         assert step_dirs(tmp_path) == [5, 6, 7], "the first file is rollouts/step_5/rank_r.bin"
     assert [int(r["step"]) for r in metrics_lines(settings)] == [5, 6, 7]
+    delete_run_keys(settings)
+
+
+def test_stock_ranks_evict_every_step_counted_and_warned_of_once(client, redis_url, run_id, tmp_path):
+    """The release of each step past the replay window evicts a step no stock rank
+    acknowledged. Each is counted in Redis; the workers (logging at WARNING) say so once."""
+    logs = tmp_path / "worker-logs"
+    logs.mkdir()
+    steps, replay_steps = 7, 3
+    with running_workers(redis_url, logs) as workers:
+        settings = deterministic_run(client, run_id, redis_url, workers, tmp_path, steps).with_changes(
+            trainers="external", replay_steps=replay_steps
+        )
+        ship_to_stock_ranks(settings, [steps, steps])
+    evicted = int(client.hget(RunKeys(run_id).evicted, "steps") or 0)
+    assert evicted >= steps - replay_steps - 1 >= 3, "a step evicted unacknowledged at several releases"
+    lines = [line for path in logs.glob("*.log") for line in path.read_text().splitlines()]
+    warned = [line for line in lines if "evicted from the replay window" in line]
+    assert len(warned) == 1 and "WARNING" in warned[0], warned
+    assert "stock receivers" in warned[0]
     delete_run_keys(settings)
