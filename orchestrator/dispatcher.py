@@ -174,38 +174,39 @@ class Dispatcher:
     async def cut(self, step: int) -> StepManifest | None:
         """Write step `step`'s manifest and enqueue its first task; None if nothing trainable."""
         ingest = self.ingest
-        stale_ids = ingest.drop_stale(step)
-        if stale_ids:
-            self.rollout_log.dropped_at_cut(stale_ids, step, "stale")
-            await self.store.delete_rollouts(stale_ids)
-        if not len(ingest.pending):
-            return None
-        batch = ingest.take(self.settings.batch_size)
-        batch_ids = batch.labels["rollout_id"]
-        self.rollout_log.cut(step)
-        self.cut_rollouts[step] = batch_ids
-        manifest = StepManifest(
-            run_id=self.settings.run_id,
-            step=step,
-            prev_step=step - 1 if step > self.start_step else -1,  # -1: no step before it
-            cut_time=time.time(),
-            config=self.config,
-            effective=batch,
-            window=ingest.take_window(),
-            counters=ingest.accounting.snapshot(len(ingest.pending), len(ingest.groups)),
-            loop_lag_ms=self.probe.take_window(),
-        )
-        write = functools.partial(
-            self._write_cut,
-            manifest,
-            batch_ids,
-            ingest.checkpoint(),
-            ingest.accounting.accounted,
-            ingest.oldest_held(),
-        )
-        await self.publisher.call(write)
-        await self.publisher.enqueue(finalize, step)
-        return manifest
+        async with ingest.cutting():
+            stale_ids = ingest.drop_stale(step)
+            if stale_ids:
+                self.rollout_log.dropped_at_cut(stale_ids, step, "stale")
+                await self.store.delete_rollouts(stale_ids)
+            if not len(ingest.pending):
+                return None
+            batch = ingest.take(self.settings.batch_size)
+            batch_ids = batch.labels["rollout_id"]
+            self.rollout_log.cut(step)
+            self.cut_rollouts[step] = batch_ids
+            manifest = StepManifest(
+                run_id=self.settings.run_id,
+                step=step,
+                prev_step=step - 1 if step > self.start_step else -1,  # -1: no step before it
+                cut_time=time.time(),
+                config=self.config,
+                effective=batch,
+                window=ingest.take_window(),
+                counters=ingest.accounting.snapshot(len(ingest.pending), len(ingest.groups)),
+                loop_lag_ms=self.probe.take_window(),
+            )
+            write = functools.partial(
+                self._write_cut,
+                manifest,
+                batch_ids,
+                ingest.checkpoint(),
+                ingest.accounting.accounted,
+                ingest.oldest_held(),
+            )
+            await self.publisher.call(write)
+            await self.publisher.enqueue(finalize, step)
+            return manifest
 
     def _write_cut(
         self,

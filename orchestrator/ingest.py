@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 import redis.asyncio as aioredis
 
@@ -64,6 +65,9 @@ class Ingest:
         # the stream is trimmed no further than the oldest, so a restart can re-read them.
         self.open_entries: dict[str, str] = {}
         self.resumed_from: Checkpoint | None = None
+        # A cut taken from `pending` whose transaction (new `next_step`, its `accounted`) has
+        # not landed: `accounted` is not written meanwhile (`cutting`).
+        self.cut_unwritten = False
 
     async def run(self) -> None:
         """Read rollout records until stopped; complete groups; release what cannot train."""
@@ -84,7 +88,8 @@ class Ingest:
             pipe = self.client.pipeline(transaction=False)
             if release_ids:
                 pipe.unlink(*(self.keys.rollout(r) for r in release_ids))
-            pipe.set(self.keys.accounted, self.accounting.accounted)
+            if not self.cut_unwritten:
+                pipe.set(self.keys.accounted, self.accounting.accounted)
             pipe.hset(self.keys.status, mapping=self.status())
             await pipe.execute()
             if len(self.pending) >= self.settings.batch_size:
@@ -146,6 +151,19 @@ class Ingest:
         removed = self.pending.remove(stale)
         self.accounting.discard("stale", len(removed))
         return removed.labels["rollout_id"]
+
+    @asynccontextmanager
+    async def cutting(self) -> AsyncIterator[None]:
+        """While a cut is taken and written: producers' admission reads `accounted` and
+        `next_step` apart, so `accounted` with the cut in it must not land before the cut's
+        transaction moves `next_step` on (the backlog would drop while the room of the old
+        step still stands, and a producer would fill it: a batch too many once it moves).
+        Discards counted meanwhile are written with the cut or the next turn."""
+        self.cut_unwritten = True
+        try:
+            yield
+        finally:
+            self.cut_unwritten = False
 
     def take(self, count: int) -> Cohort:
         """The oldest `count` pending rollouts (all, if fewer), counted as cut."""

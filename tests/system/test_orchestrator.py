@@ -10,9 +10,11 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from orchestrator.ingest import READ_BLOCK_MS, Ingest
 from orchestrator.orchestrator import Orchestrator
 from orchestrator.producer import RolloutProducer
 from orchestrator.records import RecordRejected, parse_record
+from orchestrator.rollout_log import RolloutLog
 from orchestrator.settings import RunSettings
 from tests.support.factories import group, rollout
 from tests.support.shiprun import ship_settings, start_trainers, stop
@@ -201,3 +203,44 @@ def test_bad_records_are_rejected_naming_field_and_value():
 
 def test_redis_client_fixture_is_real(client: redis.Redis):
     assert client.ping()
+
+
+def test_accounted_with_a_cut_in_it_waits_for_the_cuts_write(client, redis_url, run_id, tmp_path):
+    """Producers' admission reads `accounted` and `next_step` apart: while a cut is taken
+    and its transaction (the new next step) has not landed, ingest goes on reading and
+    counting, but writes no `accounted` that holds the cut. (An `accounted` with the cut,
+    read beside the old next step's room, let a producer overfill the room by a group.)"""
+    settings = _settings(run_id, redis_url, tmp_path)
+    keys = RunKeys(run_id)
+    producer = RolloutProducer(client, run_id)
+    for name in ("a", "b"):
+        producer.produce(group(name, [1.0, 0.0]))
+
+    async def scenario() -> None:
+        aclient = aioredis.Redis.from_url(redis_url)
+        stopping, status = asyncio.Event(), {"pending": 0.0}
+        log, work = RolloutLog(None), asyncio.Event()
+        ingest = Ingest(settings, aclient, log, stopping, work, lambda: 0, status.copy)
+        reading = asyncio.create_task(ingest.run())
+        try:
+            await _until(lambda: _true(len(ingest.pending) == 4))
+            await _until(lambda: _true(client.get(keys.accounted) is not None))
+            written = int(client.get(keys.accounted))
+            async with ingest.cutting():
+                ingest.take(4)
+                producer.produce(group("c", [1.0, 1.0]))  # no signal: discarded, accounted at once
+                await _until(lambda: _true(ingest.accounting.accounted == written + 4 + 2))
+                await _until(lambda: _true(client.xlen(keys.rollout_stream) == 6 and not ingest.groups))
+                await asyncio.sleep(4 * READ_BLOCK_MS / 1000)  # turns of the loop, each a write
+                assert int(client.get(keys.accounted)) == written, "the cut's rollouts before its write"
+        finally:
+            stopping.set()
+            await reading
+            await aclient.aclose()
+
+    asyncio.run(scenario())
+    PayloadStore(client, run_id).delete_all_rollouts()
+
+
+async def _true(value: bool) -> bool:
+    return value
