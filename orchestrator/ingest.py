@@ -75,19 +75,18 @@ class Ingest:
             response = await self.client.xread(
                 {self.keys.rollout_stream: self.stream_cursor}, count=READ_BATCH, block=READ_BLOCK_MS
             )
-            if not response:
-                # No rollouts (the gate holds the producers, or they are done): the status
-                # still says what was cut and published since, for `rlship status`.
-                await self.client.hset(self.keys.status, mapping=self.status())
-                continue
-            entries = response[0][1]
+            entries = response[0][1] if response else []
             release_ids: list[str] = []
             for entry_id, fields in entries:
                 release_ids.extend(self.take_record(entry_id.decode(), fields.get(b"record", b"")))
-            self.stream_cursor = entries[-1][0].decode()
+            if entries:
+                self.stream_cursor = entries[-1][0].decode()
             pipe = self.client.pipeline(transaction=False)
             if release_ids:
                 pipe.unlink(*(self.keys.rollout(r) for r in release_ids))
+            # Every turn, with rollouts or without (the gate holds the producers, or they are
+            # done): the status says what was cut and published since (`rlship status`), and
+            # an `accounted` held back during a cut is written, or producers could wait on it.
             if not self.cut_unwritten:
                 pipe.set(self.keys.accounted, self.accounting.accounted)
             pipe.hset(self.keys.status, mapping=self.status())

@@ -208,8 +208,9 @@ def test_redis_client_fixture_is_real(client: redis.Redis):
 def test_accounted_with_a_cut_in_it_waits_for_the_cuts_write(client, redis_url, run_id, tmp_path):
     """Producers' admission reads `accounted` and `next_step` apart: while a cut is taken
     and its transaction (the new next step) has not landed, ingest goes on reading and
-    counting, but writes no `accounted` that holds the cut. (An `accounted` with the cut,
-    read beside the old next step's room, let a producer overfill the room by a group.)"""
+    counting, but writes no `accounted` that holds the cut; it writes it after, with no new
+    record to prompt it. (An `accounted` with the cut, read beside the old next step's room,
+    let a producer overfill the room by a group.)"""
     settings = _settings(run_id, redis_url, tmp_path)
     keys = RunKeys(run_id)
     producer = RolloutProducer(client, run_id)
@@ -233,6 +234,8 @@ def test_accounted_with_a_cut_in_it_waits_for_the_cuts_write(client, redis_url, 
                 await _until(lambda: _true(client.xlen(keys.rollout_stream) == 6 and not ingest.groups))
                 await asyncio.sleep(4 * READ_BLOCK_MS / 1000)  # turns of the loop, each a write
                 assert int(client.get(keys.accounted)) == written, "the cut's rollouts before its write"
+            # Written once the cut is (here by ingest's next turn: no record comes to prompt it).
+            await _until(lambda: _true(int(client.get(keys.accounted)) == written + 6), timeout=5)
         finally:
             stopping.set()
             await reading
