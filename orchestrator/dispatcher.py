@@ -174,13 +174,13 @@ class Dispatcher:
     async def cut(self, step: int) -> StepManifest | None:
         """Write step `step`'s manifest and enqueue its first task; None if nothing trainable."""
         ingest = self.ingest
+        stale_ids = ingest.drop_stale(step)
+        if stale_ids:
+            self.rollout_log.dropped_at_cut(stale_ids, step, "stale")
+            await self.store.delete_rollouts(stale_ids)
+        if not len(ingest.pending):
+            return None
         async with ingest.cutting():
-            stale_ids = ingest.drop_stale(step)
-            if stale_ids:
-                self.rollout_log.dropped_at_cut(stale_ids, step, "stale")
-                await self.store.delete_rollouts(stale_ids)
-            if not len(ingest.pending):
-                return None
             batch = ingest.take(self.settings.batch_size)
             batch_ids = batch.labels["rollout_id"]
             self.rollout_log.cut(step)
@@ -205,8 +205,8 @@ class Dispatcher:
                 ingest.oldest_held(),
             )
             await self.publisher.call(write)
-            await self.publisher.enqueue(finalize, step)
-            return manifest
+        await self.publisher.enqueue(finalize, step)
+        return manifest
 
     def _write_cut(
         self,

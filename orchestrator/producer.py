@@ -11,7 +11,6 @@ train, so a stalled run's stream and payloads stay bounded.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -88,7 +87,6 @@ return reply
 """
 
 ADMISSION_POLL_SECONDS = 0.05
-log = logging.getLogger("rlship.producer")
 
 
 class AdmissionRefused(RuntimeError):

@@ -315,16 +315,15 @@ def _report_evicted(ctx: StepContext, steps: list[int]) -> None:
     """Count steps evicted unacknowledged; a warning the first time in a run, then info:
     ranks that never acknowledge (prime-rl's stock receivers) make it every step."""
     evicted = ctx.client.hincrby(ctx.keys.evicted, "steps", len(steps))
-    first = evicted == len(steps)
-    log.log(
-        logging.WARNING if first else logging.INFO,
-        "steps %s evicted from the replay window before every rank acknowledged them (%d in this "
-        "run); a rank restarting now cannot replay them%s",
+    what = "steps %s evicted from the replay window before every rank acknowledged them (%d in this run)"
+    if evicted > len(steps):
+        log.info(what, steps, evicted)
+        return
+    log.warning(
+        what + "; a rank restarting now cannot replay them; ranks that never acknowledge (stock "
+        "receivers) evict every step: later ones are logged at info",
         steps,
         evicted,
-        "; ranks that never acknowledge (stock receivers) evict every step: later ones are logged at info"
-        if first
-        else "",
     )
 
 

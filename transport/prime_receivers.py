@@ -63,7 +63,7 @@ def _setting(value: Any, env: str, default: Any = None) -> Any:
     return default
 
 
-class RunSettings(TypedDict, total=False):
+class ReceiverRunSettings(TypedDict, total=False):
     """The run a receiver acknowledges in; a setting left out or None is read from the
     environment (`_setting`)."""
 
@@ -78,11 +78,11 @@ class ExactlyOnceReceiver:
     """The MicroBatchReceiver interface over one of rlship's step receivers, which it owns:
     it is closed with this one, or at once if the run's settings cannot be read."""
 
-    def __init__(self, receiver: StepReceiver, data_rank: int, **run: Unpack[RunSettings]) -> None:
+    def __init__(self, receiver: StepReceiver, data_rank: int, **run: Unpack[ReceiverRunSettings]) -> None:
         self.data_rank = data_rank
         self._receiver = receiver
         try:
-            unexpected = sorted(run.keys() - RunSettings.__annotations__.keys())
+            unexpected = sorted(run.keys() - ReceiverRunSettings.__annotations__.keys())
             if unexpected:  # **run would otherwise take a misspelt setting silently
                 raise TypeError(f"{type(self).__name__}() got unexpected keyword arguments {unexpected}")
             self._decode = run.get("decode") or default_decode()
@@ -150,7 +150,7 @@ class ZMQMicroBatchReceiver(ExactlyOnceReceiver):
         transport: Any,
         *,
         replay_after: float = 1.0,
-        **run: Unpack[RunSettings],
+        **run: Unpack[ReceiverRunSettings],
     ) -> None:
         self.output_dir = Path(output_dir)
         receiver = ZMQReceiver(
@@ -177,7 +177,7 @@ class FileSystemMicroBatchReceiver(ExactlyOnceReceiver):
         current_step: int,
         *,
         poll_interval: float = 0.05,
-        **run: Unpack[RunSettings],
+        **run: Unpack[ReceiverRunSettings],
     ) -> None:
         self.output_dir = Path(output_dir)
         receiver = FileReceiver(output_dir, data_rank, next_step=current_step, poll_interval=poll_interval)

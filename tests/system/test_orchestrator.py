@@ -4,6 +4,7 @@ what it refuses to cut, and where policy-wait time is reported."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 
 import pytest
@@ -25,8 +26,9 @@ pytestmark = pytest.mark.timeout(120)
 
 
 async def _until(predicate, timeout: float = 30.0) -> None:
+    """Until `predicate()` (a bool, or an awaitable of one) holds."""
     deadline = asyncio.get_running_loop().time() + timeout
-    while not await predicate():
+    while not (await result if inspect.isawaitable(result := predicate()) else result):
         assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
         await asyncio.sleep(0.02)
 
@@ -224,18 +226,18 @@ def test_accounted_with_a_cut_in_it_waits_for_the_cuts_write(client, redis_url, 
         ingest = Ingest(settings, aclient, log, stopping, work, lambda: 0, status.copy)
         reading = asyncio.create_task(ingest.run())
         try:
-            await _until(lambda: _true(len(ingest.pending) == 4))
-            await _until(lambda: _true(client.get(keys.accounted) is not None))
+            await _until(lambda: len(ingest.pending) == 4)
+            await _until(lambda: client.get(keys.accounted) is not None)
             written = int(client.get(keys.accounted))
             async with ingest.cutting():
                 ingest.take(4)
                 producer.produce(group("c", [1.0, 1.0]))  # no signal: discarded, accounted at once
-                await _until(lambda: _true(ingest.accounting.accounted == written + 4 + 2))
-                await _until(lambda: _true(client.xlen(keys.rollout_stream) == 6 and not ingest.groups))
+                await _until(lambda: ingest.accounting.accounted == written + 4 + 2)
+                await _until(lambda: client.xlen(keys.rollout_stream) == 6 and not ingest.groups)
                 await asyncio.sleep(4 * READ_BLOCK_MS / 1000)  # turns of the loop, each a write
                 assert int(client.get(keys.accounted)) == written, "the cut's rollouts before its write"
             # Written once the cut is (here by ingest's next turn: no record comes to prompt it).
-            await _until(lambda: _true(int(client.get(keys.accounted)) == written + 6), timeout=5)
+            await _until(lambda: int(client.get(keys.accounted)) == written + 6, timeout=5)
         finally:
             stopping.set()
             await reading
@@ -243,7 +245,3 @@ def test_accounted_with_a_cut_in_it_waits_for_the_cuts_write(client, redis_url, 
 
     asyncio.run(scenario())
     PayloadStore(client, run_id).delete_all_rollouts()
-
-
-async def _true(value: bool) -> bool:
-    return value
