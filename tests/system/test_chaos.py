@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
+import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
-from orchestrator.commands.chaos.kills import Kill
+from orchestrator.commands.chaos.kills import Kill, kill_if_alive
 from orchestrator.commands.chaos.report import compare
-from tests.support.processes import REPO, python_command
+from tests.support.processes import REPO, left_running, python_command, refused
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -28,6 +31,7 @@ def test_chaos_delivers_every_step_once_in_order_and_identical(tmp_path):
         text=True,
         timeout=380,
     )
+    assert path.exists(), done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads(path.read_text())
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert report["goal_met"]
@@ -112,3 +116,31 @@ def test_a_stock_duplicate_counts_in_the_window_only_where_its_send_was_redone()
             args, range(1, 4), expected, stock_observation({"0": [1, 2, 2, 3], "1": [1, 2, 3]}, interrupted)
         )
         assert (other["duplicates_delivered"], other["duplicates_in_window"]) == (1, 0), interrupted
+
+
+@pytest.mark.timeout(120)
+def test_a_run_that_cannot_finish_is_one_line_and_leaves_nothing(tmp_path, client):
+    """Its keys, its queues and its processes go with it, whatever stopped it."""
+    done = subprocess.run(
+        python_command("chaos", "--steps", "2", "--timeout", "0.5", "--json", str(tmp_path / "chaos.json")),
+        cwd=REPO, capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    refused(done, "no end after 0.5 s", "logs in")
+    run_id = re.search(r"\((chaos-reference-\w+)\)", done.stdout).group(1)
+    token = run_id.rsplit("-", 1)[1]
+    assert list(client.scan_iter(match=f"rlship:chaos-*-{token}:*")) == []
+    assert list(client.scan_iter(match=f"*chaos-*-{token}*")) == [], "a queue or its binding"
+    assert left_running(token) == []
+    assert not (tmp_path / "chaos.json").exists()
+
+
+def test_a_child_gone_before_its_kill_is_no_kill_and_no_error():
+    """A pool child listed a moment ago may be dead and reaped when its kill comes."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    listed = psutil.Process(child.pid)
+    child.kill()
+    child.wait()  # reaped: its pid names no process now
+    assert kill_if_alive(listed) is False
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    assert kill_if_alive(psutil.Process(alive.pid)) is True
+    assert alive.wait(10) == -9

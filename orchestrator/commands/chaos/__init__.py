@@ -34,11 +34,12 @@ import json
 import random
 import secrets
 import signal
+import sys
 from pathlib import Path
 
 from orchestrator.commands.chaos.kills import STOCK_STAGES, KillPlan
 from orchestrator.commands.chaos.report import compare, print_report
-from orchestrator.commands.chaos.system import run_system
+from orchestrator.commands.chaos.system import RunFailed, run_system
 from orchestrator.commands.processes import delete_run_keys
 from orchestrator.settings import RunSettings
 from tasks.graph import STAGE_NAMES
@@ -96,16 +97,21 @@ def main(args: argparse.Namespace) -> int:
     print(f"rlship chaos: fault-free run of {args.steps} steps ({reference.run_id})", flush=True)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that every child is stopped
     plan = KillPlan(args.ship_kills, STOCK_STAGES if args.receivers == "stock" else STAGE_NAMES)
-    expected = run_system(reference, None, random.Random(args.seed), args.timeout, args.receivers, plan)
-    print(f"rlship chaos: the same with a kill every {args.kill_every:g} s ({chaos.run_id})", flush=True)
-    rng = random.Random(args.seed)
-    observed = run_system(chaos, args.kill_every, rng, args.timeout, args.receivers, plan)
+    try:
+        expected = run_system(reference, None, random.Random(args.seed), args.timeout, args.receivers, plan)
+        print(f"rlship chaos: the same with a kill every {args.kill_every:g} s ({chaos.run_id})", flush=True)
+        rng = random.Random(args.seed)
+        observed = run_system(chaos, args.kill_every, rng, args.timeout, args.receivers, plan)
+    except RunFailed as exc:
+        print(f"rlship chaos: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for settings in (reference, chaos):
+            delete_run_keys(settings)
     report = compare(args, chaos.step_numbers, expected, observed)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))
     print_report(report, args.json)
-    for settings in (reference, chaos):
-        delete_run_keys(settings)
     return 0 if report["goal_met"] else 1
 
 

@@ -58,13 +58,12 @@ def kill_one(
         children = _children(group, "ship-worker")  # before: once the parent dies they move
         group.processes["ship-worker"].send_signal(signal.SIGKILL)
         for child in children:
-            child.kill()
+            kill_if_alive(child)
         return Kill(seconds, "ship-worker", step=published)
     if len(kills) % 2 == 0:
         children = _children(group, "cpu-worker")
-        if not children:
+        if not children or not kill_if_alive(rng.choice(children)):
             return None
-        rng.choice(children).kill()
         return Kill(seconds, "cpu-worker-child")
     step = int(client.get(RunKeys(settings.run_id).next_step) or settings.start_step)
     if step >= settings.step_numbers.stop:
@@ -75,6 +74,16 @@ def kill_one(
         return None  # armed already: one fault per stage of a step
     arm(client, settings.run_id, stage, step, rank)
     return Kill(seconds, "stage-fault", stage, step, rank)
+
+
+def kill_if_alive(process: psutil.Process) -> bool:
+    """SIGKILL `process`; False if it is already gone. A pool child listed a moment ago may
+    have died since (a stage fault kills its own process) and been reaped by its worker."""
+    try:
+        process.kill()
+    except psutil.NoSuchProcess:
+        return False
+    return True
 
 
 def _children(group: ProcessGroup, name: str) -> list[psutil.Process]:

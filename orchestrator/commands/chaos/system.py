@@ -38,6 +38,10 @@ STOCK_PEERS = SOURCE_ROOT / "tests" / "support" / "stock_peers.py"
 HANG_SECONDS = 30.0  # after the run, how long a stock rank may take to get its last step
 
 
+class RunFailed(RuntimeError):
+    """A run of the system that could not finish: why, and where its logs are."""
+
+
 def write_workload(settings: RunSettings) -> int:
     """Write whole groups until they hold enough trainable rollouts for every step (plus
     one batch); the fates are decided here exactly as the orchestrator will decide them."""
@@ -107,7 +111,7 @@ def run_system(
             if code == 0:
                 break
             if code is not None and code != -signal.SIGKILL:
-                raise RuntimeError(
+                raise RunFailed(
                     f"{settings.run_id}: the orchestrator exited with {code}; logs in {group.log_dir}"
                 )
             for name in (*WORKERS, "orchestrator"):  # as a supervisor would
@@ -115,9 +119,7 @@ def run_system(
                     group.restart(name)
             now = time.monotonic()
             if now - started > timeout:
-                raise RuntimeError(
-                    f"{settings.run_id}: no end after {timeout:.0f} s; logs in {group.log_dir}"
-                )
+                raise RunFailed(f"{settings.run_id}: no end after {timeout:g} s; logs in {group.log_dir}")
             if kill_every is not None and now >= next_kill:
                 kill = kill_one(settings, group, client, rng, kills, now - started, plan)
                 if kill is not None:
@@ -128,7 +130,7 @@ def run_system(
         if receivers == "rlship":
             hung = wait_for_trainers(group, settings.ranks, 60)
             if hung:
-                raise RuntimeError(
+                raise RunFailed(
                     f"{settings.run_id}: trainer ranks {hung} never finished; see {group.log_dir}"
                 )
         else:
