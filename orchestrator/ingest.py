@@ -67,7 +67,7 @@ class Ingest:
         self.resumed_from: Checkpoint | None = None
         # A cut taken from `pending` whose transaction (new `next_step`, its `accounted`) has
         # not landed: `accounted` is not written meanwhile (`cutting`).
-        self.cut_unwritten = False
+        self._cut_unwritten = False
 
     async def run(self) -> None:
         """Read rollout records until stopped; complete groups; release what cannot train."""
@@ -87,7 +87,7 @@ class Ingest:
             # Every turn, with rollouts or without (the gate holds the producers, or they are
             # done): the status says what was cut and published since (`rlship status`), and
             # an `accounted` held back during a cut is written, or producers could wait on it.
-            if not self.cut_unwritten:
+            if not self._cut_unwritten:
                 pipe.set(self.keys.accounted, self.accounting.accounted)
             pipe.hset(self.keys.status, mapping=self.status())
             await pipe.execute()
@@ -158,11 +158,11 @@ class Ingest:
         transaction moves `next_step` on (the backlog would drop while the room of the old
         step still stands, and a producer would fill it: a batch too many once it moves).
         Discards counted meanwhile are written with the cut or the next turn."""
-        self.cut_unwritten = True
+        self._cut_unwritten = True
         try:
             yield
         finally:
-            self.cut_unwritten = False
+            self._cut_unwritten = False
 
     def take(self, count: int) -> Cohort:
         """The oldest `count` pending rollouts (all, if fewer), counted as cut."""

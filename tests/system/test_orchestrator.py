@@ -11,7 +11,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from orchestrator.ingest import READ_BLOCK_MS, Ingest
+from orchestrator.ingest import Ingest
 from orchestrator.orchestrator import Orchestrator
 from orchestrator.producer import RolloutProducer
 from orchestrator.records import RecordRejected, parse_record
@@ -234,7 +234,9 @@ def test_accounted_with_a_cut_in_it_waits_for_the_cuts_write(client, redis_url, 
                 producer.produce(group("c", [1.0, 1.0]))  # no signal: discarded, accounted at once
                 await _until(lambda: ingest.accounting.accounted == written + 4 + 2)
                 await _until(lambda: client.xlen(keys.rollout_stream) == 6 and not ingest.groups)
-                await asyncio.sleep(4 * READ_BLOCK_MS / 1000)  # turns of the loop, each a write
+                for _ in range(2):  # two whole turns of ingest after the discards were counted
+                    client.delete(keys.status)  # each turn writes it after its `accounted`
+                    await _until(lambda: client.exists(keys.status))
                 assert int(client.get(keys.accounted)) == written, "the cut's rollouts before its write"
             # Written once the cut is (here by ingest's next turn: no record comes to prompt it).
             await _until(lambda: int(client.get(keys.accounted)) == written + 6, timeout=5)
