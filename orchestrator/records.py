@@ -14,7 +14,6 @@ IDENTIFIER = re.compile(IDENTIFIER_PATTERN)
 Identifier = Annotated[str, Field(pattern=IDENTIFIER_PATTERN)]
 
 
-
 class RolloutRecord(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 

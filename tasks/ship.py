@@ -138,12 +138,13 @@ def _sender(run_id: str, config: ShipConfig) -> StepSender:
             config.zmq_host,
             config.zmq_port,
             config.ranks,
+            run_id=run_id,
             send_timeout=SEND_TIMEOUT_SECONDS,
             announcements=RedisAnnouncements(redis_client(), run_id),
         )
     from transport.filesystem import FileSender
 
-    return FileSender(config.output_path)
+    return FileSender(config.output_path, run_id=run_id)
 
 
 # (run_id, step, rank) whose `sending` mark this process wrote: a retry here is not a crash.

@@ -258,6 +258,19 @@ class RunKeys:
         return self.run_key("interrupted_sends")
 
     @property
+    def foreign_dropped(self) -> str:
+        """Per rank, how many steps of another run reached rlship's trainer for the rank and
+        were dropped (it is pointed at another run's port or directory)."""
+        return self.run_key("foreign_dropped")
+
+    @property
+    def ship_fatal(self) -> str:
+        """Why the run cannot ship at all (a ZMQ port pair the ship worker could not bind
+        within `bind_wait_seconds`, an output directory of another run): read by the
+        orchestrator every second, which then stops the run naming it."""
+        return self.run_key("ship_fatal")
+
+    @property
     def ship_problem(self) -> str:
         """Why the ship worker cannot send (a port it cannot bind, a rank not announced): read
         by the orchestrator when a step makes no progress; short-lived, cleared by a send."""

@@ -41,6 +41,7 @@ from transport.trainer import Acknowledgements
 from transport.zmq_receiver import ZMQReceiver
 
 Decode = Callable[[bytes | memoryview], Any]
+FOREIGN_REPORT_SECONDS = 0.5  # a waiting rank puts its count of foreign steps in Redis this often
 
 
 def default_decode() -> Decode:
@@ -61,6 +62,11 @@ def _setting(value: Any, env: str, default: Any = None) -> Any:
     if default is None:
         raise ValueError(f"{env}: not set; pass it as an argument or set the environment variable")
     return default
+
+
+def run_id_setting(run: ReceiverRunSettings) -> str:
+    """The run a receiver belongs to: it takes only that run's steps."""
+    return str(_setting(run.get("run_id"), "RLSHIP_RUN_ID"))
 
 
 class ReceiverRunSettings(TypedDict, total=False):
@@ -89,7 +95,7 @@ class ExactlyOnceReceiver:
             self.client = connect_redis(
                 _setting(run.get("redis_url"), "REDIS_URL", "redis://127.0.0.1:6379/0")
             )
-            self.run_id = str(_setting(run.get("run_id"), "RLSHIP_RUN_ID"))
+            self.run_id = run_id_setting(run)
             self._acknowledgements = Acknowledgements(
                 self.client,
                 self.run_id,
@@ -113,12 +119,14 @@ class ExactlyOnceReceiver:
     def wait(self) -> None:
         """Block until the next step can be received."""
         while self._pending is None:
-            self._pending = self._receiver.receive(timeout=None)
+            self._pending = self._receiver.receive(timeout=FOREIGN_REPORT_SECONDS)
+            self._acknowledgements.report_foreign(self._receiver)
 
     def can_receive(self) -> bool:
         """Whether `receive()` would return without waiting."""
         if self._pending is None:
             self._pending = self._receiver.receive(timeout=0)
+            self._acknowledgements.report_foreign(self._receiver)
         return self._pending is not None
 
     def receive(self) -> Any:
@@ -153,10 +161,12 @@ class ZMQMicroBatchReceiver(ExactlyOnceReceiver):
         **run: Unpack[ReceiverRunSettings],
     ) -> None:
         self.output_dir = Path(output_dir)
+        run["run_id"] = run_id_setting(run)
         receiver = ZMQReceiver(
             transport.host,
             transport.port,
             data_rank,
+            run_id=run["run_id"],
             next_step=current_step,
             hwm=getattr(transport, "hwm", 64),
             replay_after=replay_after,
@@ -180,5 +190,8 @@ class FileSystemMicroBatchReceiver(ExactlyOnceReceiver):
         **run: Unpack[ReceiverRunSettings],
     ) -> None:
         self.output_dir = Path(output_dir)
-        receiver = FileReceiver(output_dir, data_rank, next_step=current_step, poll_interval=poll_interval)
+        run["run_id"] = run_id_setting(run)
+        receiver = FileReceiver(
+            output_dir, data_rank, run_id=run["run_id"], next_step=current_step, poll_interval=poll_interval
+        )
         super().__init__(receiver, data_rank, **run)

@@ -53,10 +53,20 @@ class Acknowledgements:
     step raises the policy version."""
 
     def __init__(self, client: redis.Redis, run_id: str, ranks: int, first_step: int) -> None:
+        self.client = client
         self.keys = RunKeys(run_id)
         self.ranks = ranks
         self.first_step = first_step
         self._mark_trained = client.register_script(_MARK_TRAINED_LUA)
+        self._foreign_reported = 0
+
+    def report_foreign(self, receiver: StepReceiver) -> None:
+        """Put the count of another run's steps the rank dropped in Redis, for the run's
+        summary: a rank pointed at the wrong port is noticed there, not only in its log."""
+        dropped = receiver.foreign_dropped
+        if dropped != self._foreign_reported:
+            self.client.hset(self.keys.foreign_dropped, str(receiver.rank), dropped)
+            self._foreign_reported = dropped
 
     def acknowledge(self, message: ReceivedStep) -> str:
         """Record that `message` reached its rank; returns the payload's checksum."""
@@ -117,6 +127,7 @@ class TrainerRank:
         last = time.monotonic()
         while steps is None or len(self.received) < steps:
             message = self.receiver.receive(timeout=0.5)
+            self.acknowledgements.report_foreign(self.receiver)
             if message is None:
                 if idle_timeout is not None and time.monotonic() - last > idle_timeout:
                     return
@@ -129,6 +140,7 @@ def open_receiver(
     transport: str,
     rank: int,
     *,
+    run_id: str,
     host: str,
     port: int,
     output_dir: Path,
@@ -139,9 +151,9 @@ def open_receiver(
     if transport == "zmq":
         from transport.zmq_receiver import ZMQReceiver
 
-        return ZMQReceiver(host, port, rank, next_step=next_step, replay=replay)
+        return ZMQReceiver(host, port, rank, run_id=run_id, next_step=next_step, replay=replay)
     if transport == "fs":
         from transport.filesystem import FileReceiver
 
-        return FileReceiver(output_dir, rank, next_step=next_step)
+        return FileReceiver(output_dir, rank, run_id=run_id, next_step=next_step)
     raise ValueError(f"transport: {transport!r} is not one of 'zmq', 'fs'")

@@ -2,8 +2,11 @@
 rank (the sending end: transport/zmq_sender.py).
 
 A SUB socket subscribed to `data_rank|{rank}|` and a PUSH socket to port+1. It
-re-announces READY while it waits, so a sender that restarted and bound again (a
-replacement ship worker) learns about it without the trainer restarting. PUB/SUB cannot
+re-announces READY (`{rank}|{run_id}`) while it waits, so a sender that restarted and bound
+again (a replacement ship worker) learns about it without the trainer restarting. It takes
+only its own run's steps: a message whose topic names another run (or none: a sender of
+no rlship run) is dropped, counted in `foreign_dropped` and logged once per sender run,
+naming both runs: a rank pointed at another run's port must not train that run's steps. PUB/SUB cannot
 replay, so with a `ReplaySource` the receiver fills what the socket lost from the sender's
 retained payloads: the steps before the first one it sees (a restarted rank), a gap
 (a message lost in flight), and a step the sender reports sent that has not arrived after
@@ -21,7 +24,7 @@ from collections import deque
 import zmq
 
 from transport.base import ReceivedStep, ReplaySource, SequencedReceiver, StepSequencer
-from transport.zmq_sockets import endpoint, parse_topic, poll_ms, rank_prefix
+from transport.zmq_sockets import endpoint, parse_topic, poll_ms, rank_prefix, ready_message
 
 logger = logging.getLogger("rlship.transport")
 
@@ -39,6 +42,7 @@ class ZMQReceiver(SequencedReceiver):
         port: int,
         rank: int,
         *,
+        run_id: str,
         next_step: int,
         hwm: int = 64,
         announce_interval: float = 1.0,
@@ -55,10 +59,13 @@ class ZMQReceiver(SequencedReceiver):
         self.replay = replay
         self.replay_after = replay_after
         self.replayed = 0
+        self.run_id = run_id
+        self.foreign_dropped = 0
+        self._foreign_runs_logged: set[str | None] = set()
         self._ready: deque[ReceivedStep] = deque()
         self._last_arrival = -math.inf  # a restarted rank catches up at its first receive
         self._sequencer = StepSequencer(rank, next_step)
-        self._ready_msg = str(rank).encode()
+        self._ready_msg = ready_message(rank, run_id)
         self._closed = False
         self._ctx = zmq.Context()
         try:
@@ -130,15 +137,30 @@ class ZMQReceiver(SequencedReceiver):
             logger.error("rank %d: dropping a message of %d frames (expected 2)", self.rank, len(frames))
             return
         parsed = parse_topic(frames[0].bytes)
-        if parsed is None or parsed[0] != self.rank:
+        if parsed is None or parsed.rank != self.rank:
             logger.error("rank %d: dropping a message with topic %r", self.rank, frames[0].bytes[:64])
             return
-        step = parsed[1]
+        if parsed.run_id != self.run_id:
+            self._drop_foreign(parsed.run_id, parsed.step)
+            return
+        step = parsed.step
         self._last_arrival = time.monotonic()
         if self.replay is not None and step > self.next_step:
             self._replay_through(step - 1)
         if self._sequencer.admit(step):
             self._ready.append(ReceivedStep(step=step, rank=self.rank, payload=frames[1].buffer))
+
+    def _drop_foreign(self, run_id: str | None, step: int) -> None:
+        self.foreign_dropped += 1
+        if run_id in self._foreign_runs_logged:
+            return
+        self._foreign_runs_logged.add(run_id)
+        sender = f"run {run_id}" if run_id is not None else "a sender that names no run"
+        logger.error(
+            "rank %d of run %s: dropping step %d of %s from %s: this rank is pointed at another "
+            "run's port; it trains nothing from it (further drops counted, not logged)",
+            self.rank, self.run_id, step, sender, endpoint(self.host, self.port),
+        )  # fmt: skip
 
     def _replay_through(self, last: int) -> None:
         """Queue steps next_step..last from the replay source, stopping at the first one it

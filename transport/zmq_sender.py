@@ -2,9 +2,11 @@
 publisher, one SUB per rank (the receiving end: transport/zmq_receiver.py).
 
 An XPUB socket at host:port and a PULL socket at host:port+1. Each message is two
-frames, `data_rank|{rank}|{step}` and the payload. Nothing is published to a rank before
-it is ready, and "ready" means two things have been seen: the rank's READY announcement
-(its rank as ASCII on the PULL socket) and its subscription arriving at the publisher. The
+frames, `data_rank|{rank}|{step}|{run_id}` and the payload. Nothing is published to a rank
+before it is ready, and "ready" means two things have been seen: the rank's READY
+announcement (`{rank}|{run_id}` on the PULL socket; a stock rank's bare rank, which names
+no run, is taken too; one naming another run is ignored) and its subscription arriving at
+the publisher. The
 second is why this is XPUB rather than PUB: a READY can overtake the subscription, and a
 PUB would silently drop whatever it publishes in between (the "slow joiner"). Readiness is
 per rank, never all ranks at once: a replacement sender (a ship worker started again) must
@@ -14,6 +16,12 @@ sender keeps every announcement (in Redis) so that a replacement knows the ranks
 announced to its predecessor, and needs only their subscriptions (a SUB reconnects by
 itself, and libzmq resends its subscriptions once the application next calls into the
 socket: a trainer blocked in `recv` or `poll` does; one that never touches it does not).
+
+The publisher counts subscribers per rank (`XPUB_VERBOSER` reports every subscription and
+every unsubscription, a disconnect included): a rank with two subscribers has a second
+trainer on its steps, most likely one of another run pointed at this run's port, and the
+sender says so once in its log. A stock receiver names no run, so this is how its
+mix-up is noticed.
 
 `send` returns once the message has left the process: libzmq queues a message and its
 I/O thread writes it to the TCP socket later, and a process that dies (SIGKILL) loses
@@ -29,12 +37,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from typing import Protocol
 
 import zmq
 
 from transport.base import Closeable, Payload
-from transport.zmq_sockets import endpoint, poll_ms, rank_prefix, topic
+from transport.zmq_sockets import endpoint, parse_ready, poll_ms, rank_prefix, topic
 
 logger = logging.getLogger("rlship.transport")
 
@@ -57,6 +66,7 @@ class ZMQSender(Closeable):
     A rank whose subscription disappears (its trainer disconnected) is not ready again
     until it resubscribes, so `send` waits rather than publish into the void.
     `announcements` carries READY announcements across senders (module docstring).
+    `foreign_ready` counts the READYs of other runs' ranks this sender ignored.
     """
 
     def __init__(
@@ -65,6 +75,7 @@ class ZMQSender(Closeable):
         port: int,
         ranks: int,
         *,
+        run_id: str,
         hwm: int = 64,
         linger_ms: int = 1000,
         send_timeout: float | None = None,
@@ -75,6 +86,9 @@ class ZMQSender(Closeable):
         self.host = host
         self.port = port
         self.ranks = ranks
+        self.run_id = run_id
+        self.foreign_ready = 0
+        self._foreign_runs_logged: set[str] = set()
         self.linger_ms = linger_ms
         self._send_timeout = send_timeout
         self._announcements = announcements
@@ -83,14 +97,15 @@ class ZMQSender(Closeable):
         )
         # Messages handed to libzmq that have not left the process yet, by (step, rank).
         self._leaving: dict[tuple[int, int], zmq.MessageTracker] = {}
-        self._topics: set[bytes] = set()
+        self._subscribers: Counter[bytes] = Counter()  # topic -> subscribers holding it
         self._subscribed: set[int] = set()
+        self._crowded_logged: dict[int, int] = {}  # rank -> subscriber count last warned of
         self._ready = False
         self._closed = False
         self._ctx = zmq.Context()
         try:
             self._pub = self._ctx.socket(zmq.XPUB)
-            self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+            self._pub.setsockopt(zmq.XPUB_VERBOSER, 1)  # every (un)subscription (docstring)
             self._pub.setsockopt(zmq.XPUB_NODROP, 1)
             self._pub.setsockopt(zmq.SNDHWM, hwm)
             self._pub.setsockopt(zmq.LINGER, linger_ms)
@@ -156,7 +171,9 @@ class ZMQSender(Closeable):
             if not self.wait_ready(self._send_timeout, rank=rank):
                 raise TimeoutError(f"rank {rank} step {step}: not ready within send_timeout")
             try:
-                tracker = self._pub.send_multipart([topic(step, rank), payload], copy=False, track=True)
+                tracker = self._pub.send_multipart(
+                    [topic(step, rank, self.run_id), payload], copy=False, track=True
+                )
             except zmq.Again as exc:
                 raise TimeoutError(f"rank {rank} step {step}: send queue full past send_timeout") from exc
             self._leaving[(step, rank)] = tracker
@@ -192,33 +209,47 @@ class ZMQSender(Closeable):
         if changed:
             self._update_ready()
 
+    def subscribers(self, rank: int) -> int:
+        """Subscribers whose subscription covers `rank`: every message of that rank matches
+        it (a prefix of the rank prefix, e.g. b"" or b"data_rank|3|")."""
+        return sum(n for t, n in self._subscribers.items() if rank_prefix(rank).startswith(t))
+
     def _on_subscription(self, msg: bytes) -> bool:
         if not msg or msg[0] not in (0, 1):
             return False
         sub_topic = bytes(msg[1:])
-        if msg[0] == 1:
-            if sub_topic in self._topics:
-                return False  # XPUB_VERBOSE repeats: a reconnect, or a second subscriber
-            self._topics.add(sub_topic)
-        else:
-            # Without XPUB_VERBOSER, an unsubscribe arrives only when the topic's last
-            # subscriber has gone, so a set of topics is exact.
-            self._topics.discard(sub_topic)
-        # A topic covers a rank when every message of that rank matches it (it is a
-        # prefix of the rank prefix, e.g. b"" or b"data_rank|3|").
-        self._subscribed = {
-            r for r in range(self.ranks) if any(rank_prefix(r).startswith(t) for t in self._topics)
-        }
+        self._subscribers[sub_topic] += 1 if msg[0] == 1 else -1
+        self._subscribers = +self._subscribers  # drop topics no subscriber holds
+        counts = {r: self.subscribers(r) for r in range(self.ranks)}
+        self._subscribed = {r for r, n in counts.items() if n}
+        for rank, count in counts.items():
+            if count > max(1, self._crowded_logged.get(rank, 1)):
+                logger.warning(
+                    "run %s: rank %d has %d subscribers on %s: a second trainer receives its "
+                    "steps (one of another run, pointed at this run's port?)",
+                    self.run_id, rank, count, endpoint(self.host, self.port),
+                )  # fmt: skip
+            self._crowded_logged[rank] = count
         return True
 
     def _on_announce(self, msg: bytes) -> bool:
-        text = msg.strip()
-        if text.startswith(b"ack|"):
+        if msg.strip().startswith(b"ack|"):
             return False  # prime-rl's per-step consumption ack: nothing to do with readiness
-        if not text.isdigit() or int(text) >= self.ranks:
+        ready = parse_ready(msg)
+        if ready is None or ready[0] >= self.ranks:
             logger.warning("ignoring READY %r: not a rank in 0..%d", msg[:32], self.ranks - 1)
             return False
-        rank = int(text)
+        rank, run_id = ready
+        if run_id is not None and run_id != self.run_id:
+            self.foreign_ready += 1
+            if run_id not in self._foreign_runs_logged:
+                self._foreign_runs_logged.add(run_id)
+                logger.warning(
+                    "run %s: ignoring READY of rank %d of run %s on %s: that trainer is pointed "
+                    "at this run's port",
+                    self.run_id, rank, run_id, endpoint(self.host, self.port + 1),
+                )  # fmt: skip
+            return False
         if rank in self._announced:
             return False
         self._announced.add(rank)

@@ -1,6 +1,6 @@
 """What both ends of the ZMQ step transport (docs/transports.md, "ZMQ") agree on: the port
-pair a sender binds, the topic frame that routes a message to one rank, the endpoints and
-poll timeouts."""
+pair a sender binds, the topic frame that routes a message to one rank and names its run,
+the READY announcement, the endpoints and poll timeouts."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import math
 import random
 import socket
 from pathlib import Path
+from typing import NamedTuple
 
 TOPIC_PREFIX = b"data_rank|"
 
@@ -17,20 +18,47 @@ def rank_prefix(rank: int) -> bytes:
     return b"%s%d|" % (TOPIC_PREFIX, rank)
 
 
-def topic(step: int, rank: int) -> bytes:
-    """The first frame of a message: `data_rank|{rank}|{step}`."""
-    return b"%s%d|%d" % (TOPIC_PREFIX, rank, step)
+class Topic(NamedTuple):
+    """What a topic frame says: whose step it is. `run_id` is None for a sender that names
+    no run (prime-rl's own, or rlship before run identity)."""
+
+    rank: int
+    step: int
+    run_id: str | None
 
 
-def parse_topic(frame: bytes) -> tuple[int, int] | None:
-    """(rank, step) from a topic frame, or None if it is not one of ours."""
-    parts = frame.split(b"|")
-    if len(parts) != 3 or parts[0] + b"|" != TOPIC_PREFIX:
+def topic(step: int, rank: int, run_id: str) -> bytes:
+    """The first frame of a message: `data_rank|{rank}|{step}|{run_id}`. A stock prime-rl
+    receiver subscribes to `data_rank|{rank}|` and still matches it; rlship's receivers
+    take only their own run's steps."""
+    return b"%s%d|%d|%s" % (TOPIC_PREFIX, rank, step, run_id.encode())
+
+
+def parse_topic(frame: bytes) -> Topic | None:
+    """What a topic frame names, or None if it is not one of ours."""
+    parts = frame.split(b"|", 3)
+    if len(parts) not in (3, 4) or parts[0] + b"|" != TOPIC_PREFIX:
         return None
     rank, step = parts[1], parts[2]
-    if not (rank.isdigit() and step.isdigit()):
+    if not (rank.isdigit() and step.isdigit()) or parts[3:] == [b""]:
         return None
-    return int(rank), int(step)
+    run_id = parts[3].decode(errors="replace") if len(parts) == 4 else None
+    return Topic(int(rank), int(step), run_id)
+
+
+def ready_message(rank: int, run_id: str) -> bytes:
+    """A rank's READY announcement, `{rank}|{run_id}`: the sender of another run ignores it.
+    prime-rl's stock receivers send the rank alone."""
+    return b"%d|%s" % (rank, run_id.encode())
+
+
+def parse_ready(message: bytes) -> tuple[int, str | None] | None:
+    """(rank, run_id) of a READY (run_id None: a stock rank's bare rank), or None if the
+    message is not a READY."""
+    rank, _, run_id = message.strip().partition(b"|")
+    if not rank.isdigit():
+        return None
+    return int(rank), run_id.decode(errors="replace") if run_id else None
 
 
 EPHEMERAL_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")

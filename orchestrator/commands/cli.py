@@ -152,5 +152,6 @@ def run_command(name: str, argv: list[str]) -> int:
         print(mask_secrets(traceback.format_exc()), file=sys.stderr, end="")
         return 1
 
+
 if __name__ == "__main__":
     sys.exit(main())

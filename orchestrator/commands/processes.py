@@ -152,9 +152,7 @@ def ensure_redis(url: str, group: ProcessGroup, data_dir: Path) -> None:
         time.sleep(0.1)
 
 
-def wait_for_workers(
-    settings: RunSettings, group: ProcessGroup, timeout: float = 60.0
-) -> None:
+def wait_for_workers(settings: RunSettings, group: ProcessGroup, timeout: float = 60.0) -> None:
     """Until both workers of this placement answer a ping (they consume their queues)."""
     expected = {f"cpu-{settings.run_id}@", f"ship-{settings.run_id}@"}
     deadline = time.monotonic() + timeout

@@ -37,6 +37,7 @@ def main(args: argparse.Namespace) -> int:
     receiver = open_receiver(
         settings.transport,
         args.rank,
+        run_id=settings.run_id,
         host=settings.zmq_host,
         port=settings.zmq_port,
         output_dir=Path(settings.output_dir),

@@ -54,6 +54,7 @@ def build_microbatch(
     for a, _, _, env in segments:
         env_names.extend([env] * len(a["input_ids"]))
     env_names.extend([PADDING_ENV] * pad)
+
     def optional_stream(name: str, fill: float, dtype: type) -> np.ndarray | None:
         """A stream some samples carry: theirs, `fill` for the others and the padding."""
         if not any(name in a for a, *_ in segments):

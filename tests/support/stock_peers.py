@@ -18,7 +18,7 @@ the test double of that behaviour, run as real processes (killable) by the tests
   announces every version it held back, in order.
 
 Each received step is appended to the `--record` file as one JSON line: the peer's own
-step count, the topic's step (ZMQ), the sha256 of the raw payload, its size and the
+step count, the topic and its step (ZMQ), the sha256 of the raw payload, its size and the
 number of micro-batches msgspec decoded from it (a payload that does not decode as a list
 of 16-field micro-batches stops the peer with an error).
 """
@@ -133,7 +133,8 @@ def run(args: argparse.Namespace) -> None:
             line = {
                 "rank": args.rank,
                 "step": step,
-                "topic_step": int(parts[2]) if len(parts) == 3 and parts[2].isdigit() else None,
+                "topic": topic.decode(errors="replace"),
+                "topic_step": int(parts[2]) if len(parts) >= 3 and parts[2].isdigit() else None,
                 "sha256": hashlib.sha256(payload).hexdigest(),
                 "bytes": len(payload),
                 "micro_batches": len(micro_batches),

@@ -14,10 +14,12 @@ import zmq
 
 
 class WireTrainer:
-    """Every rank's SUB (prefix `data_rank|{rank}|`) and READY announcer, on one thread."""
+    """Every rank's SUB (prefix `data_rank|{rank}|`) and READY announcer, on one thread; a
+    topic is `data_rank|{rank}|{step}|{run_id}`. READY is the bare rank, as a stock rank's."""
 
     def __init__(self, host: str, port: int, ranks: int) -> None:
         self.messages: list[tuple[int, int, bytes]] = []  # (rank, step, payload), in arrival order
+        self.run_ids: set[str] = set()  # the runs the topics named
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(host, port, ranks), daemon=True)
@@ -53,9 +55,10 @@ class WireTrainer:
                         push.send(str(rank).encode(), zmq.NOBLOCK)
             for sub, _ in poller.poll(100):
                 topic, payload = sub.recv_multipart()
-                _, rank, step = topic.split(b"|")
+                _, rank, step, run_id = topic.split(b"|", 3)
                 with self._lock:
                     self.messages.append((int(rank), int(step), payload))
+                    self.run_ids.add(run_id.decode())
         context.destroy(linger=0)
 
     def received(self) -> list[tuple[int, int, bytes]]:

@@ -33,7 +33,7 @@ def writer_main(
 ) -> None:
     """Child process: write every (step, rank) in `order`, then (optionally) all of them again,
     so that readers also race against a rename over an existing file."""
-    with FileSender(output_dir) as sender:
+    with FileSender(output_dir, run_id="t") as sender:
         for _ in range(2 if rewrite else 1):
             for step in order:
                 for rank in range(ranks):
@@ -78,7 +78,7 @@ def watcher_main(output_dir: str, steps: int, ranks: int, writer_done: Any, queu
 
 
 def receiver_main(output_dir: str, rank: int, steps: int, queue: Any) -> None:
-    with FileReceiver(output_dir, rank, poll_interval=0.005, next_step=0) as receiver:
+    with FileReceiver(output_dir, rank, poll_interval=0.005, next_step=0, run_id="t") as receiver:
         for _ in range(steps):
             got = receiver.receive(WAIT)
             if got is None:
@@ -132,7 +132,10 @@ def test_receivers_in_other_processes_get_every_step_in_order(tmp_path: Path, pr
 
 
 def test_layout_and_round_trip(tmp_path: Path) -> None:
-    with FileSender(tmp_path) as sender, FileReceiver(tmp_path, 1, next_step=0) as receiver:
+    with (
+        FileSender(tmp_path, run_id="t") as sender,
+        FileReceiver(tmp_path, 1, next_step=0, run_id="t") as receiver,
+    ):
         assert isinstance(sender, StepSender)
         assert isinstance(receiver, StepReceiver)
         for kind in (bytes, bytearray, memoryview):
@@ -145,8 +148,8 @@ def test_layout_and_round_trip(tmp_path: Path) -> None:
 
 
 def test_receive_waits_for_next_step_even_if_a_later_one_exists(tmp_path: Path) -> None:
-    sender = FileSender(tmp_path)
-    receiver = FileReceiver(tmp_path, 0, next_step=3)
+    sender = FileSender(tmp_path, run_id="t")
+    receiver = FileReceiver(tmp_path, 0, next_step=3, run_id="t")
     sender.send(4, 0, b"four")
     start_time = time.monotonic()
     assert receiver.receive(0.2) is None
@@ -164,12 +167,12 @@ def test_receive_waits_for_next_step_even_if_a_later_one_exists(tmp_path: Path) 
 
 
 def test_failed_write_leaves_no_file(tmp_path: Path) -> None:
-    sender = FileSender(tmp_path, fsync=True)
+    sender = FileSender(tmp_path, fsync=True, run_id="t")
     with pytest.raises(TypeError):
         sender.send(0, 0, 12345)  # type: ignore[arg-type]
-    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == [tmp_path / "rollouts" / "run_id"]
     sender.send(0, 0, b"ok")
-    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == ["rank_0.bin"]
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["rank_0.bin", "run_id"]
     sender.close()
     with pytest.raises(RuntimeError):
         sender.send(1, 0, b"closed")

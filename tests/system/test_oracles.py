@@ -224,6 +224,7 @@ def test_what_a_trainer_decodes_is_what_the_rollouts_said(
             asyncio.run(run_orchestrator(settings))
             trainer.wait_for({(rank, step) for rank in range(RANKS) for step in range(STEPS)})
         assert set(trainer.counts().values()) == {1}, f"one message per rank and step: {trainer.counts()}"
+        assert trainer.run_ids == {settings.run_id}, "every topic names the run"
         received = {(step, rank): payload for rank, step, payload in trainer.received()}
     else:
         ship(settings, produce=False)

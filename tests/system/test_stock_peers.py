@@ -27,7 +27,7 @@ def test_zmq_peer_counts_steps_itself_and_keeps_duplicates(tmp_path: Path):
     record = tmp_path / "rank0.jsonl"
     peer = start_stock_peer("zmq", 0, record, output_dir=tmp_path, port=port, steps=3)
     try:
-        with ZMQSender("127.0.0.1", port, 1) as sender:
+        with ZMQSender("127.0.0.1", port, 1, run_id="t") as sender:
             assert sender.wait_ready(20)
             for step in (7, 7, 9):  # a duplicate and a gap: the peer notices neither
                 sender.send(step, 0, payload(step))
@@ -45,7 +45,7 @@ def test_fs_peer_polls_from_its_start_step_and_announcing_pauses(tmp_path: Path)
     pause_announcements(record)
     peer = start_stock_peer("fs", 0, record, output_dir=tmp_path, steps=2, poll=0.05)
     try:
-        sender = FileSender(tmp_path)
+        sender = FileSender(tmp_path, run_id="t")
         for step in (0, 1, 2):
             sender.send(step, 0, payload(step))
         wait_for("the peer to record both steps", lambda: len(read_record(record)) == 2)

@@ -62,14 +62,14 @@ def test_a_replacement_sender_reaches_a_rank_that_announced_once(client, run_id,
     record = tmp_path / "rank0.jsonl"
     peer = start_stock_peer("zmq", 0, record, output_dir=tmp_path, port=port, start_step=1, steps=2)
     try:
-        with ZMQSender(HOST, port, 1, announcements=RedisAnnouncements(client, run_id)) as first:
+        with ZMQSender(HOST, port, 1, announcements=RedisAnnouncements(client, run_id), run_id="t") as first:
             assert first.wait_ready(20)
             first.send(1, 0, payload(1))
         wait_for("the peer to record its first step", lambda: len(read_record(record)) == 1)
 
-        with ZMQSender(HOST, port, 1) as forgetful:  # what a replacement knew before
+        with ZMQSender(HOST, port, 1, run_id="t") as forgetful:  # what a replacement knew before
             assert not forgetful.wait_ready(1.5), "no READY comes again"
-        with ZMQSender(HOST, port, 1, announcements=RedisAnnouncements(client, run_id)) as second:
+        with ZMQSender(HOST, port, 1, announcements=RedisAnnouncements(client, run_id), run_id="t") as second:
             assert second.wait_ready(20), "announced to the first sender, subscribed to this one"
             second.send(2, 0, payload(2))
             assert peer.wait(20) == 0
@@ -88,7 +88,7 @@ def test_a_send_returns_once_the_message_left_and_is_never_queued_twice():
     sub.setsockopt(zmq.RCVHWM, 1)
     big = bytes(range(256)) * (1 << 14)  # 4 MiB: kernel buffers fill while nobody reads
     try:
-        with ZMQSender(HOST, port, 1, send_timeout=0.5) as sender:
+        with ZMQSender(HOST, port, 1, send_timeout=0.5, run_id="t") as sender:
             assert sender.wait_ready(10)
             sent = 0
             with pytest.raises(TimeoutError, match="still queued in libzmq"):
@@ -100,7 +100,7 @@ def test_a_send_returns_once_the_message_left_and_is_never_queued_twice():
                 sender.send(stuck, 0, big)  # the same message: waited for, not queued again
             got = [sub.recv_multipart()[0] for _ in range(stuck + 1)]
             sender.send(stuck, 0, big)  # returns now: it has left
-            assert got == [b"data_rank|0|%d" % s for s in range(stuck + 1)]
+            assert got == [b"data_rank|0|%d|t" % s for s in range(stuck + 1)]
             assert not sub.poll(500), "one copy of the step that timed out"
     finally:
         sub.close(linger=0)

@@ -54,9 +54,12 @@ def test_lost_and_missed_steps_are_replayed_in_order(client, run_id):
     store = PayloadStore(client, run_id)
     port = free_port_pair()
     replay = RetainedPayloads(client, run_id)
-    with ZMQSender(HOST, port, 1) as sender, ZMQReceiver(
-        HOST, port, 0, announce_interval=0.05, replay=replay, replay_after=0.3, next_step=0
-    ) as receiver:
+    with (
+        ZMQSender(HOST, port, 1, run_id="t") as sender,
+        ZMQReceiver(
+            HOST, port, 0, announce_interval=0.05, replay=replay, replay_after=0.3, next_step=0, run_id="t"
+        ) as receiver,
+    ):
         assert sender.wait_ready(10)
         handed_to_transport(store, 0, 0)
         sender.send(0, 0, payload(0))
@@ -75,7 +78,7 @@ def test_lost_and_missed_steps_are_replayed_in_order(client, run_id):
         assert receiver.duplicates_dropped == 1
 
     # A restarted rank (acknowledged through step 1) catches up before anything new arrives.
-    with ZMQReceiver(HOST, port, 0, next_step=2, replay=replay) as restarted:
+    with ZMQReceiver(HOST, port, 0, next_step=2, replay=replay, run_id="t") as restarted:
         assert receive_all(restarted, 2) == [(2, payload(2)), (3, payload(3))]
     store.release_payloads(ranks=1, through_step=3, evict_through=3)
 
@@ -83,9 +86,18 @@ def test_lost_and_missed_steps_are_replayed_in_order(client, run_id):
 def test_a_step_no_longer_retained_is_reported_as_a_gap(client, run_id):
     store = PayloadStore(client, run_id)
     port = free_port_pair()
-    with ZMQSender(HOST, port, 1) as sender, ZMQReceiver(
-        HOST, port, 0, announce_interval=0.05, replay=RetainedPayloads(client, run_id), next_step=0
-    ) as receiver:
+    with (
+        ZMQSender(HOST, port, 1, run_id="t") as sender,
+        ZMQReceiver(
+            HOST,
+            port,
+            0,
+            announce_interval=0.05,
+            replay=RetainedPayloads(client, run_id),
+            next_step=0,
+            run_id="t",
+        ) as receiver,
+    ):
         assert sender.wait_ready(10)
         client.set(store.keys.last_sent(0), 0)  # step 0 went out and was released
         handed_to_transport(store, 1, 0)

@@ -38,20 +38,20 @@ class Retained:
 
 def test_argument_errors_name_the_value() -> None:
     with pytest.raises(ValueError, match=r"^rank must be >= 0, got -1$"):
-        ZMQReceiver(HOST, free_port_pair(), -1, next_step=0)
+        ZMQReceiver(HOST, free_port_pair(), -1, next_step=0, run_id="t")
     with pytest.raises(ValueError, match=r"^announce_interval must be > 0, got 0$"):
-        ZMQReceiver(HOST, free_port_pair(), 0, announce_interval=0, next_step=0)
+        ZMQReceiver(HOST, free_port_pair(), 0, announce_interval=0, next_step=0, run_id="t")
     with pytest.raises(ValueError, match=r"^ranks must be >= 1, got 0$"):
-        ZMQSender(HOST, free_port_pair(), 0)
+        ZMQSender(HOST, free_port_pair(), 0, run_id="t")
     with (
-        ZMQSender(HOST, free_port_pair(), 2) as sender,
+        ZMQSender(HOST, free_port_pair(), 2, run_id="t") as sender,
         pytest.raises(ValueError, match=r"^rank 2 out of range 0..1$"),
     ):
         sender.send(0, 2, b"x")
 
 
 def test_a_closed_receiver_says_so() -> None:
-    receiver = ZMQReceiver(HOST, free_port_pair(), 0, next_step=0)
+    receiver = ZMQReceiver(HOST, free_port_pair(), 0, next_step=0, run_id="t")
     receiver.close()
     receiver.close()
     with pytest.raises(RuntimeError, match=r"^ZMQReceiver is closed$"):
@@ -63,9 +63,10 @@ def test_poll_ms_never_rounds_a_wait_down_to_zero() -> None:
 
 
 def test_topics() -> None:
-    assert topic(12, 3) == b"data_rank|3|12"
-    assert parse_topic(b"data_rank|3|12") == (3, 12)
-    for bad in (b"data_rank|3", b"data_rank|3|12|1", b"data_rnk|3|12", b"data_rank|x|1", b"data_rank|1|-1"):
+    assert topic(12, 3, "run-a") == b"data_rank|3|12|run-a"
+    assert parse_topic(b"data_rank|3|12|run-a") == (3, 12, "run-a")
+    assert parse_topic(b"data_rank|3|12") == (3, 12, None)  # a sender that names no run
+    for bad in (b"data_rank|3", b"data_rnk|3|12", b"data_rank|x|1", b"data_rank|1|-1", b"data_rank|1|2|"):
         assert parse_topic(bad) is None, bad
 
 
@@ -76,12 +77,12 @@ def test_malformed_messages_are_dropped_and_logged(caplog: pytest.LogCaptureFixt
     publisher.bind(f"tcp://{HOST}:{port}")
     caplog.set_level(logging.ERROR, logger="rlship.transport")
     try:
-        with ZMQReceiver(HOST, port, 1, next_step=0) as receiver:
+        with ZMQReceiver(HOST, port, 1, next_step=0, run_id="t") as receiver:
             assert publisher.poll(int(WAIT * 1000)) and publisher.recv() == b"\x01data_rank|1|"
-            publisher.send_multipart([topic(0, 1)])
+            publisher.send_multipart([topic(0, 1, "t")])
             publisher.send_multipart([b"data_rank|1|x", b"payload"])
-            publisher.send_multipart([topic(0, 1), b"a", b"b"])
-            publisher.send_multipart([topic(0, 1), b"good"])
+            publisher.send_multipart([topic(0, 1, "t"), b"a", b"b"])
+            publisher.send_multipart([topic(0, 1, "t"), b"good"])
             got = receiver.receive(WAIT)
             assert got is not None and (got.step, got.rank, bytes(got.payload)) == (0, 1, b"good")
         errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
@@ -99,7 +100,9 @@ def test_steps_the_transport_lost_are_replayed_when_nothing_arrives(caplog: pyte
     """No sender at all: the retained payloads up to the last sent step are the steps."""
     caplog.set_level(logging.WARNING, logger="rlship.transport")
     source = Retained({0: b"zero", 1: b"one", 2: b"two"}, last_sent=1)
-    with ZMQReceiver(HOST, free_port_pair(), 0, replay=source, replay_after=0.05, next_step=0) as receiver:
+    with ZMQReceiver(
+        HOST, free_port_pair(), 0, replay=source, replay_after=0.05, next_step=0, run_id="t"
+    ) as receiver:
         got = [receiver.receive(WAIT), receiver.receive(WAIT)]
         assert [(g.step, bytes(g.payload)) for g in got if g is not None] == [(0, b"zero"), (1, b"one")]
         assert receiver.receive(0.2) is None, "step 2 was not sent yet"
@@ -115,7 +118,13 @@ def test_steps_the_transport_lost_are_replayed_when_nothing_arrives(caplog: pyte
 def test_a_step_no_longer_retained_stops_the_replay(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.ERROR, logger="rlship.transport")
     with ZMQReceiver(
-        HOST, free_port_pair(), 0, replay=Retained({0: b"zero"}, 3), replay_after=0.05, next_step=0
+        HOST,
+        free_port_pair(),
+        0,
+        replay=Retained({0: b"zero"}, 3),
+        replay_after=0.05,
+        next_step=0,
+        run_id="t",
     ) as receiver:
         got = receiver.receive(WAIT)
         assert got is not None and got.step == 0
@@ -128,8 +137,8 @@ def test_a_later_step_on_the_wire_pulls_the_missing_ones_from_replay() -> None:
     port = free_port_pair()
     source = Retained({0: b"zero", 1: b"one"}, last_sent=-1)
     with (
-        ZMQSender(HOST, port, 1) as sender,
-        ZMQReceiver(HOST, port, 0, replay=source, replay_after=60, next_step=0) as receiver,
+        ZMQSender(HOST, port, 1, run_id="t") as sender,
+        ZMQReceiver(HOST, port, 0, replay=source, replay_after=60, next_step=0, run_id="t") as receiver,
     ):
         assert sender.wait_ready(WAIT)
         sender.send(2, 0, b"two")
@@ -204,7 +213,7 @@ def test_port_pairs_lie_below_the_ephemeral_range() -> None:
 @pytest.mark.timeout(60)
 def test_sender_errors_name_the_value_and_defaults_hold() -> None:
     port = free_port_pair()
-    with ZMQSender(HOST, port, 3) as sender:
+    with ZMQSender(HOST, port, 3, run_id="t") as sender:
         assert (sender.host, sender.port, sender.ranks, sender.linger_ms) == (HOST, port, 3, 1000)
         assert sender.ready is False and sender.ready_ranks == frozenset()
         assert sender.wait_ready(0) is False
@@ -223,7 +232,7 @@ def test_sender_errors_name_the_value_and_defaults_hold() -> None:
 @pytest.mark.timeout(60)
 def test_a_send_to_a_rank_never_ready_times_out_naming_it() -> None:
     # rank 6 of 7: no other test's trainer (ranks 0..3) can answer on a reused port
-    with ZMQSender(HOST, free_port_pair(), 7, send_timeout=0.2) as sender:
+    with ZMQSender(HOST, free_port_pair(), 7, send_timeout=0.2, run_id="t") as sender:
         started = time.monotonic()
         with pytest.raises(TimeoutError, match=r"^rank 6 step 4: not ready within send_timeout$"):
             sender.send(4, 6, b"x")
@@ -271,21 +280,22 @@ def test_ready_announcements_and_subscriptions_by_hand(caplog: pytest.LogCapture
         return s
 
     try:
-        with ZMQSender(HOST, port, 2, announcements=log) as sender:
+        with ZMQSender(HOST, port, 2, announcements=log, run_id="t") as sender:
             rank0 = sub(b"data_rank|0|")
             assert sender.wait_ready(WAIT, rank=0), "rank 0 needs only its subscription"
             assert sender.ready_ranks == frozenset({0}) and not sender.ready
             push = ctx.socket(zmq.PUSH)
             push.linger = 0
             push.connect(f"tcp://{HOST}:{port + 1}")
-            for ready in (b"ack|0|5", b"2", b"-1", b"y" * 40, b"0", b"1x", b" 1\n"):
+            for ready in (b"ack|0|5", b"2", b"-1", b"y" * 40, b"0", b"1x", b"1|other", b"1|other", b" 1\n"):
                 push.send(ready)
             rank1 = sub(b"data_rank|1|")
             assert sender.wait_ready(WAIT)
             assert sender.ready and sender.ready_ranks == frozenset({0, 1})
             assert log.added == [1]
             sender.send(12, 1, b"twelve")
-            assert rank1.poll(int(WAIT * 1000)) and rank1.recv_multipart() == [b"data_rank|1|12", b"twelve"]
+            assert sender.foreign_ready == 2
+            assert rank1.poll(int(WAIT * 1000)) and rank1.recv_multipart() == [b"data_rank|1|12|t", b"twelve"]
             assert rank0.poll(0) == 0
 
             rank1.close()
@@ -305,8 +315,18 @@ def test_ready_announcements_and_subscriptions_by_hand(caplog: pytest.LogCapture
         (logging.WARNING, f"ignoring READY b'-1': {ignored}"),
         (logging.WARNING, f"ignoring READY b'{'y' * 32}': {ignored}"),
         (logging.WARNING, f"ignoring READY b'1x': {ignored}"),
+        (
+            logging.WARNING,
+            f"run t: ignoring READY of rank 1 of run other on tcp://{HOST}:{port + 1}: that trainer is "
+            "pointed at this run's port",
+        ),
         (logging.INFO, f"all 2 ranks ready on tcp://{HOST}:{port}"),
         (logging.WARNING, "ranks [1] lost their subscription; sends wait until they return"),
+        (
+            logging.WARNING,
+            f"run t: rank 0 has 2 subscribers on tcp://{HOST}:{port}: a second trainer receives its steps "
+            "(one of another run, pointed at this run's port?)",
+        ),
         (logging.INFO, f"all 2 ranks ready on tcp://{HOST}:{port}"),
     ]
 
@@ -324,11 +344,11 @@ def test_the_receiver_subscribes_announces_and_sequences_by_hand() -> None:
     ready.linger = 0
     ready.bind(f"tcp://{HOST}:{port + 1}")
     try:
-        with ZMQReceiver(HOST, port, 5, next_step=3) as defaults:
+        with ZMQReceiver(HOST, port, 5, next_step=3, run_id="t") as defaults:
             assert (defaults.announce_interval, defaults.replay_after, defaults.replay) == (1.0, 1.0, None)
             assert publisher.poll(int(WAIT * 1000)) and publisher.recv() == b"\x01data_rank|5|"
-            assert ready.poll(int(WAIT * 1000)) and ready.recv() == b"5"
-        with ZMQReceiver(HOST, port, 5, next_step=3, announce_interval=0.05) as receiver:
+            assert ready.poll(int(WAIT * 1000)) and ready.recv() == b"5|t"
+        with ZMQReceiver(HOST, port, 5, next_step=3, announce_interval=0.05, run_id="t") as receiver:
             assert (receiver.host, receiver.port, receiver.rank, receiver.next_step) == (HOST, port, 5, 3)
             assert (receiver.replayed, receiver.duplicates_dropped, receiver.gaps) == (0, 0, [])
             while publisher.poll(int(WAIT * 1000)):  # the first receiver's unsubscribe may come first
@@ -340,19 +360,21 @@ def test_the_receiver_subscribes_announces_and_sequences_by_hand() -> None:
                 assert time.monotonic() < deadline, f"only {announced} READYs"
                 assert receiver.receive(0.06) is None
                 while ready.poll(0):
-                    assert ready.recv() == b"5"
+                    assert ready.recv() == b"5|t"
                     announced += 1
-            publisher.send_multipart([b"data_rank|5|3", b"three"])
-            publisher.send_multipart([b"data_rank|5|2", b"two, already delivered before a restart"])
-            publisher.send_multipart([b"data_rank|5|3", b"three again"])
-            publisher.send_multipart([b"data_rank|5|5", b"five"])
+            publisher.send_multipart([b"data_rank|5|3|t", b"three"])
+            publisher.send_multipart([b"data_rank|5|2|t", b"two, already delivered before a restart"])
+            publisher.send_multipart([b"data_rank|5|3|t", b"three again"])
+            publisher.send_multipart([b"data_rank|5|4|other", b"another run's four"])
+            publisher.send_multipart([b"data_rank|5|4", b"a four of no run"])
+            publisher.send_multipart([b"data_rank|5|5|t", b"five"])
             got = [receiver.receive(WAIT), receiver.receive(WAIT)]
             assert [(g.step, g.rank, bytes(g.payload)) for g in got if g is not None] == [
                 (3, 5, b"three"),
                 (5, 5, b"five"),
             ]
             assert (receiver.duplicates_dropped, receiver.gaps, receiver.next_step) == (2, [(4, 5)], 6)
-            assert receiver.replayed == 0
+            assert (receiver.replayed, receiver.foreign_dropped) == (0, 2)
     finally:
         ctx.destroy(linger=0)
 
@@ -368,7 +390,7 @@ def test_replay_from_redis_fills_a_restart_a_gap_and_a_lost_last_step(client, ru
     client.set(store.keys.last_sent(4), 4)
     port = free_port_pair()
     with (
-        ZMQSender(HOST, port, 5) as sender,
+        ZMQSender(HOST, port, 5, run_id="t") as sender,
         ZMQReceiver(
             HOST,
             port,
@@ -377,6 +399,7 @@ def test_replay_from_redis_fills_a_restart_a_gap_and_a_lost_last_step(client, ru
             replay=RetainedPayloads(client, run_id),
             replay_after=0.2,
             next_step=1,
+            run_id="t",
         ) as receiver,
     ):
         got = []
@@ -398,20 +421,20 @@ def test_replay_from_redis_fills_a_restart_a_gap_and_a_lost_last_step(client, ru
 @pytest.mark.timeout(60)
 def test_timeouts_wait_their_whole_length() -> None:
     """A wait that times out never returns early (load can only make it longer)."""
-    with ZMQSender(HOST, free_port_pair(), 7) as sender:
+    with ZMQSender(HOST, free_port_pair(), 7, run_id="t") as sender:
         started = time.monotonic()
         assert sender.wait_ready(0.4, rank=6) is False
         assert time.monotonic() - started >= 0.4
         started = time.monotonic()
         assert sender.wait_ready(0.3) is False
         assert time.monotonic() - started >= 0.3
-    with ZMQReceiver(HOST, free_port_pair(), 6, next_step=0, announce_interval=0.05) as receiver:
+    with ZMQReceiver(HOST, free_port_pair(), 6, next_step=0, announce_interval=0.05, run_id="t") as receiver:
         started = time.monotonic()
         assert receiver.receive(0.3) is None
         assert time.monotonic() - started >= 0.3
     # ... and never outlasts its timeout by a whole announce interval (30 s here, so the
     # bound of 15 s leaves any loaded machine room)
-    with ZMQReceiver(HOST, free_port_pair(), 6, next_step=0, announce_interval=WAIT) as receiver:
+    with ZMQReceiver(HOST, free_port_pair(), 6, next_step=0, announce_interval=WAIT, run_id="t") as receiver:
         started = time.monotonic()
         assert receiver.receive(0.2) is None
         assert 0.2 <= time.monotonic() - started < WAIT / 2

@@ -21,7 +21,7 @@ import zmq
 from transport.base import ReceivedStep, StepReceiver, StepSender, StepSequencer
 from transport.zmq_receiver import ZMQReceiver
 from transport.zmq_sender import ZMQSender
-from transport.zmq_sockets import free_port_pair, parse_topic, topic
+from transport.zmq_sockets import free_port_pair
 
 HOST = "127.0.0.1"
 MIB = 1 << 20
@@ -41,7 +41,7 @@ def digest(payload: bytes | memoryview) -> str:
 
 def receiver_main(port: int, rank: int, steps: int, queue: Any, timeout: float) -> None:
     """Child process: receive `steps` steps and report (step, size, sha256) of each."""
-    with ZMQReceiver(HOST, port, rank, announce_interval=0.2, next_step=0) as receiver:
+    with ZMQReceiver(HOST, port, rank, announce_interval=0.2, next_step=0, run_id="t") as receiver:
         queue.put(("started", rank))
         for _ in range(steps):
             got = receiver.receive(timeout)
@@ -57,7 +57,7 @@ def sender_main(port: int, ranks: int, steps: int, queue: Any, finished: Any) ->
     """Child process: send every (step, rank), cycling bytes/bytearray/memoryview payloads,
     and keep the socket open until the parent has seen everything arrive."""
     kinds: list[Callable[[bytes], bytes | bytearray | memoryview]] = [bytes, bytearray, memoryview]
-    with ZMQSender(HOST, port, ranks) as sender:
+    with ZMQSender(HOST, port, ranks, run_id="t") as sender:
         if not sender.wait_ready(WAIT):
             queue.put(("not-ready", sorted(sender.ready_ranks)))
             return
@@ -92,8 +92,10 @@ def in_process_pair(ranks: int = 1, **sender_kwargs: Any) -> Iterator[tuple[ZMQS
     """A sender and its ready receivers in this process, all closed on the way out (closing
     is idempotent: a test may close one itself first)."""
     port = free_port_pair()
-    sender = ZMQSender(HOST, port, ranks, **sender_kwargs)
-    receivers = [ZMQReceiver(HOST, port, rank, announce_interval=0.2, next_step=0) for rank in range(ranks)]
+    sender = ZMQSender(HOST, port, ranks, **sender_kwargs, run_id="t")
+    receivers = [
+        ZMQReceiver(HOST, port, rank, announce_interval=0.2, next_step=0, run_id="t") for rank in range(ranks)
+    ]
     try:
         assert sender.wait_ready(WAIT)
         yield sender, receivers
@@ -101,13 +103,6 @@ def in_process_pair(ranks: int = 1, **sender_kwargs: Any) -> Iterator[tuple[ZMQS
         for receiver in receivers:
             receiver.close()
         sender.close()
-
-
-def test_topic_round_trip() -> None:
-    assert topic(12, 3) == b"data_rank|3|12"
-    assert parse_topic(b"data_rank|3|12") == (3, 12)
-    for bad in (b"data_rank|3", b"rank|3|1", b"data_rank|x|1", b"data_rank|1|-1", b"data_rank|1|2|3"):
-        assert parse_topic(bad) is None
 
 
 def test_transport_imports_neither_celery_nor_upper_layers() -> None:
@@ -163,7 +158,7 @@ def test_ready_barrier_whichever_side_starts_first(procs: list[Any], receivers_f
         start_receivers()
         collect(queue, "started", ranks)
         time.sleep(0.5)  # their connects are now retrying against a port nobody binds
-    with ZMQSender(HOST, port, ranks) as sender:
+    with ZMQSender(HOST, port, ranks, run_id="t") as sender:
         if not receivers_first:
             assert not sender.wait_ready(0.2)  # nobody there yet: the barrier holds
             start_receivers()
@@ -183,7 +178,7 @@ def test_ready_needs_the_subscription_not_only_the_announcement() -> None:
     port = free_port_pair()
     ctx = zmq.Context()
     try:
-        with ZMQSender(HOST, port, 1) as sender:
+        with ZMQSender(HOST, port, 1, run_id="t") as sender:
             push = ctx.socket(zmq.PUSH)
             push.linger = 0
             push.connect(f"tcp://{HOST}:{port + 1}")
@@ -196,7 +191,7 @@ def test_ready_needs_the_subscription_not_only_the_announcement() -> None:
             assert sender.wait_ready(WAIT)
             sender.send(7, 0, b"hello")
             assert sub.poll(int(WAIT * 1000))
-            assert sub.recv_multipart() == [b"data_rank|0|7", b"hello"]
+            assert sub.recv_multipart() == [b"data_rank|0|7|t", b"hello"]
     finally:
         ctx.destroy(linger=0)
 
@@ -204,7 +199,7 @@ def test_ready_needs_the_subscription_not_only_the_announcement() -> None:
 @pytest.mark.timeout(60)
 def test_wait_ready_times_out_while_a_rank_is_missing() -> None:
     port = free_port_pair()
-    with ZMQSender(HOST, port, 2) as sender, ZMQReceiver(HOST, port, 0, next_step=0):
+    with ZMQSender(HOST, port, 2, run_id="t") as sender, ZMQReceiver(HOST, port, 0, next_step=0, run_id="t"):
         start_time = time.monotonic()
         assert not sender.wait_ready(1.0)
         assert time.monotonic() - start_time < 5
@@ -252,7 +247,10 @@ def test_gap_is_reported_and_a_late_step_is_not_delivered(caplog: pytest.LogCapt
 @pytest.mark.timeout(60)
 def test_receiver_resumed_at_a_later_step_drops_earlier_ones() -> None:
     port = free_port_pair()
-    with ZMQSender(HOST, port, 1) as sender, ZMQReceiver(HOST, port, 0, next_step=5) as receiver:
+    with (
+        ZMQSender(HOST, port, 1, run_id="t") as sender,
+        ZMQReceiver(HOST, port, 0, next_step=5, run_id="t") as receiver,
+    ):
         assert sender.wait_ready(WAIT)
         sender.send(4, 0, b"old")
         sender.send(5, 0, b"new")
@@ -267,11 +265,11 @@ def test_replacement_sender_on_same_port_reaches_a_running_receiver(procs: list[
     port = free_port_pair()
     queue = CTX.Queue()
     start(procs, receiver_main, port, 0, 2, queue, WAIT)
-    with ZMQSender(HOST, port, 1) as first:
+    with ZMQSender(HOST, port, 1, run_id="t") as first:
         assert first.wait_ready(WAIT)
         first.send(0, 0, payload_for(0, 0))
         assert collect(queue, "step", 1)[0][2] == 0
-    with ZMQSender(HOST, port, 1) as second:
+    with ZMQSender(HOST, port, 1, run_id="t") as second:
         assert second.wait_ready(WAIT)
         second.send(1, 0, payload_for(1, 0))
         (report,) = collect(queue, "step", 1)
@@ -291,7 +289,7 @@ def test_payload_outlives_receiver_close() -> None:
 @pytest.mark.timeout(60)
 def test_close_is_prompt_without_a_peer() -> None:
     port = free_port_pair()
-    sender = ZMQSender(HOST, port, 2, send_timeout=0.5)
+    sender = ZMQSender(HOST, port, 2, send_timeout=0.5, run_id="t")
     with pytest.raises(TimeoutError):
         sender.send(0, 0, b"nobody is listening")
     start_time = time.monotonic()
@@ -299,7 +297,7 @@ def test_close_is_prompt_without_a_peer() -> None:
     sender.close()  # idempotent
     assert time.monotonic() - start_time < 2.5
 
-    receiver = ZMQReceiver(HOST, free_port_pair(), 0, announce_interval=0.05, next_step=0)
+    receiver = ZMQReceiver(HOST, free_port_pair(), 0, announce_interval=0.05, next_step=0, run_id="t")
     assert receiver.receive(0.3) is None
     start_time = time.monotonic()
     receiver.close()
@@ -356,8 +354,8 @@ def test_sequencer_rules(caplog: pytest.LogCaptureFixture) -> None:
 
 def test_sender_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError):
-        ZMQSender(HOST, free_port_pair(), 0)
-    with ZMQSender(HOST, free_port_pair(), 2) as sender:
+        ZMQSender(HOST, free_port_pair(), 0, run_id="t")
+    with ZMQSender(HOST, free_port_pair(), 2, run_id="t") as sender:
         with pytest.raises(ValueError):
             sender.send(0, 2, b"")
         with pytest.raises(ValueError):
@@ -368,8 +366,8 @@ def test_sender_rejects_bad_arguments() -> None:
 
 def test_bind_failure_leaves_nothing_open() -> None:
     port = free_port_pair()
-    with ZMQSender(HOST, port, 1), pytest.raises(zmq.ZMQError):
-        ZMQSender(HOST, port, 1)
+    with ZMQSender(HOST, port, 1, run_id="t"), pytest.raises(zmq.ZMQError):
+        ZMQSender(HOST, port, 1, run_id="t")
 
 
 @pytest.mark.timeout(60)
@@ -394,8 +392,8 @@ def test_a_replacement_sender_reaches_a_rank_while_another_has_left() -> None:
     """A ship worker started again after rank 1 finished (and left) still sends to rank 0."""
     port = free_port_pair()
     with (
-        ZMQReceiver(HOST, port, 0, announce_interval=0.05, next_step=0) as rank0,
-        ZMQSender(HOST, port, 2, send_timeout=WAIT) as sender,
+        ZMQReceiver(HOST, port, 0, announce_interval=0.05, next_step=0, run_id="t") as rank0,
+        ZMQSender(HOST, port, 2, send_timeout=WAIT, run_id="t") as sender,
     ):
         assert not sender.wait_ready(0.3), "rank 1 never came"
         sender.send(3, 0, b"for rank 0")

@@ -190,6 +190,7 @@ class InProcessShipper:
             self.settings.zmq_host,
             self.settings.zmq_port,
             self.settings.ranks,
+            run_id=self.settings.run_id,
             send_timeout=SEND_TIMEOUT_SECONDS,
         )
         try:
