@@ -23,5 +23,10 @@ class EmptySteps(RuntimeError):
     cannot make progress with what the producers send."""
 
 
+class CannotShip(RuntimeError):
+    """The run cannot ship at all: its ZMQ ports are another run's, or stayed held past
+    `bind_wait_seconds`, or its output directory holds another run's steps."""
+
+
 class LeaseLost(RuntimeError):
     """Another orchestrator of the run took the lease: this one stops."""

@@ -2,7 +2,9 @@
 
 A second orchestrator of the same run (a restart racing a live one) waits for the lease
 instead of cutting the same steps. While held, the lease also renews the run-alive mark
-that keeps the run's queued tasks worth running, and notices a Redis that came back empty.
+that keeps the run's queued tasks worth running and the run's claim of its ZMQ port pair
+(transport.port_claims: another run of this Redis holding it stops this one), and notices
+a Redis that came back empty.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from orchestrator.errors import LeaseLost, RunStateLost
+from orchestrator.errors import CannotShip, LeaseLost, RunStateLost
 from transport.keys import RunKeys
+from transport.port_claims import claim_call, claim_holder, release_call
 
 log = logging.getLogger("rlship.orchestrator")
 
@@ -37,8 +40,10 @@ class Lease:
         stopping: asyncio.Event,
         on_lost: Callable[[Exception], None],
         loss_report: Callable[[], dict[str, Any]],
+        ports: tuple[str, int] | None = None,
     ) -> None:
         self.client = client
+        self.ports = ports  # the ZMQ (host, port) whose pair the run claims; None: no ZMQ
         self.run_id = run_id
         self.keys = RunKeys(run_id)
         self.stopping = stopping
@@ -54,6 +59,9 @@ class Lease:
         waiting_logged = False
         while not self.acquired.is_set():
             if await self.client.set(self.keys.orchestrator_lease, token, nx=True, ex=LEASE_SECONDS):
+                if not await self._claim_ports():
+                    await self.client.delete(self.keys.orchestrator_lease)
+                    return
                 await self.client.set(self.keys.run_marker, time.time(), nx=True)
                 await self.client.set(self.keys.alive, token, ex=ALIVE_SECONDS)
                 self.acquired.set()
@@ -76,6 +84,26 @@ class Lease:
                 self.on_lost(LeaseLost(f"run {self.run_id}: another orchestrator took the lease"))
                 return
             await self.client.expire(self.keys.orchestrator_lease, LEASE_SECONDS)
+            if not await self._claim_ports():
+                return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), LEASE_SECONDS / 5)
         await self.client.delete(self.keys.orchestrator_lease)
+        if self.ports is not None:
+            await self.client.eval(*release_call(self.run_id, *self.ports))
+
+    async def _claim_ports(self) -> bool:
+        """Claim (or renew) the run's port pair; False, and the run stopped, if another
+        live run of this Redis holds it."""
+        if self.ports is None:
+            return True
+        host, port = self.ports
+        holder = claim_holder(await self.client.eval(*claim_call(self.run_id, host, port, ALIVE_SECONDS)))
+        if holder is not None:
+            self.on_lost(
+                CannotShip(
+                    f"run {self.run_id}: zmq_port {host}:{port} (and READY {port + 1}) is held by live run "
+                    f"{holder} of this Redis: choose another --zmq-port"
+                )
+            )
+        return holder is None

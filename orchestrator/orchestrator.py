@@ -17,8 +17,9 @@ its own module, and what each owns:
   `Releases` (orchestrator.releases, at most one release pending). Owns `last_published`.
 - **stall watchdog** (`StallWatchdog`, orchestrator.watchdog): enqueues again a step in
   flight that makes no progress, and says why it is stuck.
-- **lease** (`Lease`, orchestrator.lease): holds the run's orchestrator lease and alive
-  mark; stops the run if Redis lost the run or another orchestrator took the lease.
+- **lease** (`Lease`, orchestrator.lease): holds the run's orchestrator lease, alive
+  mark and claim of its ZMQ port pair; stops the run if Redis lost the run, another
+  orchestrator took the lease or another run holds the ports.
 - **lag probe** (`LagProbe`, orchestrator.lag_probe): the event loop's own lag, every 10 ms.
 - and the policy source (`PolicyVersion.follow`, orchestrator.policy) keeps the trainers'
   policy version current for the gate.
@@ -115,7 +116,14 @@ class Orchestrator:
         )
         self.releases = Releases(settings, client, self.store, self.publisher, self._stopping)
         self.follower = RecordFollower(settings, client, self._stopping, self.step_published)
-        self.lease = Lease(client, settings.run_id, self._stopping, self._abort, self.loss_report)
+        self.lease = Lease(
+            client,
+            settings.run_id,
+            self._stopping,
+            self._abort,
+            self.loss_report,
+            ports=(settings.zmq_host, settings.zmq_port) if settings.transport == "zmq" else None,
+        )
         self.watchdog = StallWatchdog(
             settings,
             client,
@@ -205,6 +213,8 @@ class Orchestrator:
         if not self.lease.acquired.is_set():
             acquired.cancel()
             lease.result()  # the error that kept the lease from being taken (a Redis refusing writes)
+            if self._aborted is not None:
+                raise self._aborted  # refused: another run of this Redis holds the port pair
         await self.resume()
         await self.client.set(self.keys.info, RunInfo.from_settings(self.settings).model_dump_json())
         await self.policy.update()  # the first gate decision needs no wait for the follower

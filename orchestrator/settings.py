@@ -23,7 +23,7 @@ REDIS_SCHEMES = ("redis", "rediss", "unix")
 # Settings whose values may hold credentials: shown and reported only through `mask_secrets`.
 SECRET_SETTINGS = frozenset({"redis_url"})
 # Settings that, left unset, follow others (`RunSettings._resolve_derived`).
-DERIVED_SETTINGS = ("first_step", "start_step", "policy_source", "broadcast_dir")
+DERIVED_SETTINGS = ("first_step", "start_step", "policy_source", "broadcast_dir", "cpu_queue", "ship_queue")
 
 
 class RunSettings(BaseSettings):
@@ -96,8 +96,23 @@ class RunSettings(BaseSettings):
     cpu_worker_max_memory_mib: int = Field(
         default=2048, ge=64, description="a cpu pool process grown past this is replaced after its task"
     )
-    cpu_queue: str = Field(default="cpu", description="the Celery queue of the compute stages")
-    ship_queue: str = Field(default="ship", description="the Celery queue of the send stage (one worker)")
+    cpu_queue: str | None = Field(
+        default=None,
+        description="the Celery queue of the compute stages (unset: the run's own, rlship.{run_id}.cpu; "
+        "name one to let a pool of cpu workers serve several runs)",
+    )
+    ship_queue: str | None = Field(
+        default=None,
+        description="the Celery queue of the send stage, served by one worker (unset: the run's own, "
+        "rlship.{run_id}.ship)",
+    )
+    bind_wait_seconds: float = Field(
+        default=0.0,
+        ge=0,
+        le=3600,
+        description="how long the ship worker waits for a ZMQ port another process holds before the "
+        "run stops naming it (0: it stops at once)",
+    )
     samples_per_step: int = Field(default=4, ge=0, description="rollouts per step written to samples/")
     wandb_project: str | None = Field(default=None, description="log records to Weights & Biases")
     wandb_mode: Literal["online", "offline"] = Field(default="offline", description="the W&B mode")
@@ -147,6 +162,8 @@ class RunSettings(BaseSettings):
         "broadcast_dir",
         "first_step",
         "start_step",
+        "cpu_queue",
+        "ship_queue",
         mode="before",
     )
     @classmethod
@@ -182,8 +199,9 @@ class RunSettings(BaseSettings):
         trainers: prime-rl's (external) count from 1, the builtin trainer's run directories
         and checkpoints from 0; so does the policy source: Redis for rlship's trainers,
         prime-rl's broadcast directory (in the output directory unless given) for external
-        ones. Resolved here, so every consumer sees values, and kept out of the fields set,
-        so a copy made by `with_changes` (`model_copy` does not validate) derives them afresh."""
+        ones; the queues are the run's own. Resolved here, so every consumer sees values,
+        and kept out of the fields set, so a copy made by `with_changes` (`model_copy` does
+        not validate) derives them afresh."""
         unset = {name for name in DERIVED_SETTINGS if getattr(self, name) is None}
         if self.first_step is None:
             self.first_step = PRIME_RL_FIRST_STEP if self.trainers == "external" else 0
@@ -193,6 +211,10 @@ class RunSettings(BaseSettings):
             self.policy_source = "redis" if self.trainers == "builtin" else "broadcasts"
         if self.broadcast_dir is None:
             self.broadcast_dir = Path(self.output_dir) / "broadcasts"
+        if self.cpu_queue is None:
+            self.cpu_queue = run_queue(self.run_id, "cpu")
+        if self.ship_queue is None:
+            self.ship_queue = run_queue(self.run_id, "ship")
         self.__pydantic_fields_set__.difference_update(unset)
         if self.start_step < self.first_step:
             raise ValueError(
@@ -243,6 +265,12 @@ class RunSettings(BaseSettings):
     @property
     def outstanding_limit(self) -> int:
         return self.max_outstanding_rollouts or 4 * self.batch_size
+
+
+def run_queue(run_id: str, kind: str) -> str:
+    """A run's own Celery queue of `kind` (cpu, ship): runs on one Redis never share one
+    unless an operator names it."""
+    return f"rlship.{run_id}.{kind}"
 
 
 def env_name(name: str) -> str:

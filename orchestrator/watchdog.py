@@ -20,6 +20,7 @@ import redis
 import redis.asyncio as aioredis
 
 from orchestrator.diagnosis import DIAGNOSE_SECONDS, RedisOutOfMemory, stall_reason
+from orchestrator.errors import CannotShip
 from orchestrator.publisher import Publisher
 from orchestrator.settings import RunSettings
 from tasks.ship import finalize
@@ -61,7 +62,7 @@ class StallWatchdog:
         self.stopping = stopping
         self.in_flight = in_flight  # the steps cut and not yet published
         self.unsettled = unsettled  # the newest cut whose verdict the dispatcher has not read
-        self.on_fatal = on_fatal  # stops the run (a Redis out of memory)
+        self.on_fatal = on_fatal  # stops the run (a Redis out of memory, a run that cannot ship)
         self.stall_reason: str | None = None
         # Diagnosis makes blocking calls (INFO, CLIENT LIST): its own thread and client.
         self._diagnosis_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlship-diagnosis")
@@ -76,15 +77,20 @@ class StallWatchdog:
         re-run cannot fix (a trainer that stopped reading), and every re-run adds one more
         send retrying for it; but a re-run must never stop, or a twice-lost message hangs the run."""
         progress: dict[int, StepProgress] = {}
+        await self.client.unlink(self.keys.ship_fatal)  # an earlier start's: this one tries again
         while not self.stopping.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), STALL_CHECK_SECONDS)
             steps = self.in_flight()
             pipe = self.client.pipeline(transaction=False)
+            pipe.get(self.keys.ship_fatal)
             for step in steps:
                 pipe.scard(self.keys.step_keys(step))
                 pipe.scard(self.keys.sent(step))
-            counts = await pipe.execute()
+            cannot_ship, *counts = await pipe.execute()
+            if cannot_ship is not None:
+                self.on_fatal(CannotShip(cannot_ship.decode()))
+                return
             now = time.monotonic()
             for index, step in enumerate(steps):
                 marks = (counts[2 * index], counts[2 * index + 1])

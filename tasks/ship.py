@@ -32,8 +32,10 @@ from tasks.stages.release import trim_process_memory
 from tasks.stages.samples import choose_samples, sample_lines, write_samples
 from transport.base import StepSender
 from transport.checksum import payload_checksum
+from transport.filesystem import ForeignLayout
 from transport.keys import StepValue, stage_field, stage_of_field
-from transport.store import PayloadMissingError
+from transport.port_claims import port_holder
+from transport.store import DEFAULT_TTL_SECONDS, PayloadMissingError
 
 log = logging.getLogger("rlship.tasks")
 
@@ -43,7 +45,7 @@ RETRY_SECONDS = 0.05
 # tens of ms, and a rank held for minutes costs one retry a second, not twenty.
 SEND_WAIT_MAX_SECONDS = 1.0
 READY_WAIT_SECONDS = 1.0
-BIND_RETRY_SECONDS = 1.0  # a port held by another process may be freed; retried until the run ends
+BIND_RETRY_SECONDS = 1.0  # a port held by another process, within the run's bind_wait_seconds
 SHIP_PROBLEM_SECONDS = 10
 # A trainer whose queue stays full this long makes the send fail and retry later, so a
 # stuck rank holds back its own step instead of blocking the ship worker forever.
@@ -182,8 +184,8 @@ def send(ctx: StepContext, rank: int) -> None:
         # its last step may have left, and must not be waited for.
         log.info("step %d rank %d: acknowledged by the rank already; not sent again", step, rank)
         ctx.client.set(ctx.keys.last_sent(rank), step)
-    elif last_sent < step:
-        _send_now(ctx, rank)
+    elif last_sent < step and not _send_now(ctx, rank):
+        return  # the run cannot ship: its orchestrator stops it
     sent_key = ctx.keys.sent(step)
     pipe = ctx.client.pipeline(transaction=True)
     pipe.sadd(sent_key, rank)
@@ -191,19 +193,28 @@ def send(ctx: StepContext, rank: int) -> None:
     pipe.execute()
 
 
-def _send_now(ctx: StepContext, rank: int) -> None:
+def _send_now(ctx: StepContext, rank: int) -> bool:
     """Send the step to `rank` between the two marks (see `send`), once the sender is bound
-    and the rank has announced READY; retried while either is not so."""
+    and the rank has announced READY; retried while either is not so. False: the run cannot
+    ship at all (its ports stay held past `bind_wait_seconds`, its directory is another
+    run's), said in `ship_fatal`."""
     step, run_id, config = ctx.step, ctx.run_id, ctx.manifest.config
     try:
         sender = _sender(run_id, config)
+    except ForeignLayout as exc:
+        _stop_run(ctx, f"the ship worker on {socket.gethostname()} cannot write the steps: {exc}")
+        return False
     except zmq.ZMQError as exc:
-        problem = (
-            f"the ship worker on {socket.gethostname()} cannot bind {config.zmq_host}:{config.zmq_port} "
-            f"and the READY port {config.zmq_port + 1}: {exc} (another process holds it?)"
+        problem = _bind_problem(config, exc)
+        waited = time.monotonic() - _unbindable_since.setdefault(run_id, time.monotonic())
+        if waited >= config.bind_wait_seconds:
+            _stop_run(ctx, problem)
+            return False
+        _report_ship_problem(
+            ctx, f"{problem}; waiting up to {config.bind_wait_seconds:.0f} s (bind_wait_seconds)"
         )
-        _report_ship_problem(ctx, problem)
         raise ctx.retry(countdown=BIND_RETRY_SECONDS, queue=config.ship_queue) from None
+    _unbindable_since.pop(run_id, None)
     wait_ready = getattr(sender, "wait_ready", None)
     if wait_ready is not None and not wait_ready(timeout=READY_WAIT_SECONDS, rank=rank):
         log.info("step %d rank %d: waiting for trainer ranks to announce READY", step, rank)
@@ -229,6 +240,32 @@ def _send_now(ctx: StepContext, rank: int) -> None:
     pipe.unlink(ctx.keys.ship_problem)
     pipe.execute()
     _intents.discard((run_id, step, rank))
+    return True
+
+
+# Per run, since when this process has failed to bind the run's ports (bind_wait_seconds).
+_unbindable_since: dict[str, float] = {}
+
+
+def _bind_problem(config: ShipConfig, exc: zmq.ZMQError) -> str:
+    """The one line that says which address cannot be bound and who holds it."""
+    holders = [
+        f"{port}: {holder}"
+        for port in (config.zmq_port, config.zmq_port + 1)
+        if (holder := port_holder(port))
+    ]
+    held = f"; held by {', '.join(holders)}" if holders else ""
+    return (
+        f"the ship worker on {socket.gethostname()} cannot bind {config.zmq_host}:{config.zmq_port} "
+        f"and the READY port {config.zmq_port + 1}: {exc}{held}"
+    )
+
+
+def _stop_run(ctx: StepContext, problem: str) -> None:
+    """The run cannot ship: say why where its orchestrator looks every second (it stops the
+    run naming it); this send ends without a retry."""
+    log.error("step %d: %s; the run stops", ctx.step, problem)
+    ctx.client.set(ctx.keys.ship_fatal, problem, ex=DEFAULT_TTL_SECONDS)
 
 
 def _mark_intent(ctx: StepContext, step: int, rank: int) -> None:

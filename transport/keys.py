@@ -282,6 +282,27 @@ class RunKeys:
         return self.run_key("faults")
 
 
+# Claims of ZMQ port pairs (transport.port_claims): a key per port, across the runs of a
+# Redis, so under a prefix no run's keys can have (a run id has no `:`).
+PORT_CLAIM_PREFIX = "rlship::port:"
+
+
+def ship_port_claim(host: str, port: int) -> str:
+    """The claim of `host:port`: the id of the live run whose ship worker binds it."""
+    return f"{PORT_CLAIM_PREFIX}{host}:{port}"
+
+
+def ship_port_claim_pattern() -> str:
+    """Matches every port claim of the server (`rlship doctor`)."""
+    return f"{PORT_CLAIM_PREFIX}*"
+
+
+def ship_port_of_claim(key: str) -> tuple[str, int]:
+    """(host, port) of a claim's key."""
+    host, _, port = key.removeprefix(PORT_CLAIM_PREFIX).rpartition(":")
+    return host, int(port)
+
+
 PAYLOAD = "payload"  # a per-rank payload is `step:{n}:payload:{rank}` (the release script too)
 
 

@@ -25,6 +25,7 @@ from orchestrator.settings import RunSettings
 from orchestrator.worker_queries import queue_consumers
 from tasks.logs import mask_secrets
 from transport.keys import RunKeys
+from transport.port_claims import port_claims, port_holder
 
 REDIS_TIMEOUT_SECONDS = 2.0
 # The commands a supervisor starts together with Redis (honcho, compose) wait this long for it.
@@ -210,13 +211,39 @@ def port_pair_free(host: str, port: int) -> Check:
     for candidate in (port, port + 1):
         if (error := _bind_error(host, candidate)) is not None:
             role = "zmq_port" if candidate == port else "zmq_port + 1 (trainers' READY)"
+            held = f"; held by {holder}" if (holder := port_holder(candidate)) else ""
             return Check(
                 "ports",
                 False,
-                f"{role} {host}:{candidate} cannot be bound ({error})",
+                f"{role} {host}:{candidate} cannot be bound ({error}{held})",
                 "stop what holds it or choose another --zmq-port (it needs the port after it too)",
             )
     return Check("ports", True, f"{host}:{port} and {port + 1} are free for the ZMQ sender")
+
+
+def ports_of_live_runs(client: redis.Redis, settings: RunSettings) -> Check:
+    """The ZMQ ports the live runs of this Redis hold (transport.port_claims); a warning
+    when the run's own pair is among them (`rlship run` moves a default port, or refuses)."""
+    claims = port_claims(client)
+    mine = {(settings.zmq_host, settings.zmq_port), (settings.zmq_host, settings.zmq_port + 1)}
+    taken = sorted({c.run_id for c in claims if (c.host, c.port) in mine and c.run_id != settings.run_id})
+    by_run: dict[tuple[str, str], list[int]] = {}
+    for claim in claims:
+        by_run.setdefault((claim.run_id, claim.host), []).append(claim.port)
+    held = "; ".join(
+        f"run {run_id} on {host}: {', '.join(map(str, ports))}"
+        for (run_id, host), ports in sorted(by_run.items())
+    )
+    detail = f"ZMQ ports held by live runs of this Redis: {held or 'none'}"
+    if taken and settings.transport == "zmq":
+        return Check(
+            "run ports",
+            False,
+            f"{detail}; zmq_port {settings.zmq_port} is run {', '.join(taken)}'s",
+            "choose another --zmq-port (`rlship run` takes a free pair itself when the port is left unset)",
+            fatal=False,
+        )
+    return Check("run ports", True, detail)
 
 
 def metrics_port_free(host: str, port: int) -> Check:
@@ -294,6 +321,7 @@ def doctor_checks(settings: RunSettings) -> list[Check]:
     checks.append(output_dir_writable(Path(settings.output_dir)))
     checks.append(browser_available())
     if answer.client is not None:
+        checks.append(ports_of_live_runs(answer.client, settings))
         checks += workers_on_queues(settings)
     return checks
 
@@ -307,8 +335,10 @@ def redis_checks(settings: RunSettings, answer: RedisAnswer) -> list[Check]:
     return [answer.check, *redis_keeps_data(answer.client, settings.allow_eviction)]
 
 
-def preflight_run(settings: RunSettings) -> list[Check]:
-    """`rlship run`: everything it will need on this machine, before it starts anything."""
+def preflight_run(settings: RunSettings, *, port_movable: bool = False) -> list[Check]:
+    """`rlship run`: everything it will need on this machine, before it starts anything. A
+    ZMQ port it may move (`port_movable`: left at its default, rlship's own trainer ranks)
+    is checked when the run claims it instead (commands/run.py, `claim_ship_ports`)."""
     answer = probe_redis(settings.redis_url)
     checks = [output_dir_writable(Path(settings.output_dir))]
     if answer.reason == "unreachable":
@@ -317,7 +347,7 @@ def preflight_run(settings: RunSettings) -> list[Check]:
         checks += redis_checks(settings, answer)
     if answer.client is not None:
         checks.append(run_id_free(answer.client, settings.run_id))
-    if settings.transport == "zmq":
+    if settings.transport == "zmq" and not port_movable:
         checks.append(port_pair_free(settings.zmq_host, settings.zmq_port))
     if settings.metrics_port:
         checks.append(metrics_port_free(settings.metrics_host, settings.metrics_port))

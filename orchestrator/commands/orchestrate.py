@@ -18,7 +18,7 @@ import redis
 from orchestrator.commands.checks import preflight_client
 from orchestrator.commands.run import interrupt_on_sigterm
 from orchestrator.diagnosis import RedisOutOfMemory
-from orchestrator.errors import EmptySteps, LeaseLost, RunStateLost
+from orchestrator.errors import CannotShip, EmptySteps, LeaseLost, RunStateLost
 from orchestrator.lease import ALIVE_SECONDS
 from orchestrator.logs import configure_logging
 from orchestrator.orchestrator import Orchestrator
@@ -58,6 +58,9 @@ def main(args: argparse.Namespace) -> int:
     except (RunStateLost, RedisOutOfMemory, LeaseLost) as exc:
         print(f"rlship orchestrate: {exc}", file=sys.stderr)
         return 3
+    except CannotShip as exc:
+        print(f"rlship orchestrate: run {settings.run_id} stopped: {exc}", file=sys.stderr)
+        return 2
     except EmptySteps as exc:
         print(f"rlship orchestrate: run {settings.run_id} stopped: {exc}", file=sys.stderr)
         return 4

@@ -10,6 +10,7 @@ everything after `--steps N` (or Ctrl-C) and prints a summary (also written as J
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import signal
@@ -20,11 +21,17 @@ from typing import Any
 
 import redis
 
-from orchestrator.commands.checks import preflight_run
-from orchestrator.commands.processes import ProcessGroup, ensure_redis, rlship_command, worker_commands
+from orchestrator.commands.checks import port_pair_free, preflight_run
+from orchestrator.commands.processes import (
+    ProcessGroup,
+    delete_queues,
+    ensure_redis,
+    rlship_command,
+    worker_commands,
+)
 from orchestrator.commands.progress import REFRESH_SECONDS, ProgressDisplay
 from orchestrator.logs import configure_logging
-from orchestrator.settings import RunSettings, settings_to_env
+from orchestrator.settings import RunSettings, run_queue, settings_to_env
 from orchestrator.settings_resolution import (
     RUN_DEFAULTS,
     add_settings_arguments,
@@ -33,7 +40,9 @@ from orchestrator.settings_resolution import (
 )
 from orchestrator.status_reader import StatusReader
 from transport.keys import RunKeys
+from transport.port_claims import claim_call, claim_holder, release_call
 from transport.store import DEFAULT_TTL_SECONDS, PayloadStore
+from transport.zmq_sockets import free_port_pair
 
 log = logging.getLogger("rlship.run")
 
@@ -42,6 +51,10 @@ RESTARTABLE = frozenset({"redis", "cpu-worker", "ship-worker"})
 QUEUE_DRAIN_SECONDS = 5.0
 KEYS_KEPT_SECONDS = DEFAULT_TTL_SECONDS
 MAX_RESTARTS = 10
+# The claim of the run's port pair outlives `rlship run`'s start-up by this much; its
+# orchestrator renews it from its start (orchestrator.lease).
+PORT_CLAIM_SECONDS = 60
+PORT_PAIR_TRIES = 20
 
 
 def received_by_rank(client: redis.Redis, run_id: str, ranks: int) -> dict[str, dict[str, Any]]:
@@ -74,7 +87,66 @@ class ChildFailed(RuntimeError):
     """A child of the run exited and cannot be started again."""
 
 
-def run_local(settings: RunSettings, summary_path: Path | None) -> dict[str, Any]:
+class PortsTaken(RuntimeError):
+    """The run's ZMQ port pair is another run's or another process's, and may not move."""
+
+
+def _pair_taken(client: redis.Redis, run_id: str, host: str, port: int) -> str | None:
+    """Claim `host:port` and the port after it for the run; why they are not the run's to
+    use (another live run of this Redis holds the claim, a process has bound one), or None."""
+    holder = claim_holder(client.eval(*claim_call(run_id, host, port, PORT_CLAIM_SECONDS)))
+    if holder is not None:
+        return f"is held by live run {holder} of this Redis"
+    check = port_pair_free(host, port)
+    if check.ok:
+        return None
+    client.eval(*release_call(run_id, host, port))
+    return f"cannot be bound: {check.detail}"
+
+
+def claim_ship_ports(client: redis.Redis, settings: RunSettings, movable: bool) -> RunSettings:
+    """Claim the run's ZMQ port pair before anything starts (transport.port_claims), so a
+    rank of this run never connects to another run's sender. A pair another live run of
+    this Redis holds, or another process has bound, stops the run in one line; `movable`
+    (the port left at its default, the run's own trainer ranks, which are told the port)
+    takes a free pair instead, and says so."""
+    if settings.transport != "zmq":
+        return settings
+    host, port = settings.zmq_host, settings.zmq_port
+    problem = _pair_taken(client, settings.run_id, host, port)
+    if problem is None:
+        return settings
+    if not movable:
+        raise PortsTaken(
+            f"zmq_port {host}:{port} (or the READY port {port + 1}) {problem}: choose another --zmq-port"
+        )
+    for _ in range(PORT_PAIR_TRIES):
+        candidate = free_port_pair(host)
+        if _pair_taken(client, settings.run_id, host, candidate) is None:
+            print(
+                f"rlship run {settings.run_id}: the default zmq_port {host}:{port} {problem}; this run "
+                f"ships on {candidate} and {candidate + 1} (its trainer ranks are told)"
+            )
+            return settings.with_changes(zmq_port=candidate)
+    raise PortsTaken(
+        f"zmq_port {host}:{port} {problem}, and no free pair was found in {PORT_PAIR_TRIES} tries"
+    )
+
+
+def release_ship_ports(client: redis.Redis, settings: RunSettings) -> None:
+    if settings.transport == "zmq":
+        client.eval(*release_call(settings.run_id, settings.zmq_host, settings.zmq_port))
+
+
+def own_queues(settings: RunSettings) -> list[str]:
+    """The run's queues that are its own (not named by an operator to share a pool)."""
+    queues = [(settings.cpu_queue, "cpu"), (settings.ship_queue, "ship")]
+    return [queue for queue, kind in queues if queue == run_queue(settings.run_id, kind)]
+
+
+def run_local(
+    settings: RunSettings, summary_path: Path | None, *, port_movable: bool = False
+) -> dict[str, Any]:
     # The children run in the repository (`ProcessGroup`): a relative path would be theirs.
     given = {
         name: Path(path).resolve()
@@ -90,9 +162,12 @@ def run_local(settings: RunSettings, summary_path: Path | None) -> dict[str, Any
     orchestrator_summary = output_dir / "orchestrator-summary.json"
     orchestrator_summary.unlink(missing_ok=True)
     stopped = "done"
+    client: redis.Redis | None = None
     try:
         ensure_redis(settings.redis_url, group, output_dir / "redis")
         client = redis.Redis.from_url(settings.redis_url, socket_timeout=5)
+        settings = claim_ship_ports(client, settings, port_movable)
+        group.env = settings_to_env(settings)
         shipped_before = int(client.hlen(RunKeys(settings.run_id).published))
         for name, command in worker_commands(settings).items():
             group.start(name, command)
@@ -131,12 +206,16 @@ def run_local(settings: RunSettings, summary_path: Path | None) -> dict[str, Any
         _end_tasks(client, settings)
         for name in [n for n in reversed(list(group.processes)) if n != "redis"]:
             group.stop(name)
+        delete_queues(client, own_queues(settings))
         summary = _summarize(settings, orchestrator_summary, stopped, shipped_before)
         store = PayloadStore(client, settings.run_id)
         if stopped == "done":
             store.delete_all_rollouts()
         store.expire_run(KEYS_KEPT_SECONDS)
     finally:
+        if client is not None:
+            with contextlib.suppress(redis.RedisError):
+                release_ship_ports(client, settings)
         group.stop_all()
     summary.update({"wall_seconds": time.perf_counter() - started})
     if summary_path is not None:
@@ -246,16 +325,22 @@ def interrupt_on_sigterm(signum: int, frame: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    settings = run_defaults(resolve_settings(args))
+    resolved = resolve_settings(args)
+    settings = run_defaults(resolved)
     configure_logging(settings.log_json, logging.INFO, run_id=settings.run_id)
     signal.signal(signal.SIGTERM, interrupt_on_sigterm)
-    for check in preflight_run(settings):
+    # External trainers are configured with the port themselves: only rlship's may be moved.
+    port_movable = resolved.sources["zmq_port"] == "default" and settings.trainers == "builtin"
+    for check in preflight_run(settings, port_movable=port_movable):
         if not check.ok:
             log.warning("%s", check.line())
     try:
-        summary = run_local(settings, args.summary_json)
+        summary = run_local(settings, args.summary_json, port_movable=port_movable)
     except KeyboardInterrupt:
         print(f"rlship run {settings.run_id}: interrupted while starting; what it started is stopped")
         return 130
+    except PortsTaken as exc:
+        print(f"rlship run {settings.run_id}: {exc}", file=sys.stderr)
+        return 2
     print_summary(summary)
     return 0 if summary.get("steps_shipped", 0) == settings.steps else 1
