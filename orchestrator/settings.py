@@ -273,6 +273,12 @@ def run_queue(run_id: str, kind: str) -> str:
     return f"rlship.{run_id}.{kind}"
 
 
+def queue_label(queue: str) -> str:
+    """How a display names a queue: a run's own (`run_queue`) by its kind, another by its name."""
+    prefix, _, kind = queue.rpartition(".")
+    return kind if prefix.startswith("rlship.") and kind in ("cpu", "ship") else queue
+
+
 def env_name(name: str) -> str:
     """The environment variable a setting is read from."""
     return "REDIS_URL" if name == "redis_url" else f"RLSHIP_{name.upper()}"

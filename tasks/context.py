@@ -212,8 +212,10 @@ def stage_task(
 ) -> Callable[[Body], Task]:
     """Register `body` as stage `name`'s Celery task (`Stage.task_name`): the one seam.
 
-    Per delivery: the step's context; `skip` (by default: the step is published or the
-    run has ended); the body; then the stage's successors in the graph. A body that
+    Per delivery: the step's context; the worker counted in the run's `served_by` (which
+    workers took its tasks: a run's own queues keep other runs' workers out); `skip` (by
+    default: the step is published or the run has ended); the body; then the stage's
+    successors in the graph. A body that
     `computes` is the stage's computation, run once per step by `StepContext.run_stage`
     (timed, marked, the fault hook before the mark); any other runs its stage itself and
     returns False when the step goes no further. The body gets the context and the task's
@@ -224,6 +226,7 @@ def stage_task(
         @functools.wraps(body)
         def run(task: Task, run_id: str, step: int, *args: int) -> None:
             ctx = StepContext(run_id, step, task)
+            ctx.client.hincrby(ctx.keys.served_by, task.request.hostname or socket.gethostname(), 1)
             if skip(ctx, name):
                 return
             rank = args[0] if stage.per_rank else None

@@ -245,6 +245,11 @@ class RunKeys:
         return self.run_key("redundant_deliveries")
 
     @property
+    def served_by(self) -> str:
+        """Per Celery worker (its node name, `cpu-{run_id}@host`), the run's tasks it took."""
+        return self.run_key("served_by")
+
+    @property
     def tasks_dropped(self) -> str:
         return self.run_key("tasks_dropped")
 

@@ -221,29 +221,33 @@ def port_pair_free(host: str, port: int) -> Check:
     return Check("ports", True, f"{host}:{port} and {port + 1} are free for the ZMQ sender")
 
 
-def ports_of_live_runs(client: redis.Redis, settings: RunSettings) -> Check:
-    """The ZMQ ports the live runs of this Redis hold (transport.port_claims); a warning
-    when the run's own pair is among them (`rlship run` moves a default port, or refuses)."""
-    claims = port_claims(client)
-    mine = {(settings.zmq_host, settings.zmq_port), (settings.zmq_host, settings.zmq_port + 1)}
-    taken = sorted({c.run_id for c in claims if (c.host, c.port) in mine and c.run_id != settings.run_id})
+def ports_of_live_runs(client: redis.Redis) -> Check:
+    """The ZMQ ports the live runs of this Redis hold (transport.port_claims)."""
     by_run: dict[tuple[str, str], list[int]] = {}
-    for claim in claims:
+    for claim in port_claims(client):
         by_run.setdefault((claim.run_id, claim.host), []).append(claim.port)
     held = "; ".join(
         f"run {run_id} on {host}: {', '.join(map(str, ports))}"
         for (run_id, host), ports in sorted(by_run.items())
     )
-    detail = f"ZMQ ports held by live runs of this Redis: {held or 'none'}"
-    if taken and settings.transport == "zmq":
+    return Check("run ports", True, f"ZMQ ports held by live runs of this Redis: {held or 'none'}")
+
+
+def ports_unclaimed(client: redis.Redis, settings: RunSettings) -> Check:
+    """No other live run of this Redis holds the run's ZMQ port pair."""
+    pair = {(settings.zmq_host, settings.zmq_port), (settings.zmq_host, settings.zmq_port + 1)}
+    holders = sorted(
+        {c.run_id for c in port_claims(client) if (c.host, c.port) in pair and c.run_id != settings.run_id}
+    )
+    address = f"zmq_port {settings.zmq_host}:{settings.zmq_port} (or the READY port {settings.zmq_port + 1})"
+    if holders:
         return Check(
-            "run ports",
+            "ports",
             False,
-            f"{detail}; zmq_port {settings.zmq_port} is run {', '.join(taken)}'s",
-            "choose another --zmq-port (`rlship run` takes a free pair itself when the port is left unset)",
-            fatal=False,
+            f"{address} is held by live run {', '.join(holders)} of this Redis",
+            "choose another --zmq-port (or leave it unset: `rlship run` then takes a free pair)",
         )
-    return Check("run ports", True, detail)
+    return Check("ports", True, f"{address} is held by no other live run of this Redis")
 
 
 def metrics_port_free(host: str, port: int) -> Check:
@@ -321,7 +325,7 @@ def doctor_checks(settings: RunSettings) -> list[Check]:
     checks.append(output_dir_writable(Path(settings.output_dir)))
     checks.append(browser_available())
     if answer.client is not None:
-        checks.append(ports_of_live_runs(answer.client, settings))
+        checks.append(ports_of_live_runs(answer.client))
         checks += workers_on_queues(settings)
     return checks
 
@@ -348,7 +352,11 @@ def preflight_run(settings: RunSettings, *, port_movable: bool = False) -> list[
     if answer.client is not None:
         checks.append(run_id_free(answer.client, settings.run_id))
     if settings.transport == "zmq" and not port_movable:
-        checks.append(port_pair_free(settings.zmq_host, settings.zmq_port))
+        claimed = ports_unclaimed(answer.client, settings) if answer.client is not None else None
+        # One line for one taken port: the run holding it, or else what cannot be bound.
+        checks.append(
+            claimed if claimed and not claimed.ok else port_pair_free(settings.zmq_host, settings.zmq_port)
+        )
     if settings.metrics_port:
         checks.append(metrics_port_free(settings.metrics_host, settings.metrics_port))
     return require("run", checks)

@@ -16,6 +16,7 @@ from typing import TextIO
 import redis
 
 from orchestrator.follower import format_step_line
+from orchestrator.settings import queue_label
 from orchestrator.status_reader import STAGES, Snapshot, StatusReader, in_flight
 
 REFRESH_SECONDS = 0.25
@@ -41,7 +42,7 @@ def status_lines(
     pending = int(status.get("pending", 0))
     in_groups = int(status.get("in_open_groups", 0))
     counts = in_flight(snapshot.steps, ranks)
-    queued = " ".join(f"{name} {length}" for name, length in snapshot.queued.items())
+    queued = " ".join(f"{queue_label(name)} {length}" for name, length in snapshot.queued.items())
     age = snapshot.now - status.get("updated_at", snapshot.now)
     stalled = ""
     if snapshot.stalled_ranks:

@@ -285,12 +285,17 @@ def _summarize(
             "stopped": stopped,
             "ranks": received_by_rank(client, settings.run_id, settings.ranks),
             "sent_checksums": sent_checksums(client, settings.run_id),
-            "tasks_dropped": {
-                k.decode(): int(v) for k, v in client.hgetall(RunKeys(settings.run_id).tasks_dropped).items()
-            },
+            "tasks_dropped": _counts(client, RunKeys(settings.run_id).tasks_dropped),
+            "served_by": _counts(client, RunKeys(settings.run_id).served_by),
+            "foreign_dropped": _counts(client, RunKeys(settings.run_id).foreign_dropped),
+            "zmq_port": settings.zmq_port if settings.transport == "zmq" else None,
         }
     )
     return summary
+
+
+def _counts(client: redis.Redis, key: str) -> dict[str, int]:
+    return {k.decode(): int(v) for k, v in client.hgetall(key).items()}
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -304,6 +309,8 @@ def print_summary(summary: dict[str, Any]) -> None:
     )
     for rank, received in sorted(summary.get("ranks", {}).items()):
         print(f"  rank {rank}: received steps {received['steps']}")
+    for rank, dropped in sorted(summary.get("foreign_dropped", {}).items()):
+        print(f"  rank {rank}: dropped {dropped} steps of another run (pointed at another run's port)")
     if summary.get("tasks_dropped"):
         print(f"  tasks dropped after the run ended (not retried): {summary['tasks_dropped']}")
     if summary["stopped"] != "done":

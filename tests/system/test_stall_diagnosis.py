@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from orchestrator.diagnosis import redis_out_of_memory
 from orchestrator.orchestrator import Orchestrator
 from orchestrator.producer import RolloutProducer
-from orchestrator.settings import RunSettings
+from orchestrator.settings import RunSettings, settings_to_env
 from tests.support.factories import group
 from tests.support.processes import REPO, python_command, refused, session_queue
 from tests.support.shiprun import ship_settings, start_trainers, stop
@@ -62,18 +62,62 @@ def end_run(client: redis.Redis, run_id: str) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_a_zmq_port_held_by_another_process_is_named(client, redis_url, run_id, workers, tmp_path):
+def test_a_zmq_port_held_by_another_process_stops_the_run_naming_it(
+    client, redis_url, run_id, workers, tmp_path
+):
+    """The ship worker cannot bind the READY port (as Flower once held 5556): `rlship
+    orchestrate` stops within seconds, in one line naming the address and the process that
+    holds it (this test's), exit 2; it does not wait for the port."""
     settings = ship_settings(run_id, redis_url, workers, tmp_path, steps=1, batch_size=8, group_size=4)
     produce_one_step(client, settings)
     try:
-        with socket.socket() as holder:  # as Flower did on 5556, the READY port
+        with socket.socket() as holder:
             holder.bind(("127.0.0.1", settings.zmq_port + 1))
             holder.listen()
-            reason = asyncio.run(first_stall_reason(settings))
+            started = time.monotonic()
+            done = subprocess.run(
+                python_command("orchestrate"),
+                env={**os.environ, **settings_to_env(settings)},
+                cwd=REPO, capture_output=True, text=True, timeout=DEADLINE_SECONDS,
+            )  # fmt: skip
+            seconds = time.monotonic() - started
     finally:
         end_run(client, run_id)
-    assert f"cannot bind 127.0.0.1:{settings.zmq_port} and the READY port {settings.zmq_port + 1}" in reason
-    assert "Address already in use" in reason and reason.startswith("step 0 made no progress")
+    assert done.returncode == 2, done.stderr[-2000:]
+    line = refused(done, f"run {run_id} stopped", f"cannot bind 127.0.0.1:{settings.zmq_port}")
+    assert f"and the READY port {settings.zmq_port + 1}: Address already in use" in line
+    assert f"held by {settings.zmq_port + 1}: pid {os.getpid()}" in line, "the holder is named"
+    assert seconds < DEADLINE_SECONDS / 2, f"stopped after {seconds:.0f} s, not within seconds"
+
+
+@pytest.mark.timeout(180)
+def test_with_bind_wait_seconds_the_run_waits_for_the_port_and_ships(
+    client, redis_url, run_id, workers, tmp_path
+):
+    """Asked to wait for the port (bind_wait_seconds), the run says it is waiting, and ships
+    once the holder lets go."""
+    settings = ship_settings(
+        run_id, redis_url, workers, tmp_path, steps=1, batch_size=8, group_size=4, bind_wait_seconds=120
+    )
+    produce_one_step(client, settings)
+    trainers = start_trainers(settings)
+    holder = socket.socket()
+    try:
+        holder.bind(("127.0.0.1", settings.zmq_port))
+        holder.listen()
+        reason = asyncio.run(first_stall_reason(settings))
+        holder.close()
+        summary = asyncio.run(Orchestrator(settings, aioredis.Redis.from_url(redis_url)).run())
+        stop(trainers)
+    finally:
+        holder.close()
+        end_run(client, run_id)
+        for trainer in trainers:
+            trainer.terminate()
+        stop(trainers)
+    assert f"cannot bind 127.0.0.1:{settings.zmq_port}" in reason
+    assert "waiting up to 120 s (bind_wait_seconds)" in reason
+    assert summary["steps_shipped"] == 1
 
 
 @pytest.mark.timeout(180)
