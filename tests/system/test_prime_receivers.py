@@ -53,7 +53,7 @@ def test_zmq_receiver_drops_duplicates_and_replays_gaps_and_restarts(redis_url, 
     port = free_port_pair()
     transport = SimpleNamespace(host=HOST, port=port, hwm=16)
     options = {"run_id": run_id, "redis_url": redis_url, "ranks": 1, "replay_after": 0.3}
-    with ZMQSender(HOST, port, 1, run_id="t") as sender:
+    with ZMQSender(HOST, port, 1, run_id=run_id) as sender:
         receiver = ZMQMicroBatchReceiver("unused", 0, 0, transport, **options)
         try:
             assert sender.wait_ready(10)
@@ -87,7 +87,7 @@ def test_zmq_receiver_drops_duplicates_and_replays_gaps_and_restarts(redis_url, 
 
 
 def test_filesystem_receiver_and_prime_rl_decoding(redis_url, run_id, store, tmp_path):
-    sender = FileSender(tmp_path, run_id="t")
+    sender = FileSender(tmp_path, run_id=run_id)
     for step in (2, 1, 3):  # written out of order (a redelivered task): read in order
         sender.send(step, 0, payload(step))
     decoder = msgspec.msgpack.Decoder(type=list[WireMicroBatch]).decode

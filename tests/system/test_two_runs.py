@@ -120,6 +120,9 @@ def test_a_second_run_at_a_held_port_stops_at_once_and_foreign_ranks_are_noticed
         )
         port = min(c.port for c in claim)
         wait_for("run A's first record", lambda: client.hlen(RunKeys(first).published) >= 1, 60)
+        doctor = rlship("doctor", "--output-dir", str(tmp_path / "doctor"), env={"REDIS_URL": redis_url})
+        listed = [line for line in doctor.stdout.splitlines() if "ZMQ ports held by live runs" in line]
+        assert listed and f"run {first} on 127.0.0.1: {port}, {port + 1}" in listed[0], doctor.stdout
 
         done = rlship("run", "--steps", "2", "--run-id", second, "--zmq-port", str(port), "--output-dir",
                       str(tmp_path / "b"), env={"REDIS_URL": redis_url})  # fmt: skip

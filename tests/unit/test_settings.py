@@ -84,13 +84,24 @@ def test_children_get_the_resolved_settings(monkeypatch: pytest.MonkeyPatch, tmp
 
 
 
+def test_a_runs_queues_are_its_own_unless_named() -> None:
+    """Left unset, a run's queues are named after it (and follow a new run id, in a child
+    too); a queue an operator names is kept."""
+    run = RunSettings(run_id="r1")
+    assert (run.cpu_queue, run.ship_queue) == ("rlship.r1.cpu", "rlship.r1.ship")
+    assert run.with_changes(run_id="r2").ship_queue == "rlship.r2.ship"
+    assert settings_to_env(run)["RLSHIP_CPU_QUEUE"] == "", "derived: the child derives it again"
+    shared = RunSettings(run_id="r1", cpu_queue="pool")
+    assert (shared.cpu_queue, shared.with_changes(run_id="r2").cpu_queue) == ("pool", "pool")
+
+
 def test_ship_config_is_the_same_named_settings(tmp_path: Path) -> None:
     """Each field of the workers' config is the run setting of its name (`output_dir` as
     text), checked on settings that all differ from the config's defaults."""
     settings = RunSettings(
         ranks=3, seq_len=128, transport="fs", zmq_host="10.0.0.2", zmq_port=6000,
         output_dir=tmp_path / "run", pad_to_multiple=16, vocab_size=1000, cpu_queue="compute",
-        ship_queue="send", samples_per_step=2, replay_steps=9, first_step=1,
+        ship_queue="send", samples_per_step=2, replay_steps=9, first_step=1, bind_wait_seconds=2.5,
     )  # fmt: skip
     config = settings.ship_config()
     for field in dataclasses.fields(ShipConfig):
