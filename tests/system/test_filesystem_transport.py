@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import multiprocessing as mp
 import random
 import time
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 
 from transport.base import StepReceiver, StepSender
-from transport.filesystem import FileReceiver, FileSender, payload_path
+from transport.filesystem import FileReceiver, FileSender, ForeignLayout, payload_path
 
 MIB = 1 << 20
 CTX = mp.get_context("spawn")
@@ -145,6 +146,36 @@ def test_layout_and_round_trip(tmp_path: Path) -> None:
         assert (tmp_path / "rollouts" / "step_2" / "rank_1.bin").read_bytes() == b"payload 2"
         assert payload_path(tmp_path, 2, 1) == tmp_path / "rollouts" / "step_2" / "rank_1.bin"
         assert sorted(p.name for p in (tmp_path / "rollouts" / "step_0").iterdir()) == ["rank_1.bin"]
+
+
+def test_a_layout_belongs_to_one_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The first sender names its run in `rollouts/run_id`; a sender of another run refuses
+    the directory, and a receiver of another run reads nothing from it (counted per step,
+    logged once). A layout without the file (a sender of no rlship run) is not read either."""
+    caplog.set_level(logging.ERROR, logger="rlship.transport")
+    unnamed = tmp_path / "unnamed"
+    payload_path(unnamed, 0, 0).parent.mkdir(parents=True)
+    payload_path(unnamed, 0, 0).write_bytes(b"whose?")
+    with FileReceiver(unnamed, 0, next_step=0, run_id="b", poll_interval=0.01) as nobodys:
+        assert nobodys.receive(0.05) is None and nobodys.foreign_dropped == 1
+    with FileSender(tmp_path, run_id="a") as sender:
+        sender.send(0, 0, b"a's step 0")
+        sender.send(1, 0, b"a's step 1")
+    assert (tmp_path / "rollouts" / "run_id").read_text() == "a\n"
+    with pytest.raises(ForeignLayout, match=r"holds the steps of run a, not of run b: give each run its own"):
+        FileSender(tmp_path, run_id="b")
+    with FileReceiver(tmp_path, 0, next_step=0, run_id="b", poll_interval=0.01) as foreign:
+        assert foreign.receive(0.05) is None and foreign.receive(0.05) is None
+        assert (foreign.foreign_dropped, foreign.next_step) == (1, 0), "counted once per step, nothing read"
+    with FileReceiver(tmp_path, 0, next_step=0, run_id="a") as own, FileSender(tmp_path, run_id="a"):
+        got = own.receive(1.0)
+        assert got is not None and bytes(got.payload) == b"a's step 0"
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    why = "not read (this rank is pointed at another run's output_dir)"
+    assert errors == [
+        f"rank 0 of run b: {unnamed / 'rollouts'} holds the steps of no named run: {why}",
+        f"rank 0 of run b: {tmp_path / 'rollouts'} holds the steps of run a: {why}",
+    ]
 
 
 def test_receive_waits_for_next_step_even_if_a_later_one_exists(tmp_path: Path) -> None:
