@@ -34,7 +34,7 @@ from transport.base import StepSender
 from transport.checksum import payload_checksum
 from transport.filesystem import ForeignLayout
 from transport.keys import StepValue, stage_field, stage_of_field
-from transport.port_claims import port_holder
+from transport.port_claims import other_claimants, port_holder
 from transport.store import DEFAULT_TTL_SECONDS, PayloadMissingError
 
 log = logging.getLogger("rlship.tasks")
@@ -205,7 +205,7 @@ def _send_now(ctx: StepContext, rank: int) -> bool:
         _stop_run(ctx, f"the ship worker on {socket.gethostname()} cannot write the steps: {exc}")
         return False
     except zmq.ZMQError as exc:
-        problem = _bind_problem(config, exc)
+        problem = _bind_problem(ctx, config, exc)
         waited = time.monotonic() - _unbindable_since.setdefault(run_id, time.monotonic())
         if waited >= config.bind_wait_seconds:
             _stop_run(ctx, problem)
@@ -247,17 +247,20 @@ def _send_now(ctx: StepContext, rank: int) -> bool:
 _unbindable_since: dict[str, float] = {}
 
 
-def _bind_problem(config: ShipConfig, exc: zmq.ZMQError) -> str:
-    """The one line that says which address cannot be bound and who holds it."""
+def _bind_problem(ctx: StepContext, config: ShipConfig, exc: zmq.ZMQError) -> str:
+    """The one line that says which address cannot be bound and who holds it: the process
+    listening there, and another run claiming the ports in Redis."""
     holders = [
         f"{port}: {holder}"
         for port in (config.zmq_port, config.zmq_port + 1)
         if (holder := port_holder(port))
     ]
     held = f"; held by {', '.join(holders)}" if holders else ""
+    claimants = other_claimants(ctx.client, ctx.run_id, config.zmq_host, config.zmq_port)
+    claimed = f"; claimed by live run {', '.join(claimants)}" if claimants else ""
     return (
         f"the ship worker on {socket.gethostname()} cannot bind {config.zmq_host}:{config.zmq_port} "
-        f"and the READY port {config.zmq_port + 1}: {exc}{held}"
+        f"and the READY port {config.zmq_port + 1}: {exc}{held}{claimed}"
     )
 
 

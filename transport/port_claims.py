@@ -55,6 +55,13 @@ def claim_holder(reply: bytes | str | None) -> str | None:
     return reply.decode() if isinstance(reply, bytes) else reply
 
 
+def other_claimants(client: redis.Redis, run_id: str, host: str, port: int) -> list[str]:
+    """The live runs of this Redis other than `run_id` that claim `host:port` or the port
+    after it."""
+    held = client.mget(ship_port_claim(host, port), ship_port_claim(host, port + 1))
+    return sorted({claimant.decode() for claimant in held if claimant is not None} - {run_id})
+
+
 @dataclass(frozen=True)
 class PortClaim:
     host: str

@@ -25,7 +25,7 @@ from orchestrator.settings import RunSettings
 from orchestrator.worker_queries import queue_consumers
 from tasks.logs import mask_secrets
 from transport.keys import RunKeys
-from transport.port_claims import port_claims, port_holder
+from transport.port_claims import other_claimants, port_claims, port_holder
 
 REDIS_TIMEOUT_SECONDS = 2.0
 # The commands a supervisor starts together with Redis (honcho, compose) wait this long for it.
@@ -235,10 +235,7 @@ def ports_of_live_runs(client: redis.Redis) -> Check:
 
 def ports_unclaimed(client: redis.Redis, settings: RunSettings) -> Check:
     """No other live run of this Redis holds the run's ZMQ port pair."""
-    pair = {(settings.zmq_host, settings.zmq_port), (settings.zmq_host, settings.zmq_port + 1)}
-    holders = sorted(
-        {c.run_id for c in port_claims(client) if (c.host, c.port) in pair and c.run_id != settings.run_id}
-    )
+    holders = other_claimants(client, settings.run_id, settings.zmq_host, settings.zmq_port)
     address = f"zmq_port {settings.zmq_host}:{settings.zmq_port} (or the READY port {settings.zmq_port + 1})"
     if holders:
         return Check(
