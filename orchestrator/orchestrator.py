@@ -55,6 +55,7 @@ from orchestrator.lease import Lease
 from orchestrator.policy import PolicyVersion
 from orchestrator.publisher import Publisher
 from orchestrator.releases import Releases
+from orchestrator.resume import resumed, stored_form
 from orchestrator.rollout_log import RolloutLog
 from orchestrator.run_info import RunInfo
 from orchestrator.settings import RunSettings
@@ -215,6 +216,10 @@ class Orchestrator:
             lease.result()  # the error that kept the lease from being taken (a Redis refusing writes)
             if self._aborted is not None:
                 raise self._aborted  # refused: another run of this Redis holds the port pair
+        stored = await self.client.get(self.keys.settings)
+        if stored is not None:  # a resume may change only what the steps so far allow
+            resumed(stored.decode(), self.settings, given=self.settings.model_fields_set)
+        await self.client.set(self.keys.settings, stored_form(self.settings))
         await self.resume()
         await self.client.set(self.keys.info, RunInfo.from_settings(self.settings).model_dump_json())
         await self.policy.update()  # the first gate decision needs no wait for the follower

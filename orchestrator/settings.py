@@ -107,11 +107,11 @@ class RunSettings(BaseSettings):
         "rlship.{run_id}.ship)",
     )
     bind_wait_seconds: float = Field(
-        default=0.0,
+        default=5.0,
         ge=0,
         le=3600,
-        description="how long the ship worker waits for a ZMQ port another process holds before the "
-        "run stops naming it (0: it stops at once)",
+        description="how long the ship worker retries binding a ZMQ port another process holds (a "
+        "replaced ship worker of the run may still be letting go of it) before the run stops naming it",
     )
     samples_per_step: int = Field(default=4, ge=0, description="rollouts per step written to samples/")
     wandb_project: str | None = Field(default=None, description="log records to Weights & Biases")

@@ -64,7 +64,7 @@ class ShipConfig:
     samples_per_step: int = 0
     replay_steps: int = 8
     first_step: int = 0  # the run's numbering, for the off-policy staleness of what ships
-    bind_wait_seconds: float = 0.0  # a ZMQ port held by another process: wait, then stop the run
+    bind_wait_seconds: float = 5.0  # a ZMQ port held by another process: wait, then stop the run
 
     @property
     def output_path(self) -> Path:

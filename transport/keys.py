@@ -181,6 +181,11 @@ class RunKeys:
         return self.run_key("info")
 
     @property
+    def settings(self) -> str:
+        """The run's settings (orchestrator.resume): what a resumed run starts from."""
+        return self.run_key("settings")
+
+    @property
     def checkpoint(self) -> str:
         """The orchestrator's restart point (orchestrator.checkpoint)."""
         return self.run_key("checkpoint")

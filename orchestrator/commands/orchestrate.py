@@ -22,6 +22,7 @@ from orchestrator.errors import CannotShip, EmptySteps, LeaseLost, RunStateLost
 from orchestrator.lease import ALIVE_SECONDS
 from orchestrator.logs import configure_logging
 from orchestrator.orchestrator import Orchestrator
+from orchestrator.resume import ResumeRefused
 from orchestrator.settings import RunSettings
 from orchestrator.settings_resolution import add_settings_arguments, settings_from_args
 from tasks.logs import mask_secrets
@@ -58,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
     except (RunStateLost, RedisOutOfMemory, LeaseLost) as exc:
         print(f"rlship orchestrate: {exc}", file=sys.stderr)
         return 3
-    except CannotShip as exc:
+    except (CannotShip, ResumeRefused) as exc:
         print(f"rlship orchestrate: run {settings.run_id} stopped: {exc}", file=sys.stderr)
         return 2
     except EmptySteps as exc:

@@ -16,6 +16,7 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from orchestrator.commands.processes import (
 )
 from orchestrator.commands.progress import REFRESH_SECONDS, ProgressDisplay
 from orchestrator.logs import configure_logging
+from orchestrator.resume import ResumeRefused, check_steps_left, resumed
 from orchestrator.settings import RunSettings, run_queue, settings_to_env
 from orchestrator.settings_resolution import (
     RUN_DEFAULTS,
@@ -189,7 +191,6 @@ def run_local(
                 _restart_or_fail(group)
                 display.update()
                 time.sleep(REFRESH_SECONDS)
-            display.update(status=True)
             if orchestrator.returncode != 0:
                 cause = _orchestrator_error(group.log_dir / "orchestrator.log")
                 stopped = (
@@ -203,6 +204,7 @@ def run_local(
         except ChildFailed as exc:
             stopped = str(exc)
         group.stop("orchestrator")
+        display.update(status=True)  # every step published, however the run stopped (Ctrl-C too)
         _end_tasks(client, settings)
         for name in [n for n in reversed(list(group.processes)) if n != "redis"]:
             group.stop(name)
@@ -298,6 +300,39 @@ def _counts(client: redis.Redis, key: str) -> dict[str, int]:
     return {k.decode(): int(v) for k, v in client.hgetall(key).items()}
 
 
+def resume_with_run_settings(settings: RunSettings, sources: Mapping[str, str]) -> RunSettings:
+    """A run id given again resumes that run with its own settings (orchestrator.resume),
+    the ones given again applied where they may change, and says so in one line. A run
+    Redis does not know (or no Redis yet) starts as given; a finished one is refused by the
+    preflight checks, a running one here."""
+    if sources["run_id"] == "default":
+        return settings
+    keys = RunKeys(settings.run_id)
+    try:
+        client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2, socket_timeout=5)
+        pipe = client.pipeline(transaction=False)
+        pipe.get(keys.settings).exists(keys.finished).hlen(keys.published).exists(keys.orchestrator_lease)
+        stored, finished, shipped, running = pipe.execute()
+    except (redis.RedisError, OSError):
+        return settings
+    if stored is None or finished:
+        return settings
+    if running:
+        raise ResumeRefused(
+            f"run {settings.run_id} is running now (its orchestrator holds the lease): stop it before "
+            "resuming it, or choose another --run-id"
+        )
+    given = {name for name, source in sources.items() if source != "default"} - {"run_id"}
+    settings, changes = resumed(stored.decode(), settings, given)
+    check_steps_left(settings, shipped)
+    changed = f"; given again: {', '.join(changes)}" if changes else ""
+    print(
+        f"rlship run {settings.run_id}: resuming with the run's settings, {shipped} of "
+        f"{settings.steps} steps shipped{changed}"
+    )
+    return settings
+
+
 def print_summary(summary: dict[str, Any]) -> None:
     run_id = summary["run_id"]
     before = summary.get("steps_shipped_before", 0)
@@ -317,7 +352,7 @@ def print_summary(summary: dict[str, Any]) -> None:
         print(
             f"  stopped: {summary['stopped']}, {summary['steps_wanted'] - summary['steps_shipped']} of "
             f"{summary['steps_wanted']} steps not shipped; the run's keys expire in "
-            f"{KEYS_KEPT_SECONDS // 3600} h: `rlship run --run-id {run_id}` (same settings) resumes it"
+            f"{KEYS_KEPT_SECONDS // 3600} h: `rlship run --run-id {run_id}` resumes it with its settings"
         )
 
 
@@ -333,7 +368,11 @@ def interrupt_on_sigterm(signum: int, frame: Any) -> None:
 
 def main(args: argparse.Namespace) -> int:
     resolved = resolve_settings(args)
-    settings = run_defaults(resolved)
+    try:
+        settings = resume_with_run_settings(run_defaults(resolved), resolved.sources)
+    except ResumeRefused as exc:
+        print(f"rlship run: {exc}", file=sys.stderr)
+        return 2
     configure_logging(settings.log_json, logging.INFO, run_id=settings.run_id)
     signal.signal(signal.SIGTERM, interrupt_on_sigterm)
     # External trainers are configured with the port themselves: only rlship's may be moved.
