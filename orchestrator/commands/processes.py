@@ -113,12 +113,12 @@ def redis_answers(url: str) -> bool:
         return False
 
 
-def ensure_redis(url: str, group: ProcessGroup, data_dir: Path) -> None:
-    """Use the Redis at `url`, or start one if none answers. Its append-only file (in
+def ensure_redis(url: str, group: ProcessGroup, data_dir: Path) -> bool:
+    """Use the Redis at `url`, or start one if none answers (True). Its append-only file (in
     `data_dir`) is synced on every write, so a killed and restarted Redis loses nothing it
     acknowledged: the ship path's marks and the records stay true."""
     if redis_answers(url):
-        return
+        return False
     port = redis.connection.parse_url(url).get("port", 6379)
     data_dir.mkdir(parents=True, exist_ok=True)
     group.start(
@@ -150,6 +150,7 @@ def ensure_redis(url: str, group: ProcessGroup, data_dir: Path) -> None:
                 f"(its log: {group.log_dir / 'redis.log'})"
             )
         time.sleep(0.1)
+    return True
 
 
 def wait_for_workers(settings: RunSettings, group: ProcessGroup, timeout: float = 60.0) -> None:

@@ -41,6 +41,7 @@ from orchestrator.settings_resolution import (
     run_defaults,
 )
 from orchestrator.status_reader import StatusReader
+from tasks.logs import mask_secrets
 from transport.keys import RunKeys
 from transport.port_claims import claim_call, claim_holder, release_call
 from transport.store import DEFAULT_TTL_SECONDS, PayloadStore
@@ -166,7 +167,12 @@ def run_local(
     stopped = "done"
     client: redis.Redis | None = None
     try:
-        ensure_redis(settings.redis_url, group, output_dir / "redis")
+        if ensure_redis(settings.redis_url, group, output_dir / "redis"):
+            print(
+                f"rlship run {settings.run_id}: no Redis answered at {mask_secrets(settings.redis_url)}, "
+                f"so this run started its own there (data in {output_dir / 'redis'}); it stops with the "
+                "run, and `rlship status` sees the run only while it runs"
+            )
         client = redis.Redis.from_url(settings.redis_url, socket_timeout=5)
         settings = claim_ship_ports(client, settings, port_movable)
         group.env = settings_to_env(settings)

@@ -66,6 +66,7 @@ def test_rlship_run_survives_its_redis_being_killed(tmp_path):
             run.wait(60)
 
     out = (tmp_path / "out.log").read_text()
+    assert f"rlship run {run_id}: no Redis answered at {url}, so this run started its own there" in out
     assert "redis exited with -9; starting it again" in out
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps_shipped"] == steps
