@@ -30,7 +30,6 @@ from transport.port_claims import other_claimants, port_claims, port_holder
 REDIS_TIMEOUT_SECONDS = 2.0
 # The commands a supervisor starts together with Redis (honcho, compose) wait this long for it.
 REDIS_WAIT_SECONDS = 10.0
-CHROMIUM = "/usr/bin/chromium"
 
 
 @dataclass(frozen=True)
@@ -87,15 +86,20 @@ def probe_redis(url: str) -> RedisAnswer:
     )
     try:
         client.ping()
-    except redis.AuthenticationError as exc:
-        return RedisAnswer(_auth_failed(shown, exc), "auth")
-    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+    except redis.AuthenticationError:
+        return RedisAnswer(_auth_failed(client, shown), "auth")
+    except (redis.ConnectionError, redis.TimeoutError, OSError, redis.exceptions.InvalidResponse) as exc:
+        if (answer := _not_redis_answer(client)) is not None:
+            detail = f"what answers at {shown} is not Redis (it said {answer!r})"
+            return RedisAnswer(
+                Check("redis", False, detail, "correct the host and port in REDIS_URL"), "not_redis"
+            )
         fix = "start Redis there (or let `rlship run` start one) or correct REDIS_URL / --redis-url"
         return RedisAnswer(Check("redis", False, f"no Redis answers at {shown} ({exc})", fix), "unreachable")
     except redis.ResponseError as exc:
         message = str(exc)
         if "NOAUTH" in message or "WRONGPASS" in message or "password" in message.lower():
-            return RedisAnswer(_auth_failed(shown, exc), "auth")
+            return RedisAnswer(_auth_failed(client, shown), "auth")
         if "DB index" in message:
             database = client.connection_pool.connection_kwargs.get("db", 0)
             detail = f"redis_url={shown}: database {database} does not exist on that server ({message})"
@@ -103,16 +107,63 @@ def probe_redis(url: str) -> RedisAnswer:
             return RedisAnswer(Check("redis", False, detail, fix), "database")
         return RedisAnswer(Check("redis", False, f"Redis at {shown} refused a ping: {message}", ""), "error")
     version = client.info("server").get("redis_version", "?")
-    ok = Check("redis", True, f"Redis {version} answers at {shown}, authenticated")
-    return RedisAnswer(ok, "ok", client)
+    answers = f"Redis {version} answers at {shown}"
+    options = client.connection_pool.connection_kwargs
+    if not options.get("password"):
+        return RedisAnswer(Check("redis", True, f"{answers}, no password asked or given"), "ok", client)
+    if _answers_without_password(client):
+        unasked = Check(
+            "redis",
+            False,
+            f"{answers}, but it asks for no password: the one in the URL is not checked",
+            "set requirepass (or an ACL user) on the server, or leave the password out of REDIS_URL",
+            fatal=False,
+        )
+        return RedisAnswer(unasked, "ok", client)
+    return RedisAnswer(Check("redis", True, f"{answers}, the password accepted"), "ok", client)
 
 
-def _auth_failed(shown: str, exc: Exception) -> Check:
+def _answers_without_password(client: redis.Redis) -> bool:
+    """Whether the server behind `client` answers a client that gives no password."""
+    pool = client.connection_pool
+    options = {**pool.connection_kwargs, "password": None, "username": None}
+    bare = redis.Redis(
+        connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **options)
+    )
+    try:
+        return bool(bare.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        bare.close()
+
+
+def _not_redis_answer(client: redis.Redis) -> bytes | None:
+    """What a server that is not Redis answers a raw PING with (an HTTP server's status
+    line, say), or None when nothing answers or what answers speaks Redis's protocol."""
+    options = client.connection_pool.connection_kwargs
+    if "path" in options:  # a unix socket: only Redis would be there
+        return None
+    try:
+        with socket.create_connection(
+            (options.get("host", "localhost"), options.get("port", 6379)), 1
+        ) as raw:
+            raw.settimeout(REDIS_TIMEOUT_SECONDS)
+            raw.sendall(b"PING\r\n")
+            answer = raw.recv(64)
+    except OSError:
+        return None
+    return answer.splitlines()[0] if answer and answer[:1] not in b"+-" else None
+
+
+def _auth_failed(client: redis.Redis, shown: str) -> Check:
+    """One message per case: no password given where one is asked, or the one given refused."""
+    if not client.connection_pool.connection_kwargs.get("password"):
+        detail = f"Redis at {shown} asks for a password and the URL gives none"
+        return Check("redis", False, detail, "put it in REDIS_URL (redis://:PASSWORD@host:port/db)")
+    detail = f"Redis at {shown} refused the credentials: a wrong password (or user)"
     return Check(
-        "redis",
-        False,
-        f"Redis at {shown} refused the credentials ({exc})",
-        "put the right password in REDIS_URL (redis://:PASSWORD@host:port/db)",
+        "redis", False, detail, "put the right password in REDIS_URL (redis://:PASSWORD@host:port/db)"
     )
 
 
@@ -259,7 +310,22 @@ def metrics_port_free(host: str, port: int) -> Check:
     return Check("metrics port", True, f"{host}:{port} is free for the Prometheus endpoint")
 
 
-def output_dir_writable(path: Path) -> Check:
+def output_dir_writable(path: Path, *, create: bool = True) -> Check:
+    """The run can write its files under `path`; `create=False` (`rlship doctor`) makes
+    nothing: the directory, or the nearest one above it that exists, must let it."""
+    if not create:
+        existing = next(p for p in [path, *path.parents] if p.exists())
+        try:
+            with tempfile.TemporaryDirectory(dir=existing, prefix=".rlship-check-"):
+                pass  # made and removed: what the run would make there can be made
+        except OSError as exc:
+            return Check(
+                "output dir",
+                False,
+                f"output_dir={str(path)!r} cannot be made in {existing} ({exc.strerror or exc})",
+                "choose another --output-dir or fix its permissions",
+            )
+        return Check("output dir", True, f"{path} is writable" if existing == path else f"{path} can be made")
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".rlship-check-"):
@@ -272,18 +338,6 @@ def output_dir_writable(path: Path) -> Check:
             "choose another --output-dir or fix its permissions",
         )
     return Check("output dir", True, f"{path} is writable")
-
-
-def browser_available() -> Check:
-    if Path(CHROMIUM).exists():
-        return Check("chromium", True, f"{CHROMIUM} for the Flower browser test")
-    return Check(
-        "chromium",
-        False,
-        f"{CHROMIUM} is missing: the Flower browser test skips",
-        "`apt-get install chromium` to run it",
-        fatal=False,
-    )
 
 
 def rank_in_run(rank: int, ranks: int) -> Check:
@@ -319,8 +373,7 @@ def doctor_checks(settings: RunSettings) -> list[Check]:
         checks.append(port_pair_free(settings.zmq_host, settings.zmq_port))
     if settings.metrics_port:
         checks.append(metrics_port_free(settings.metrics_host, settings.metrics_port))
-    checks.append(output_dir_writable(Path(settings.output_dir)))
-    checks.append(browser_available())
+    checks.append(output_dir_writable(Path(settings.output_dir), create=False))
     if answer.client is not None:
         checks.append(ports_of_live_runs(answer.client))
         checks += workers_on_queues(settings)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import re
 import sys
 import traceback
@@ -135,9 +136,13 @@ def run_command(name: str, argv: list[str]) -> int:
     try:
         return int(command_main(args) or 0)
     except SystemExit as exc:
-        if isinstance(exc.code, str):
-            raise SystemExit(mask_secrets(exc.code)) from None
+        if isinstance(exc.code, str):  # a command that stops with a message: what it was given is wrong
+            print(mask_secrets(exc.code), file=sys.stderr)
+            return 2
         raise
+    except BrokenPipeError:  # `rlship ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        return 1
     except redis.RedisError as exc:
         # What the commands' own checks did not foresee: still one line, no traceback.
         print(mask_secrets(f"rlship {name}: Redis: {type(exc).__name__}: {exc}"), file=sys.stderr)

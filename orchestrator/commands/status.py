@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 import redis
 
+from orchestrator.commands.checks import probe_redis, require
 from orchestrator.commands.progress import REFRESH_SECONDS, ProgressDisplay
 from orchestrator.run_info import RunInfo
 from orchestrator.settings_resolution import add_settings_arguments, settings_from_args
@@ -106,6 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
+    require("status", [probe_redis(settings.redis_url).check])  # one line, as every command says it
     client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
     where = f"Redis at {mask_secrets(settings.redis_url)}"
     if args.run is None or args.list:
@@ -126,7 +128,7 @@ def main(args: argparse.Namespace) -> int:
             f"rlship status: {where} holds {missing} {args.run!r} (`rlship status` lists the runs)",
             file=sys.stderr,
         )
-        return 1
+        return 2
     print(HEADER)
     print(row.line(time.time()))
     try:

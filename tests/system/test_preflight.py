@@ -6,6 +6,7 @@ the subprocess deadline."""
 from __future__ import annotations
 
 import socket
+import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -21,6 +22,7 @@ from tests.support.processes import (
     left_running,
     refused,
     rlship,
+    wait_for,
 )
 from transport.store import PayloadStore
 from transport.zmq_sockets import free_port_pair
@@ -36,11 +38,52 @@ def test_a_wrong_password_is_named_at_once_by_every_command(start_redis, tmp_pat
         ["produce", "--groups", "1"],
         ["trainer", "--rank", "0"],
     ]
-    for command in commands:
+    for command in [*commands, ["status"]]:
         done = rlship(*command, "--run-id", run_id, "--redis-url", url)
         assert done.returncode == 2
-        refused(done, "refused the credentials", "redis://:***@" + address)
+        refused(done, "refused the credentials: a wrong password (or user)", "redis://:***@" + address)
+        missing = rlship(*command, "--run-id", run_id, "--redis-url", f"redis://{address}/0")
+        assert missing.returncode == 2
+        refused(missing, f"Redis at redis://{address}/0 asks for a password and the URL gives none")
     assert left_running(run_id) == []
+
+
+def test_a_password_the_server_does_not_ask_for_is_not_called_checked(redis_url, tmp_path):
+    """A Redis without a password takes any (or none): doctor says the URL's is not checked."""
+    host = redis_url.split("//", 1)[1]
+    done = rlship("doctor", "--redis-url", f"redis://:{SECRET}@{host}", "--output-dir", str(tmp_path / "x"))
+    line = next(line for line in done.stdout.splitlines() if line.startswith(("ok   redis", "warn redis")))
+    assert (
+        line.startswith("warn redis:")
+        and "it asks for no password: the one in the URL is not checked" in line
+    )
+    assert SECRET not in done.stdout and not (tmp_path / "x").exists(), "doctor makes nothing"
+
+
+def test_a_server_that_is_not_redis_is_named_so_by_every_command(tmp_path):
+    """An HTTP server where Redis should be: every command says what answers is not Redis."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        wait_for("the HTTP server", lambda: _listening(port))
+        url = f"redis://127.0.0.1:{port}/0"
+        for command in (
+            ["run", "--steps", "1", "--output-dir", str(tmp_path / "run")],
+            ["orchestrate"],
+            ["status"],
+        ):
+            done = rlship(*command, "--redis-url", url)
+            assert done.returncode == 2
+            refused(done, f"what answers at {url} is not Redis (it said b'")
+    finally:
+        server.kill()
+        server.wait()
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 def test_a_database_that_is_not_a_number_or_not_there_is_refused(redis_url, tmp_path):

@@ -134,7 +134,7 @@ def test_status_of_an_unknown_run_is_one_line(redis_url: str) -> None:
         python_command("status", "no-such-run", "--redis-url", redis_url),
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert process.returncode == 1 and process.stdout == ""
+    assert process.returncode == 2 and process.stdout == ""
     assert process.stderr.count("\n") == 1 and "holds no run 'no-such-run'" in process.stderr
 
 

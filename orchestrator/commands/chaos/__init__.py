@@ -116,4 +116,5 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _exit_on_sigterm(*_: object) -> None:
-    raise SystemExit("rlship chaos: terminated")
+    print("rlship chaos: terminated", file=sys.stderr)
+    raise SystemExit(128 + signal.SIGTERM)
