@@ -4,6 +4,7 @@ puts a TOML file and its flags on top (orchestrator.settings_resolution)."""
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import fields
 from pathlib import Path
@@ -27,7 +28,8 @@ DERIVED_SETTINGS = ("first_step", "start_step", "policy_source", "broadcast_dir"
 
 
 class RunSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="RLSHIP_", extra="ignore", populate_by_name=True)
+    # A setting that is not one (a typo) is an error, never silently ignored: `_known_settings`.
+    model_config = SettingsConfigDict(env_prefix="RLSHIP_", extra="forbid", populate_by_name=True)
 
     run_id: str = Field(
         default="default",
@@ -153,6 +155,25 @@ class RunSettings(BaseSettings):
         default="127.0.0.1",
         description="the address the Prometheus endpoint binds (0.0.0.0: every interface)",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_settings(cls, values: Any) -> Any:
+        """A name that is no setting is refused, naming the closest one (`batchsize`: did you
+        mean `batch_size`?), rather than left to a generic "extra inputs" error."""
+        if not isinstance(values, dict):
+            return values
+        known = {*cls.model_fields, "REDIS_URL"}
+        unknown = [name for name in values if name not in known]
+        if unknown:
+            problems = []
+            for name in unknown:
+                close = difflib.get_close_matches(name, cls.model_fields, n=1)
+                problems.append(
+                    f"{name!r} is not a setting" + (f" (did you mean {close[0]!r}?)" if close else "")
+                )
+            raise ValueError("; ".join(problems) + " (`rlship config table` lists them)")
+        return values
 
     @field_validator(
         "wandb_project",

@@ -95,6 +95,14 @@ def test_a_runs_queues_are_its_own_unless_named() -> None:
     assert (shared.cpu_queue, shared.with_changes(run_id="r2").cpu_queue) == ("pool", "pool")
 
 
+def test_a_name_that_is_no_setting_is_refused_naming_the_closest() -> None:
+    """A typo is never silently ignored (`batchsize` would leave admission at 64)."""
+    with pytest.raises(ValueError, match=r"'batchsize' is not a setting \(did you mean 'batch_size'\?\)"):
+        RunSettings(batchsize=16)
+    with pytest.raises(ValueError, match=r"'colour' is not a setting \(`rlship config table` lists them\)"):
+        RunSettings(colour="blue")
+
+
 def test_ship_config_is_the_same_named_settings(tmp_path: Path) -> None:
     """Each field of the workers' config is the run setting of its name (`output_dir` as
     text), checked on settings that all differ from the config's defaults."""
@@ -198,6 +206,6 @@ def test_invalid_value_stops_rlship_run_before_it_starts(tmp_path: Path) -> None
         env={**env, "RLSHIP_TRANSPORT": "carrier-pigeon", "PYTHONPATH": str(REPO)},
         cwd=tmp_path, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert finished.returncode == 1
+    assert finished.returncode == 2, "an invalid setting is an operator's mistake (README, Exit status)"
     assert "transport='carrier-pigeon' (from RLSHIP_TRANSPORT)" in finished.stderr
     assert not (tmp_path / "run").exists()
