@@ -28,6 +28,9 @@ OPTIONAL_TOKEN_ARRAYS: tuple[str, ...] = (
     "mm_token_type_ids",
 )
 FLOAT_ARRAYS: tuple[str, ...] = ("inference_logprobs", "ref_logprobs", "ce_weights", "ref_kl_weights")
+# Every array name a rollout may carry besides the multimodal ones (`mm_kwargs.*`): another is
+# a producer's mistake (a misspelt `ref_logprob` would otherwise be stored and never used).
+KNOWN_ARRAYS: tuple[str, ...] = (*REQUIRED_ARRAYS, *OPTIONAL_TOKEN_ARRAYS)
 
 
 @dataclass
@@ -77,6 +80,12 @@ def check_rollout_arrays(
     arrays: Mapping[str, Any], expected_tokens: int, seq_len: int, vocab_size: int
 ) -> str | None:
     """Why a rollout's arrays cannot train (naming the array and the value), or None."""
+    unknown = sorted(n for n in arrays if n not in KNOWN_ARRAYS and not n.startswith(MM_KWARGS_PREFIX))
+    if unknown:
+        return (
+            f"{unknown[0]}: not an array rlship carries (it carries {', '.join(KNOWN_ARRAYS)} and "
+            f"{MM_KWARGS_PREFIX}*)"
+        )
     for name in REQUIRED_ARRAYS:
         if name not in arrays:
             return f"{name}: missing from the payload"

@@ -166,7 +166,8 @@ def test_bad_records_beside_a_group_leave_it_whole(caplog):
 @st.composite
 def bad_arrays(draw):
     record, arrays = rollout("p1", "g", 1.0, num_input_tokens=3, num_output_tokens=5)
-    kind = draw(st.sampled_from(["length", "negative", "huge", "nan", "inf", "missing", "dtype", "too_long"]))
+    kinds = ["length", "negative", "huge", "nan", "inf", "missing", "dtype", "unknown", "too_long"]
+    kind = draw(st.sampled_from(kinds))
     if kind == "length":
         arrays[draw(st.sampled_from(["input_ids", "loss_mask", "inference_logprobs"]))] = np.zeros(7)
     elif kind in ("negative", "huge"):
@@ -179,6 +180,8 @@ def bad_arrays(draw):
         del arrays[draw(st.sampled_from(["input_ids", "loss_mask", "inference_logprobs"]))]
     elif kind == "dtype":
         arrays["loss_mask"] = arrays["loss_mask"].astype(np.float32)
+    elif kind == "unknown":  # a misspelt optional stream is refused, not stored and never used
+        arrays["ref_logprob"] = np.zeros(8, dtype=np.float32)
     else:
         record = rollout("p1", "g", 1.0, num_input_tokens=3, num_output_tokens=600)[0]
         arrays = rollout("p1", "g", 1.0, num_input_tokens=3, num_output_tokens=600)[1]
@@ -195,7 +198,9 @@ def test_the_producer_refuses_bad_arrays_and_writes_nothing(case, client, run_id
         producer.produce([good, (record, arrays)])
     assert list(info.value.problems) == ["p1"]
     field = info.value.problems["p1"].split(":")[0]
-    assert field in ("input_ids", "loss_mask", "inference_logprobs"), info.value.problems
+    assert field in ("input_ids", "loss_mask", "inference_logprobs", "ref_logprob"), info.value.problems
+    if kind == "unknown":
+        assert "ref_logprob: not an array rlship carries (it carries input_ids, " in info.value.problems["p1"]
     assert client.exists(producer.keys.rollout("p0"), producer.keys.rollout("p1")) == 0
     assert client.xlen(producer.keys.rollout_stream) == 0, f"{kind}: nothing written"
 
