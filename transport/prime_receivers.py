@@ -26,6 +26,7 @@ structs when prime-rl is installed (its msgspec decoder, as its receivers do), r
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -35,10 +36,13 @@ from transport.base import ReceivedStep, StepReceiver
 from transport.codec import decode_microbatches
 from transport.connection import connect_redis
 from transport.filesystem import FileReceiver
+from transport.keys import RunKeys
 from transport.numbering import PRIME_RL_FIRST_STEP
 from transport.replay import RetainedPayloads
 from transport.trainer import Acknowledgements
 from transport.zmq_receiver import ZMQReceiver
+
+log = logging.getLogger("rlship.trainer")
 
 Decode = Callable[[bytes | memoryview], Any]
 FOREIGN_REPORT_SECONDS = 0.5  # a waiting rank puts its count of foreign steps in Redis this often
@@ -96,10 +100,18 @@ class ExactlyOnceReceiver:
                 _setting(run.get("redis_url"), "REDIS_URL", "redis://127.0.0.1:6379/0")
             )
             self.run_id = run_id_setting(run)
+            ranks = int(_setting(run.get("ranks"), "RLSHIP_RANKS"))
+            if not 0 <= data_rank < ranks:
+                allowed = f"ranks={ranks}: 0 to {ranks - 1}"
+                raise ValueError(f"data_rank: {data_rank} is not a rank of run {self.run_id} ({allowed})")
+            if not self.client.exists(RunKeys(self.run_id).run_marker):
+                log.warning(
+                    "run %s is not in Redis (yet): waiting for its steps; is the run id right?", self.run_id
+                )
             self._acknowledgements = Acknowledgements(
                 self.client,
                 self.run_id,
-                int(_setting(run.get("ranks"), "RLSHIP_RANKS")),
+                ranks,
                 int(_setting(run.get("first_step"), "RLSHIP_FIRST_STEP", PRIME_RL_FIRST_STEP)),
             )
         except BaseException:

@@ -3,6 +3,7 @@ duplicates dropped, gaps replayed from Redis and a restarted rank catching up.""
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import msgspec
@@ -108,3 +109,14 @@ def test_a_missing_setting_is_named(redis_url, monkeypatch, tmp_path):
     monkeypatch.delenv("RLSHIP_RUN_ID", raising=False)
     with pytest.raises(ValueError, match="RLSHIP_RUN_ID: not set"):
         FileSystemMicroBatchReceiver(tmp_path, 0, 1, redis_url=redis_url, ranks=1)
+
+
+def test_a_rank_outside_the_run_is_refused_and_an_unknown_run_is_warned_of(redis_url, tmp_path, caplog):
+    with pytest.raises(ValueError, match=r"^data_rank: 5 is not a rank of run r-x \(ranks=2: 0 to 1\)$"):
+        FileSystemMicroBatchReceiver(tmp_path, 5, 1, run_id="r-x", redis_url=redis_url, ranks=2)
+    caplog.set_level(logging.WARNING, logger="rlship.trainer")
+    receiver = FileSystemMicroBatchReceiver(
+        tmp_path, 1, 1, run_id="no-such-run", redis_url=redis_url, ranks=2
+    )
+    receiver.close()
+    assert "run no-such-run is not in Redis (yet): waiting for its steps; is the run id right?" in caplog.text
