@@ -65,7 +65,7 @@ class WandbMonitor:
         except ImportError as exc:
             raise SystemExit(
                 f"rlship: wandb_project={settings.wandb_project!r} is set but wandb is not installed "
-                "(pip install 'rlship[wandb]')"
+                "(pip install -e '.[wandb]' in the checkout)"
             ) from exc
         self._run: Any = wandb.init(
             project=settings.wandb_project,

@@ -10,7 +10,7 @@ import os
 import secrets
 import time
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -48,13 +48,17 @@ def default_text(name: str, defaults: Mapping[str, str]) -> str:
 
 
 def add_settings_arguments(
-    parser: argparse.ArgumentParser, defaults: Mapping[str, str] | None = None
+    parser: argparse.ArgumentParser,
+    defaults: Mapping[str, str] | None = None,
+    only: Collection[str] | None = None,
 ) -> None:
-    """`--config` and one `--flag` per setting (default: unset, so the file's or the
-    environment's value stands); its help shows the description, the variable and the
-    default the command uses (`defaults` where it differs from the model's)."""
+    """`--config` and one `--flag` per setting (`only` those a command reads; default: unset,
+    so the file's or the environment's value stands); its help shows the description, the
+    variable and the default the command uses (`defaults` where it differs from the model's)."""
     parser.add_argument("--config", type=Path, default=None, help=f"TOML file of settings (env {CONFIG_ENV})")
     for name, field in RunSettings.model_fields.items():
+        if only is not None and name not in only:
+            continue
         flag = "--" + name.replace("_", "-")
         help_text = f"{field.description}; env {env_name(name)}; default {default_text(name, defaults or {})}"
         help_text = help_text.replace("%", "%%")

@@ -4,7 +4,8 @@ People read charts, not JSON lines: the per-step time of each ship stage (stacke
 orchestrator's event-loop lag, reward and token statistics of `all` against `effective`
 rollouts, and the share of arrived rollouts that never trained, by reason. The page
 references the PNGs beside it, so the run directory can be copied or served as it is.
-Needs matplotlib (`pip install 'rlship[charts]'`), imported only when a report is made.
+Needs matplotlib (the `charts` extra: `pip install -e '.[charts]'` in a checkout), imported
+only when a report is made.
 """
 
 from __future__ import annotations
@@ -241,7 +242,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise SystemExit("rlship report needs matplotlib: pip install 'rlship[charts]'") from None
+        raise SystemExit(
+            "rlship report needs matplotlib: pip install -e '.[charts]' in the checkout"
+        ) from None
     page = write_report(args.run_dir)
     print(page)
     for filename in CHARTS:

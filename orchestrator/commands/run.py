@@ -334,9 +334,13 @@ def resume_with_run_settings(settings: RunSettings, sources: Mapping[str, str]) 
     changed = f"; given again: {', '.join(changes)}" if changes else ""
     print(
         f"rlship run {settings.run_id}: resuming with the run's settings, {shipped} of "
-        f"{settings.steps} steps shipped{changed}"
+        f"{steps(settings.steps)} shipped{changed}"
     )
     return settings
+
+
+def steps(count: int) -> str:
+    return f"{count} step" if count == 1 else f"{count} steps"
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -344,7 +348,7 @@ def print_summary(summary: dict[str, Any]) -> None:
     before = summary.get("steps_shipped_before", 0)
     resumed = f", {before} of them before this start" if before else ""
     print(
-        f"\nrlship run {run_id}: {summary['steps_shipped']} steps shipped{resumed}, "
+        f"\nrlship run {run_id}: {steps(summary['steps_shipped'])} shipped{resumed}, "
         f"{summary.get('tokens_shipped', 0):,} tokens in "
         f"{summary['wall_seconds']:.1f} s; event-loop lag max {summary.get('loop_lag_max_ms', 0.0):.1f} ms"
     )

@@ -89,10 +89,12 @@ def follow(client: redis.Redis, row: RunRow, info: RunInfo, once: bool) -> None:
     until = time.time() if row.state == RUNNING or row.updated_at is None else row.updated_at
     display = ProgressDisplay(reader, sys.stdout, info.steps, info.ranks, until - row.started_at)
     display.update(status=True)  # where the run stands, at once
+    followed = False
     while not once and (current := run_row(client, info.run_id)) is not None and current.state == RUNNING:
         time.sleep(REFRESH_SECONDS)
         display.update()
-    if not once:
+        followed = True
+    if followed:  # the frame it ended on (a run already over was shown once, above)
         display.update(status=True)
 
 
@@ -102,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--list", action="store_true", help="list the runs Redis holds (the default)")
     parser.add_argument("--once", action="store_true", help="print the run's status once and exit")
     parser.add_argument("--json", action="store_true", help="the list as JSON")
-    add_settings_arguments(parser)
+    add_settings_arguments(parser, only={"redis_url"})  # all it reads: the runs are in Redis
 
 
 def main(args: argparse.Namespace) -> int:

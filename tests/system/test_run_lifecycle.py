@@ -128,7 +128,7 @@ def test_a_run_whose_trainer_dies_says_so_and_leaves_nothing_behind(client, redi
             process.wait()
     shipped = client.hlen(f"rlship:{run_id}:published")
     assert process.returncode == 1, stdout[-2000:]
-    assert f"{shipped} steps shipped," in stdout
+    assert f"{shipped} step{'s' * (shipped != 1)} shipped," in stdout
     assert "stopped: trainer-1 exited with -9 (log in " in stdout, stdout[-2000:]
     assert processes_of(run_id) == []
     assert keys_without_expiry(client, run_id) == []

@@ -98,7 +98,7 @@ def test_a_run_on_a_redis_with_a_password_prints_and_writes_no_password(
     env = {**os.environ, "REDIS_URL": f"redis://:{PASSWORD}@{address}/0"}
     done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "1 steps shipped" in shown(done)
+    assert "1 step shipped" in shown(done)
     written = [path for path in output_dir.rglob("*") if path.is_file()]
     assert any(path.name == "ship-worker.log" for path in written)
     for path in written:
