@@ -1,0 +1,52 @@
+"""The integrator's guide's example (examples/own_loop.py), run as docs/integrators.md says:
+an inference loop of its own producing rollouts, rlship's workers and orchestrator started
+as an operator starts them, and trainer ranks receiving through rlship's prime-rl-shaped
+receivers or as stock prime-rl ones. The oracle for what arrived is the checksums encode
+wrote against those the ranks acknowledged (rlship's receivers), and each rank's own count."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from orchestrator.commands.processes import delete_queues
+from orchestrator.settings import run_queue
+from tests.support.processes import REPO, left_running
+from transport.keys import RunKeys
+from transport.zmq_sockets import free_port_pair
+
+STEPS = 3
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("receivers", ["prime", "stock"])
+def test_the_guides_example_delivers_every_step_to_every_rank(receivers, client, redis_url, tmp_path):
+    run_id = f"guide-{receivers}-{uuid.uuid4().hex[:6]}"
+    keys = RunKeys(run_id)
+    try:
+        example = [sys.executable, str(REPO / "examples" / "own_loop.py"), "--steps", str(STEPS),
+                   "--receivers", receivers, "--run-id", run_id, "--zmq-port", str(free_port_pair()),
+                   "--output-dir", str(tmp_path / "run")]  # fmt: skip
+        env = {**os.environ, "REDIS_URL": redis_url}
+        done = subprocess.run(example, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        for rank in (0, 1):
+            assert f"rank {rank}: received steps [1, 2, 3]" in done.stdout
+        assert f"own loop, run {run_id}: every rank got every step" in done.stdout
+        assert client.hlen(keys.published) == STEPS
+        sent = {k.decode(): v.decode() for k, v in client.hgetall(keys.sent_checksums).items()}
+        assert sorted(sent) == [f"{step}:{rank}" for step in range(1, STEPS + 1) for rank in (0, 1)]
+        if receivers == "prime":  # rlship's receivers acknowledge what they got, with its checksum
+            for rank in (0, 1):
+                got = {int(k): v.decode() for k, v in client.hgetall(keys.received(rank)).items()}
+                assert got == {step: sent[f"{step}:{rank}"] for step in range(1, STEPS + 1)}
+        assert left_running(run_id) == []
+    finally:
+        stale = list(client.scan_iter(match=f"{keys.prefix}*"))
+        if stale:
+            client.unlink(*stale)
+        delete_queues(client, [run_queue(run_id, "cpu"), run_queue(run_id, "ship")])
