@@ -26,7 +26,7 @@ def fresh_run_id() -> str:
 
 
 # What `rlship run` uses for a setting left unset, where that is not the model's default
-# (`run_defaults`): shown by `rlship run --help`, `rlship config show` and the README table.
+# (`run_defaults`): shown by `rlship run --help`, `rlship config show` and docs/settings.md.
 RUN_DEFAULTS = {
     "run_id": "a fresh id per run: run-YYYYMMDD-HHMMSS-XXXX",
     "output_dir": "runs/RUN_ID",

@@ -165,7 +165,7 @@ def send(ctx: StepContext, rank: int) -> None:
     the message left loses it with its libzmq queue; the redelivered task finds `sending`
     above `last_sent` and sends it again, correctly. The one window left: killed after the
     message left and before `last_sent` reached Redis (one Redis round trip; measured in
-    the README), the step is delivered and sent again, a duplicate to a stock receiver
+    docs/reliability.md), the step is delivered and sent again, a duplicate to a stock receiver
     (rlship's receivers drop it). Every such resend is counted in the run's
     `interrupted_sends` hash, field `{step}:{rank}`, so a run reports how often the
     window may have been hit.

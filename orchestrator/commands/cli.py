@@ -29,7 +29,7 @@ COMMANDS: dict[str, str] = {
     "bench encode": "encoder/decoder memory and speed, against msgpack and msgspec",
     "bench loop": "event-loop lag while shipping: stages inline, in threads, in Celery workers",
     "config show": "the effective settings (environment < --config TOML < flags), secrets masked",
-    "config table": "every setting (flag, variable, default, description) as the README's Markdown table",
+    "config table": "every setting (flag, variable, default, description) as a Markdown table",
     "chaos": "a seeded run while its workers and orchestrator are killed, against a fault-free one",
     "status": "a run's live status from another terminal; without RUN_ID, the runs Redis holds",
     "doctor": "what a run needs (Redis, password, eviction, ports, output dir, workers): one line each",

@@ -1,5 +1,5 @@
 """`rlship config show`: the effective settings, and where each value came from;
-`rlship config table`: every setting as the README's table.
+`rlship config table`: every setting as docs/settings.md's table.
 
 `config show` takes the same `--config` file and flags as every other command, so an
 operator sees what `rlship run` would run with before starting it. The default output is
@@ -75,7 +75,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def settings_table() -> str:
-    """Every setting as a Markdown table, from the model: the README holds this (a test compares)."""
+    """Every setting as a Markdown table, from the model: docs/settings.md holds this (a test compares)."""
     rows = ["| setting | flag, variable | default | what it is |", "|---|---|---|---|"]
     for name, field in RunSettings.model_fields.items():
         default = default_text(name, {}) if field.default is None else f"`{default_text(name, {})}`"

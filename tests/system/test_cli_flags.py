@@ -151,13 +151,13 @@ def test_bench_encode_says_what_it_is_doing_while_it_runs(tmp_path: Path) -> Non
 
 
 def test_the_readme_settings_table_is_the_models() -> None:
-    """README's table is `rlship config table`'s output: a setting added, renamed, described
-    or defaulted differently fails here until the README is regenerated."""
-    readme = (REPO / "README.md").read_text()
+    """docs/settings.md's table is `rlship config table`'s output: a setting added, renamed,
+    described or defaulted differently fails here until the page is regenerated."""
+    readme = (REPO / "docs" / "settings.md").read_text()
     start, end = "<!-- settings table: rlship config table -->\n", "\n<!-- end of settings table -->"
     in_readme = readme[readme.index(start) + len(start) : readme.index(end)]
     generated = rlship("config", "table").stdout.strip()
-    assert in_readme == generated, "README.md's settings table is stale: paste `rlship config table`"
+    assert in_readme == generated, "docs/settings.md's table is stale: paste `rlship config table`"
     rows = [line for line in generated.splitlines()[2:]]
     assert [row.split("`")[1] for row in rows] == list(RunSettings.model_fields)
 

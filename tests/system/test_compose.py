@@ -206,7 +206,7 @@ def test_each_run_id_has_its_own_output_dir() -> None:
         (dirs[run],) = {e["RLSHIP_OUTPUT_DIR"] for e in environments}
         assert RunSettings(run_id=run, output_dir=dirs[run]).output_dir.name == run
     assert dirs == {"r1": "/data/runs/r1", "r2": "/data/runs/r2"}
-    assert "docker compose down -v" in (REPO / "README.md").read_text()
+    assert "docker compose down -v" in (REPO / "docs" / "operating.md").read_text()
 
 
 def test_workers_restart_and_flower_does_not() -> None:

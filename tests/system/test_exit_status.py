@@ -1,5 +1,5 @@
-"""README's exit-status table, held to what the commands do: each row's example is run as
-written (a command), or the test it names must assert that status."""
+"""The exit-status table (docs/troubleshooting.md), held to what the commands do: each row's
+example is run as written (a command), or the test it names must assert that status."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ ROW = re.compile(r"^\| (\d+) \| (.+) \| (.+) \|$", re.MULTILINE)
 
 
 def table() -> dict[int, str]:
-    """status -> its example, from README's "Exit status" section."""
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("### Exit status") :]
+    """status -> its example, from the "Exit status" section."""
+    page = (REPO / "docs" / "troubleshooting.md").read_text()
+    section = page[page.index("## Exit status") :]
     section = section[: section.index("\n\n**")]
     return {int(status): example for status, _, example in ROW.findall(section)}
 

@@ -206,6 +206,6 @@ def test_invalid_value_stops_rlship_run_before_it_starts(tmp_path: Path) -> None
         env={**env, "RLSHIP_TRANSPORT": "carrier-pigeon", "PYTHONPATH": str(REPO)},
         cwd=tmp_path, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert finished.returncode == 2, "an invalid setting is an operator's mistake (README, Exit status)"
+    assert finished.returncode == 2, "an invalid setting is an operator's mistake (exit status 2)"
     assert "transport='carrier-pigeon' (from RLSHIP_TRANSPORT)" in finished.stderr
     assert not (tmp_path / "run").exists()

@@ -18,7 +18,7 @@ def compare(
     steps = [str(s) for s in step_numbers]
     delivered, duplicates, out_of_order, mismatches, in_window = {}, 0, 0, 0, 0
     # A send redone after a ship worker died between the message leaving and its mark (the
-    # window README's Reliability states): the one way a stock rank gets a step twice.
+    # window docs/reliability.md states): the one way a stock rank gets a step twice.
     redone: dict[str, int] = observed.get("interrupted_sends", {})
     for rank, got in observed["ranks"].items():
         want = expected["ranks"][rank]["checksums"]
