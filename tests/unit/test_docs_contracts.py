@@ -59,3 +59,19 @@ def test_wire_format_md_lists_the_16_fields_in_schema_order():
 def test_wire_format_md_marks_exactly_the_optional_fields():
     rows = WIRE_FIELD_ROW.findall((DOCS / "wire-format.md").read_text())
     assert {name for _, name, required in rows if required == "no"} == OPTIONAL_FIELDS
+
+
+def test_the_task_arguments_redis_keys_md_names_are_the_tasks():
+    """Flower shows a task's arguments by position: the names the docs give them are the
+    tasks' own parameters, in order."""
+    import tasks.ship  # noqa: F401 - registers the tasks
+    from tasks.app import app
+
+    text = (DOCS / "redis-keys.md").read_text()
+    documented = {args for args in re.findall(r"`\((run_id[^)]*)\)`", text)}
+    actual = {
+        ", ".join(inspect.signature(app.tasks[name].run).parameters)
+        for name in app.tasks
+        if name.startswith("rlship.")
+    }
+    assert documented == actual
