@@ -35,6 +35,7 @@ must reach further, a hook or a provider (`on_fatal`, `on_published`, `next_step
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import logging
@@ -42,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import redis
 import redis.asyncio as aioredis
 
 from orchestrator.checkpoint import Checkpoint
@@ -157,6 +159,7 @@ class Orchestrator:
             "next_step": self.dispatcher.next_step,
             "last_published": self.follower.last_published,
             "loop_lag_max_ms": round(self.probe.take_recent_max(), 3),
+            "loop_lag_peak_ms": round(self.probe.max_ms, 3),  # the run's worst, as its summary says
             "updated_at": time.time(),
         }
 
@@ -251,6 +254,8 @@ class Orchestrator:
             self._work.set()
             probe.cancel()
             await asyncio.gather(probe, *loops, return_exceptions=True)
+            with contextlib.suppress(redis.RedisError):  # the frame `rlship status` shows of the run's end
+                await self.client.hset(self.keys.status, mapping=self.status())
             self.publisher.close()
             self.watchdog.close()
             self.follower.close()

@@ -100,7 +100,11 @@ class ProgressDisplay:
         new_lines = [format_step_line(record) for record in records]
         now = time.monotonic()
         self._lag_peak_ms = max(
-            [self._lag_peak_ms, snapshot.status.get("loop_lag_max_ms", 0.0)]
+            [
+                self._lag_peak_ms,
+                snapshot.status.get("loop_lag_max_ms", 0.0),
+                snapshot.status.get("loop_lag_peak_ms", 0.0),
+            ]
             + [record.get("event_loop_lag/max_ms", 0.0) for record in records]
         )
         block = status_lines(snapshot, self.total_steps, self.ranks, now - self.started, self._lag_peak_ms)

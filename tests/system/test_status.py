@@ -127,6 +127,10 @@ def test_status_follows_a_run(
     assert listed(settings) == ("finished", STEPS, STEPS)
     frame = rlship_status(settings, run_id)  # a finished run: one frame, then it returns
     assert f" {STEPS}/{STEPS} shipped, {STEPS} cut " in frame, frame
+    assert frame.count("status: ") == 1, f"the frame once: {frame}"
+    status = {k.decode(): float(v) for k, v in client.hgetall(f"rlship:{run_id}:status").items()}
+    published = [float(at) for at in client.hvals(f"rlship:{run_id}:published")]
+    assert status["updated_at"] >= max(published), "the last status is written as the run ends"
 
 
 def test_status_of_an_unknown_run_is_one_line(redis_url: str) -> None:
