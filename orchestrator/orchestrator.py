@@ -224,7 +224,9 @@ class Orchestrator:
             resumed(stored.decode(), self.settings, given=self.settings.model_fields_set)
         await self.client.set(self.keys.settings, stored_form(self.settings))
         await self.resume()
-        await self.client.set(self.keys.info, RunInfo.from_settings(self.settings).model_dump_json())
+        info = RunInfo.from_settings(self.settings)
+        await self.client.set(self.keys.info, info.model_dump_json())
+        info.write_beside_outputs()
         await self.policy.update()  # the first gate decision needs no wait for the follower
         # The imports' and setup's objects (tens of thousands of functions, tuples, dicts)
         # live as long as the process: frozen, a full garbage collection no longer walks them,

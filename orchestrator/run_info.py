@@ -4,11 +4,16 @@ only its id."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import redis
 from pydantic import BaseModel
 
 from orchestrator.settings import RunSettings
 from transport.keys import RunKeys
+
+# The run's info in its output directory too, so the files name their run (`rlship report`).
+RUN_INFO_FILE = "run.json"
 
 
 class RunInfo(BaseModel):
@@ -24,6 +29,12 @@ class RunInfo(BaseModel):
     def from_settings(cls, settings: RunSettings) -> RunInfo:
         """The same-named settings, the output directory as text (as `RunInfo` is JSON)."""
         return cls(**settings.values_for(cls, output_dir=str(settings.output_dir)))
+
+    def write_beside_outputs(self) -> None:
+        """`run.json` in the output directory."""
+        directory = Path(self.output_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / RUN_INFO_FILE).write_text(self.model_dump_json(indent=1))
 
     @property
     def queues(self) -> list[str]:

@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from orchestrator.run_info import RUN_INFO_FILE
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
@@ -83,13 +85,27 @@ def discard_reasons(records: Sequence[Record]) -> list[str]:
     return sorted(key.removeprefix(prefix) for key in keys if key.startswith(prefix))
 
 
-def plot_stage_times(ax: Axes, steps: list[float], records: Sequence[Record]) -> None:
+WAITING = "waiting (queues, hand-offs)"
+
+
+def stage_stack(records: Sequence[Record]) -> tuple[list[str], list[list[float]]]:
+    """The stacked per-step seconds: each stage in pipeline order, then the rest of cut →
+    publish (`WAITING`: time in Celery queues and between tasks, which no stage counts), so
+    the stack reaches the step's wall time."""
     stages = stage_names(records)
     values = [[0.0 if math.isnan(v) else v for v in series(records, f"time/{s}")] for s in stages]
+    in_stages = [sum(column) for column in zip(*values, strict=True)] if values else [0.0] * len(records)
+    wall = [0.0 if math.isnan(v) else v for v in series(records, "time/ship")]
+    return [*stages, WAITING], [*values, [max(0.0, w - s) for w, s in zip(wall, in_stages, strict=True)]]
+
+
+def plot_stage_times(ax: Axes, steps: list[float], records: Sequence[Record]) -> None:
+    stages, values = stage_stack(records)
     if len(steps) <= BAR_STEPS:
         bottom = [0.0] * len(steps)
         for stage, seconds in zip(stages, values, strict=True):
-            ax.bar(steps, seconds, bottom=bottom, label=stage, width=0.8)
+            color = "lightgray" if stage == WAITING else None
+            ax.bar(steps, seconds, bottom=bottom, label=stage, width=0.8, color=color)
             bottom = [b + s for b, s in zip(bottom, seconds, strict=True)]
     elif stages:
         ax.stackplot(steps, values, labels=stages)
@@ -108,14 +124,34 @@ def plot_loop_lag(ax: Axes, steps: list[float], records: Sequence[Record]) -> No
     ax.set(title="Orchestrator event-loop lag (10 ms probe)", ylabel="ms late", ylim=(0, None))
 
 
+def spread(records: Sequence[Record], key: str) -> tuple[list[float], list[float], str]:
+    """The band drawn around `key`'s mean. p10-p90, unless every value is 0 or 1 (a pass/fail
+    reward), where that band covers 0-1 and says nothing: then the 95% interval of the mean
+    (normal approximation from the mean and the count)."""
+    quantiles = [v for stat in ("min", "p10", "p50", "p90", "max") for v in series(records, f"{key}/{stat}")]
+    if quantiles and all(math.isnan(v) or v in (0.0, 1.0) for v in quantiles):
+        counts = series(records, f"{key.rsplit('/', 1)[0]}/count")
+        half = [
+            1.96 * math.sqrt(m * (1 - m) / n) if n and n > 0 and not math.isnan(m) else math.nan
+            for m, n in zip(series(records, f"{key}/mean"), counts, strict=True)
+        ]
+        means = series(records, f"{key}/mean")
+        return (
+            [m - h for m, h in zip(means, half, strict=True)],
+            [m + h for m, h in zip(means, half, strict=True)],
+            "95% interval of the mean",
+        )
+    return series(records, f"{key}/p10"), series(records, f"{key}/p90"), "p10-p90"
+
+
 def stat_plotter(name: str, title: str, unit: str) -> Callable[[Axes, list[float], Sequence[Record]], None]:
-    """Mean and p10-p90 band of `name`, for `all` and `effective`, on one axes."""
+    """Mean and spread of `name` (`spread`), for `all` and `effective`, on one axes."""
 
     def plot(ax: Axes, steps: list[float], records: Sequence[Record]) -> None:
         for subset, color in SUBSETS:
             key = f"train/agg/{subset}/{name}"
-            low, high = series(records, f"{key}/p10"), series(records, f"{key}/p90")
-            ax.fill_between(steps, low, high, color=color, alpha=0.2, label=f"{subset} p10-p90")
+            low, high, band = spread(records, key)
+            ax.fill_between(steps, low, high, color=color, alpha=0.2, label=f"{subset} {band}")
             ax.plot(steps, series(records, f"{key}/mean"), ".-", color=color, label=f"{subset} mean")
         ax.set(title=title, ylabel=unit)
 
@@ -220,6 +256,14 @@ img {{ max-width: 100%; border: 1px solid #ddd; }}
 """
 
 
+def run_title(run_dir: Path) -> str:
+    """The run's id, from the `run.json` its orchestrator writes; else the directory's name."""
+    try:
+        return str(json.loads((run_dir / RUN_INFO_FILE).read_text())["run_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return run_dir.resolve().name
+
+
 def write_report(run_dir: Path) -> Path:
     """Charts and `report.html` in `run_dir`, from its `metrics.jsonl`; returns the page."""
     metrics = run_dir / "metrics.jsonl"
@@ -230,7 +274,7 @@ def write_report(run_dir: Path) -> Path:
         raise SystemExit(f"rlship report: {metrics} holds no records yet")
     charts = write_charts(records, run_dir)
     page = run_dir / "report.html"
-    page.write_text(render_html(run_dir.resolve().name, records, charts))
+    page.write_text(render_html(run_title(run_dir), records, charts))
     return page
 
 

@@ -12,7 +12,15 @@ import pytest
 from PIL import Image
 
 from orchestrator.commands.cli import main as rlship
-from orchestrator.commands.report import CHARTS, load_records, stage_names, summary_rows
+from orchestrator.commands.report import (
+    CHARTS,
+    WAITING,
+    load_records,
+    spread,
+    stage_names,
+    stage_stack,
+    summary_rows,
+)
 from tests.support.processes import REPO, Workers, python_command
 from tests.support.shiprun import ship, ship_settings
 
@@ -48,7 +56,8 @@ def test_report_from_a_real_run(
             image.verify()
             assert image.format == "PNG" and image.size[0] >= 600 and image.size[1] >= 300
     text = page.read_text()
-    assert "rollouts shipped" in text and "balanced" in text and run_dir.name in text
+    assert "rollouts shipped" in text and "balanced" in text
+    assert f"<title>rlship report: {run_id}</title>" in text, "the page names the run, not its directory"
 
 
 def test_stage_order_and_summary(tmp_path: Path) -> None:
@@ -65,6 +74,9 @@ def test_stage_order_and_summary(tmp_path: Path) -> None:
          "accounting/balanced": 1.0, "event_loop_lag/max_ms": 9.5},
     ]  # fmt: skip
     assert stage_names(records) == ["finalize", "encode", "send"]
+    names, seconds = stage_stack(records)
+    assert names == ["finalize", "encode", "send", WAITING]
+    assert [round(s, 9) for s in seconds[-1]] == [0.1, 0.3], "the rest of cut → publish: 0.5 - 0.4, 0.7 - 0.4"
     rows = dict(summary_rows(records))
     assert rows["rollouts shipped"] == "32"
     assert rows["discarded"] == "stale 4, zero_advantage 20"
@@ -78,6 +90,19 @@ def test_stage_order_and_summary(tmp_path: Path) -> None:
     assert [r["step"] for r in loaded] == [0.0, 1.0]
     assert rlship(["report", str(tmp_path)]) == 0
     assert all((tmp_path / name).stat().st_size > 0 for name in CHARTS)
+
+
+def test_a_pass_fail_reward_is_banded_by_the_interval_of_its_mean() -> None:
+    """p10-p90 of rewards that are 0 or 1 covers 0-1: the band is the mean's 95% interval."""
+    key = "train/agg/all/reward"
+    binary = [{f"{key}/mean": 0.25, f"{key}/p10": 0.0, f"{key}/p90": 1.0, f"{key}/min": 0.0,
+               f"{key}/max": 1.0, "train/agg/all/count": 48.0}]  # fmt: skip
+    low, high, label = spread(binary, key)
+    half = 1.96 * (0.25 * 0.75 / 48) ** 0.5  # 0.1225
+    assert label == "95% interval of the mean"
+    assert (round(low[0], 6), round(high[0], 6)) == (round(0.25 - half, 6), round(0.25 + half, 6))
+    graded = [{f"{key}/mean": 0.4, f"{key}/p10": 0.1, f"{key}/p90": 0.8, "train/agg/all/count": 48.0}]
+    assert spread(graded, key) == ([0.1], [0.8], "p10-p90")
 
 
 def test_report_without_records_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -97,7 +122,10 @@ def test_report_without_records_says_so(tmp_path: Path, capsys: pytest.CaptureFi
     [
         ("[1, 2]", "record 2 is not a metrics record: expected a JSON object, got list"),
         ('{"time/ship": 1.0}', "record 2 is not a metrics record: it has no 'step'"),
-        ('{"step": 1, "time/ship": "slow"}', "record 2 is not a metrics record: time/ship: 'slow' is not a number"),  # noqa: E501
+        (
+            '{"step": 1, "time/ship": "slow"}',
+            "record 2 is not a metrics record: time/ship: 'slow' is not a number",
+        ),
     ],
 )
 def test_report_names_a_record_of_the_wrong_shape(tmp_path: Path, line: str, problem: str) -> None:
