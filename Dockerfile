@@ -5,6 +5,7 @@ WORKDIR /app
 ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 COPY pyproject.toml README.md ./
+COPY rlship rlship
 COPY orchestrator orchestrator
 COPY tasks tasks
 COPY transport transport
