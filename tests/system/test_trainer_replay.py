@@ -89,7 +89,9 @@ def test_a_step_no_longer_retained_is_reported_as_a_gap(client, run_id):
     replay = RetainedPayloads(client, run_id)
     with (
         ZMQSender(HOST, port, 1, run_id="t") as sender,
-        ZMQReceiver(HOST, port, 0, announce_interval=0.05, replay=replay, next_step=0, run_id="t") as receiver,
+        ZMQReceiver(
+            HOST, port, 0, announce_interval=0.05, replay=replay, next_step=0, run_id="t"
+        ) as receiver,
     ):
         assert sender.wait_ready(10)
         client.set(store.keys.last_sent(0), 0)  # step 0 went out and was released
