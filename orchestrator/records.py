@@ -5,7 +5,7 @@ record is rejected with an error naming the field and the value, and costs nothi
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -14,7 +14,10 @@ IDENTIFIER = re.compile(IDENTIFIER_PATTERN)
 Identifier = Annotated[str, Field(pattern=IDENTIFIER_PATTERN)]
 
 
-class RolloutRecord(BaseModel):
+class RecordFields(BaseModel):
+    """The record's fields and their rules. Stream records are validated strictly against
+    these (`parse_record`); `RolloutRecord` adds the producer's constructor."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     rollout_id: Identifier
@@ -36,6 +39,23 @@ class RolloutRecord(BaseModel):
     @property
     def num_tokens(self) -> int:
         return self.num_input_tokens + self.num_output_tokens
+
+
+class InvalidRecord(ValueError):
+    """A rollout record built with a bad field: one line naming each field, what it must be
+    and the value given."""
+
+
+class RolloutRecord(RecordFields):
+    """A rollout's record, as a producer builds it: a bad field raises InvalidRecord
+    (`RolloutRecord: reward: Input should be a finite number (got nan)`), not pydantic's
+    multi-line error."""
+
+    def __init__(self, **fields: Any) -> None:
+        try:
+            super().__init__(**fields)
+        except ValidationError as exc:
+            raise InvalidRecord(f"RolloutRecord: {describe_validation_error(exc)}") from None
 
 
 class RecordRejected(ValueError):
@@ -60,7 +80,8 @@ def parse_record(data: bytes | str) -> RolloutRecord:
     Strict: each field must have its JSON type (`"reward": "1"` or `true` is not a number,
     `"is_truncated": 1` is not a boolean), so what a producer meant is never guessed."""
     try:
-        return RolloutRecord.model_validate_json(data, strict=True)
+        fields = RecordFields.model_validate_json(data, strict=True)  # no custom __init__: strict holds
+        return RolloutRecord.model_construct(fields.model_fields_set, **dict(fields))
     except ValidationError as exc:
         reason = "invalid_json" if any(p["type"] == "json_invalid" for p in exc.errors()) else "invalid_field"
         raise RecordRejected(reason, describe_validation_error(exc)) from exc

@@ -1,7 +1,8 @@
 """rlship's public API: what an integrator's inference loop and trainer ranks import
 (docs/integrators.md). The ship path itself lives in `orchestrator`, `tasks` and `transport`.
 
-- `RolloutRecord`, `RolloutProducer` (and `AsyncRolloutProducer`): how rollouts enter a run;
+- `RolloutRecord` (`InvalidRecord`: a bad field), `RolloutProducer`, `AsyncRolloutProducer`:
+  how rollouts enter a run;
   `RolloutRejected` (bad data, named) and `AdmissionRefused` (the run has enough for now).
 - `REQUIRED_ARRAYS`, `OPTIONAL_TOKEN_ARRAYS`: the per-token arrays a rollout carries.
 - `RunSettings`: a run's settings, as `rlship` reads them (flags, `RLSHIP_*`, a TOML file).
@@ -10,7 +11,7 @@
 """
 
 from orchestrator.producer import AdmissionRefused, AsyncRolloutProducer, RolloutProducer, RolloutRejected
-from orchestrator.records import RolloutRecord
+from orchestrator.records import InvalidRecord, RolloutRecord
 from orchestrator.settings import RunSettings
 from tasks.stages.finalize import OPTIONAL_TOKEN_ARRAYS, REQUIRED_ARRAYS
 from transport.prime_receivers import FileSystemMicroBatchReceiver, ZMQMicroBatchReceiver
@@ -21,6 +22,7 @@ __all__ = [
     "AdmissionRefused",
     "AsyncRolloutProducer",
     "FileSystemMicroBatchReceiver",
+    "InvalidRecord",
     "RolloutProducer",
     "RolloutRecord",
     "RolloutRejected",

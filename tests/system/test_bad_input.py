@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from orchestrator.orchestrator import Orchestrator
 from orchestrator.producer import RolloutProducer, RolloutRejected
+from orchestrator.records import InvalidRecord, RolloutRecord
 from orchestrator.settings import RunSettings
 from tasks.app import app
 from tests.support.factories import group, rollout
@@ -161,6 +162,18 @@ def test_bad_records_beside_a_group_leave_it_whole(caplog):
     assert any("env: 'unknown' is not one of the run's envs ['math']" in m for m in messages)
     assert any("rollout_id: 'g1-r0' already received" in m for m in messages)
     assert len(messages) == 4
+
+
+def test_a_record_built_with_a_bad_field_names_it_in_one_line():
+    """The producer's side of the record: no raw pydantic error, one line per bad field."""
+    fields = dict(GOOD, reward=math.nan, num_output_tokens=-1)
+    with pytest.raises(InvalidRecord) as refused:
+        RolloutRecord(**fields)
+    assert str(refused.value) == (
+        "RolloutRecord: reward: Input should be a finite number (got nan); "
+        "num_output_tokens: Input should be greater than or equal to 0 (got -1)"
+    )
+    assert refused.value.__cause__ is None and isinstance(refused.value, ValueError)
 
 
 @st.composite
