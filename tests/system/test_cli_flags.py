@@ -175,3 +175,20 @@ def test_a_command_whose_extra_is_not_installed_names_the_extra() -> None:
     assert done.stderr.splitlines() == [
         "rlship bench encode: needs the Python package 'msgspec': pip install -e '.[bench]'"
     ]
+
+
+def test_status_help_lists_only_what_status_reads() -> None:
+    shown = rlship("status", "--help").stdout
+    assert "--redis-url" in shown and "--once" in shown
+    assert "--batch-size" not in shown and "--zmq-port" not in shown, "not the ~40 run settings"
+
+
+def test_output_to_a_closed_pipe_ends_quietly() -> None:
+    """`rlship config show | head`: the reader is gone; no `Broken pipe` error, no traceback."""
+    process = subprocess.Popen(
+        python_command("config", "show"), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    process.stdout.close()  # the reader leaves before the first line
+    _, stderr = process.communicate(timeout=60)
+    assert stderr == "", stderr
+    assert process.returncode == 1
