@@ -87,6 +87,14 @@ class StepContext:
         """How many times this delivery has been retried already."""
         return 0 if self.task is None else int(self.task.request.retries or 0)
 
+    def count_served(self, worker: str) -> None:
+        """Count the task in the run's `served_by`, which expires like the step keys: a task
+        of a run long gone must not leave a key for ever."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hincrby(self.keys.served_by, worker, 1)
+        pipe.expire(self.keys.served_by, self.store.ttl, nx=True)
+        pipe.execute()
+
     def count_call(self, stage: str, pipe: Any = None) -> None:
         """Count that this process ran `stage` (`stage_calls`: nothing runs twice), on `pipe`
         if given (a pipeline with no command yet is falsy, hence the explicit test)."""
@@ -226,7 +234,7 @@ def stage_task(
         @functools.wraps(body)
         def run(task: Task, run_id: str, step: int, *args: int) -> None:
             ctx = StepContext(run_id, step, task)
-            ctx.client.hincrby(ctx.keys.served_by, task.request.hostname or socket.gethostname(), 1)
+            ctx.count_served(task.request.hostname or socket.gethostname())
             if skip(ctx, name):
                 return
             rank = args[0] if stage.per_rank else None
