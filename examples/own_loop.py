@@ -207,6 +207,11 @@ def main() -> int:
         for process in rlship_side:
             process.wait(timeout=30)
         producer.join(timeout=10)
+        # The run is over and its workers are gone: its queues (and kombu's bindings of them) too.
+        queues = (settings.cpu_queue, settings.ship_queue)
+        redis.Redis.from_url(settings.redis_url).delete(
+            *queues, *(f"_kombu.binding{kind}.{queue}" for kind in ("", "_permanent") for queue in queues)
+        )
     wanted = list(settings.step_numbers)
     for rank, steps in got.items():
         print(f"rank {rank}: received steps {steps}")

@@ -45,6 +45,8 @@ def test_the_guides_example_delivers_every_step_to_every_rank(receivers, client,
                 got = {int(k): v.decode() for k, v in client.hgetall(keys.received(rank)).items()}
                 assert got == {step: sent[f"{step}:{rank}"] for step in range(1, STEPS + 1)}
         assert left_running(run_id) == []
+        queues = [run_queue(run_id, kind) for kind in ("cpu", "ship")]
+        assert client.exists(*queues, *(f"_kombu.binding.{queue}" for queue in queues)) == 0, "no queue left"
     finally:
         stale = list(client.scan_iter(match=f"{keys.prefix}*"))
         if stale:
