@@ -88,10 +88,11 @@ class ProgressDisplay:
         self._last_plain = self.started
         self._lag_peak_ms = 0.0
 
-    def update(self, status: bool = False) -> None:
+    def update(self, status: bool = False, elapsed: float | None = None) -> None:
         """One refresh; with `status`, the status is printed outside a terminal too (the
-        first and the last frame). A Redis error skips it: the display must not stop the run
-        it shows."""
+        first and the last frame); `elapsed`, the run's time to show instead of the clock's (an
+        ended run's, as its summary says it). A Redis error skips it: the display must not
+        stop the run it shows."""
         try:
             records = self.reader.new_records()
             snapshot = self.reader.snapshot()
@@ -107,7 +108,8 @@ class ProgressDisplay:
             ]
             + [record.get("event_loop_lag/max_ms", 0.0) for record in records]
         )
-        block = status_lines(snapshot, self.total_steps, self.ranks, now - self.started, self._lag_peak_ms)
+        shown = now - self.started if elapsed is None else elapsed
+        block = status_lines(snapshot, self.total_steps, self.ranks, shown, self._lag_peak_ms)
         if self.tty:
             width = shutil.get_terminal_size().columns
             self.stream.write(redraw(self._height, new_lines, block, width))

@@ -162,6 +162,7 @@ def run_local(
     output_dir.mkdir(parents=True, exist_ok=True)
     group = ProcessGroup(env=settings_to_env(settings), log_dir=output_dir / "logs")
     started = time.perf_counter()
+    started_at = time.time()  # the run's time: from here to the end of its shipping (`run_seconds`)
     orchestrator_summary = output_dir / "orchestrator-summary.json"
     orchestrator_summary.unlink(missing_ok=True)
     stopped = "done"
@@ -176,6 +177,8 @@ def run_local(
         client = redis.Redis.from_url(settings.redis_url, socket_timeout=5)
         settings = claim_ship_ports(client, settings, port_movable)
         group.env = settings_to_env(settings)
+        status_key = RunKeys(settings.run_id).status
+        client.hdel(status_key, "run_seconds")  # an earlier start's; this one's is written at its end
         shipped_before = int(client.hlen(RunKeys(settings.run_id).published))
         for name, command in worker_commands(settings).items():
             group.start(name, command)
@@ -188,6 +191,7 @@ def run_local(
             sys.stdout,
             settings.steps,
             settings.ranks,
+            elapsed=time.time() - started_at,
         )
         orchestrator = group.start(
             "orchestrator", rlship_command("orchestrate", "--summary-out", str(orchestrator_summary))
@@ -210,12 +214,16 @@ def run_local(
         except ChildFailed as exc:
             stopped = str(exc)
         group.stop("orchestrator")
-        display.update(status=True)  # every step published, however the run stopped (Ctrl-C too)
+        run_seconds = time.time() - started_at
+        client.hset(status_key, "run_seconds", run_seconds)
+        # Every step published, however the run stopped (Ctrl-C too), and the run's time.
+        display.update(status=True, elapsed=run_seconds)
         _end_tasks(client, settings)
         for name in [n for n in reversed(list(group.processes)) if n != "redis"]:
             group.stop(name)
         delete_queues(client, own_queues(settings))
         summary = _summarize(settings, orchestrator_summary, stopped, shipped_before)
+        summary["run_seconds"] = run_seconds
         store = PayloadStore(client, settings.run_id)
         if stopped == "done":
             store.delete_all_rollouts()
@@ -350,7 +358,7 @@ def print_summary(summary: dict[str, Any]) -> None:
     print(
         f"\nrlship run {run_id}: {steps(summary['steps_shipped'])} shipped{resumed}, "
         f"{summary.get('tokens_shipped', 0):,} tokens in "
-        f"{summary['wall_seconds']:.1f} s; event-loop lag max {summary.get('loop_lag_max_ms', 0.0):.1f} ms"
+        f"{summary['run_seconds']:.1f} s; event-loop lag max {summary.get('loop_lag_max_ms', 0.0):.1f} ms"
     )
     for rank, received in sorted(summary.get("ranks", {}).items()):
         print(f"  rank {rank}: received steps {received['steps']}")

@@ -88,7 +88,11 @@ def follow(client: redis.Redis, row: RunRow, info: RunInfo, once: bool) -> None:
     # The run's time so far; an ended run's, up to its orchestrator's last status.
     until = time.time() if row.state == RUNNING or row.updated_at is None else row.updated_at
     display = ProgressDisplay(reader, sys.stdout, info.steps, info.ranks, until - row.started_at)
-    display.update(status=True)  # where the run stands, at once
+    run_seconds = client.hget(RunKeys(info.run_id).status, "run_seconds")
+    ended = None if row.state == RUNNING or run_seconds is None else float(run_seconds)
+    display.update(
+        status=True, elapsed=ended
+    )  # where the run stands, at once; an ended run's time as its summary said
     followed = False
     while not once and (current := run_row(client, info.run_id)) is not None and current.state == RUNNING:
         time.sleep(REFRESH_SECONDS)

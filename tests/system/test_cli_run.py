@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import uuid
 
@@ -53,6 +54,15 @@ def test_rlship_run_ships_every_step_to_every_rank(redis_url, tmp_path):
 
     summary = json.loads(summary_path.read_text())
     assert summary["steps_shipped"] == 3
+    # `rlship status` of the ended run shows the time and the worst loop lag the summary said.
+    said = re.search(rf"rlship run {run_id}: .* in ([0-9.]+) s; event-loop lag max ([0-9.]+) ms", done.stdout)
+    assert said, done.stdout[-1000:]
+    frame = subprocess.run(
+        python_command("status", run_id, "--redis-url", redis_url), cwd=REPO, capture_output=True, text=True,
+        timeout=60,
+    ).stdout
+    assert frame.count("status: ") == 1 and f"3 cut | {said.group(1)} s |" in frame, (said.groups(), frame)
+    assert f"ms now, {said.group(2)} ms max" in frame, (said.groups(), frame)
     for rank in ("0", "1"):
         received = summary["ranks"][rank]
         assert received["steps"] == [0, 1, 2]
