@@ -38,11 +38,11 @@ def test_a_wrong_password_is_named_at_once_by_every_command(start_redis, tmp_pat
         ["produce", "--groups", "1"],
         ["trainer", "--rank", "0"],
     ]
-    for command in [*commands, ["status"]]:
-        done = rlship(*command, "--run-id", run_id, "--redis-url", url)
+    for command in [*([*c, "--run-id", run_id] for c in commands), ["status", run_id]]:
+        done = rlship(*command, "--redis-url", url)
         assert done.returncode == 2
         refused(done, "refused the credentials: a wrong password (or user)", "redis://:***@" + address)
-        missing = rlship(*command, "--run-id", run_id, "--redis-url", f"redis://{address}/0")
+        missing = rlship(*command, "--redis-url", f"redis://{address}/0")
         assert missing.returncode == 2
         refused(missing, f"Redis at redis://{address}/0 asks for a password and the URL gives none")
     assert left_running(run_id) == []
