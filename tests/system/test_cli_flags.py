@@ -177,6 +177,22 @@ def test_a_command_whose_extra_is_not_installed_names_the_extra() -> None:
     ]
 
 
+def test_the_report_without_matplotlib_names_the_install_from_a_checkout(tmp_path: Path) -> None:
+    """`rlship[charts]` is not published: the line names what installs it from a checkout."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    script = (
+        "import sys; sys.modules['matplotlib'] = None; sys.modules['matplotlib.figure'] = None; "
+        f"from orchestrator.commands.cli import main; sys.exit(main(['report', {str(tmp_path)!r}]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        "rlship report needs matplotlib: pip install -e '.[charts]' in the checkout"
+    ]
+
+
 def test_status_help_lists_only_what_status_reads() -> None:
     shown = rlship("status", "--help").stdout
     assert "--redis-url" in shown and "--once" in shown
