@@ -23,6 +23,8 @@ from tasks.app import DEFAULT_REDIS_URL
 from tests.support.processes import SESSION_QUEUES, Workers, free_port, running_workers
 from transport.store import PayloadStore
 
+UNEXPIRING_BEFORE = pytest.StashKey[set[str]]()
+
 
 @pytest.fixture(scope="session")
 def redis_url() -> str:
@@ -106,17 +108,31 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         delete_queues(redis.Redis.from_url(url), SESSION_QUEUES)
 
 
+def unexpiring_keys(client: redis.Redis) -> set[str]:
+    """Every key of any run (`rlship:*`) without an expiry."""
+    return {key.decode() for key in client.scan_iter(match="rlship:*", count=1000) if client.ttl(key) == -1}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """What Redis holds without an expiry before the tests: the session answers only for
+    what it adds (a developer's own run may share the server)."""
+    url = os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
+    session.config.stash[UNEXPIRING_BEFORE] = (
+        unexpiring_keys(redis.Redis.from_url(url)) if redis_answers(url) else set()
+    )
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """List the keys of test runs (`rlship:test-*`) left in Redis without an expiry: a test
-    must delete what it writes, or leave it to expire."""
+    """List the run keys the session left in Redis without an expiry, whatever the run's id
+    (tests start runs named `test-*`, `cli-*`, `absent-*`, ...): a test must delete what it
+    writes, or leave it to expire."""
     url = os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
     if not redis_answers(url):
         return
-    client = redis.Redis.from_url(url)
-    keys = client.scan_iter(match="rlship:test-*", count=1000)
-    left = sorted(key.decode() for key in keys if client.ttl(key) == -1)
+    before = terminalreporter.config.stash.get(UNEXPIRING_BEFORE, set())
+    left = sorted(unexpiring_keys(redis.Redis.from_url(url)) - before)
     if left:
         terminalreporter.section("rlship keys left without an expiry")
-        terminalreporter.line(f"{len(left)} keys of test runs would stay in Redis forever, e.g.:")
+        terminalreporter.line(f"{len(left)} keys of the session's runs would stay in Redis forever, e.g.:")
         for key in left[:20]:
             terminalreporter.line(f"  {key}")
