@@ -87,13 +87,13 @@ class StepContext:
         """How many times this delivery has been retried already."""
         return 0 if self.task is None else int(self.task.request.retries or 0)
 
-    def count_served(self, worker: str) -> None:
-        """Count the task in the run's `served_by`, which expires like the step keys: a task
-        of a run long gone must not leave a key for ever."""
-        pipe = self.client.pipeline(transaction=False)
+    def count_served(self, pipe: Any) -> None:
+        """Count the task in the run's `served_by` (the worker's node name), on the pipeline
+        of the task's first read (a skip check): no round trip of its own. The key expires
+        like the step keys: a task of a run long gone must not leave a key for ever."""
+        worker = (self.task.request.hostname if self.task is not None else None) or socket.gethostname()
         pipe.hincrby(self.keys.served_by, worker, 1)
         pipe.expire(self.keys.served_by, self.store.ttl, nx=True)
-        pipe.execute()
 
     def count_call(self, stage: str, pipe: Any = None) -> None:
         """Count that this process ran `stage` (`stage_calls`: nothing runs twice), on `pipe`
@@ -157,7 +157,8 @@ class StepContext:
         pipe = self.client.pipeline(transaction=False)
         pipe.exists(self.keys.alive)
         pipe.hexists(self.keys.published, self.step)
-        alive, published = pipe.execute()
+        self.count_served(pipe)
+        alive, published, *_ = pipe.execute()
         if not alive:
             log.warning("run %s has ended: %s of step %d dropped", self.run_id, task, self.step)
             pipe.hincrby(self.keys.tasks_dropped, task, 1)
@@ -220,10 +221,9 @@ def stage_task(
 ) -> Callable[[Body], Task]:
     """Register `body` as stage `name`'s Celery task (`Stage.task_name`): the one seam.
 
-    Per delivery: the step's context; the worker counted in the run's `served_by` (which
-    workers took its tasks: a run's own queues keep other runs' workers out); `skip` (by
-    default: the step is published or the run has ended); the body; then the stage's
-    successors in the graph. A body that
+    Per delivery: the step's context; `skip` (by default: the step is published or the run
+    has ended), which also counts the worker in the run's `served_by` (`count_served`: which
+    workers took its tasks); the body; then the stage's successors in the graph. A body that
     `computes` is the stage's computation, run once per step by `StepContext.run_stage`
     (timed, marked, the fault hook before the mark); any other runs its stage itself and
     returns False when the step goes no further. The body gets the context and the task's
@@ -234,7 +234,6 @@ def stage_task(
         @functools.wraps(body)
         def run(task: Task, run_id: str, step: int, *args: int) -> None:
             ctx = StepContext(run_id, step, task)
-            ctx.count_served(task.request.hostname or socket.gethostname())
             if skip(ctx, name):
                 return
             rank = args[0] if stage.per_rank else None

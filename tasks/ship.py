@@ -346,7 +346,10 @@ def publish(ctx: StepContext) -> None:
 
 def _released_already(ctx: StepContext, task: str) -> bool:
     """Release runs for a published step, whether or not its run has ended, once."""
-    if ctx.client.hexists(ctx.keys.released, ctx.step):
+    pipe = ctx.client.pipeline(transaction=False)
+    pipe.hexists(ctx.keys.released, ctx.step)
+    ctx.count_served(pipe)
+    if pipe.execute()[0]:
         ctx.skip_redundant(task, "released")
         return True
     return False
