@@ -24,11 +24,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
-import redis
 import zmq
 
 from rlship import AdmissionRefused, RolloutProducer, RolloutRecord, RunSettings, ZMQMicroBatchReceiver
 from transport.codec import decode_microbatches
+from transport.connection import connect_redis
 
 # -- your inference side ---------------------------------------------------------------------
 
@@ -66,7 +66,7 @@ def sample_group(rng: np.random.Generator, group_id: str, size: int, version: in
 def inference_loop(settings: RunSettings, stop: threading.Event) -> None:
     """Produce whole groups as the run admits them, each stamped with the trainers'
     current policy version, until told to stop."""
-    producer = RolloutProducer.for_run(redis.Redis.from_url(settings.redis_url), settings)
+    producer = RolloutProducer.for_run(connect_redis(settings.redis_url), settings)
     rng = np.random.default_rng(settings.seed)
     groups = 0
     while not stop.is_set():
@@ -209,7 +209,7 @@ def main() -> int:
         producer.join(timeout=10)
         # The run is over and its workers are gone: its queues (and kombu's bindings of them) too.
         queues = (settings.cpu_queue, settings.ship_queue)
-        redis.Redis.from_url(settings.redis_url).delete(
+        connect_redis(settings.redis_url).delete(
             *queues, *(f"_kombu.binding{kind}.{queue}" for kind in ("", "_permanent") for queue in queues)
         )
     wanted = list(settings.step_numbers)

@@ -10,13 +10,13 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-import redis
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from orchestrator.run_info import RunInfo
 from orchestrator.status_reader import STAGES, StatusReader, in_flight
+from transport.connection import connect_redis
 from transport.keys import RunKeys
 
 if TYPE_CHECKING:
@@ -33,7 +33,9 @@ class RunCollector(Collector):
         self.probe = probe
         self.keys = RunKeys(settings.run_id)
         self.info = RunInfo.from_settings(settings)
-        self.client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        self.client = connect_redis(
+            settings.redis_url, ride_out_outages=False, socket_timeout=5, socket_connect_timeout=5
+        )
         self._reader: StatusReader | None = None
         self._lock = threading.Lock()  # scrapes may overlap; the reader keeps a cursor
 

@@ -16,7 +16,8 @@ from orchestrator.settings import RunSettings
 
 CHANGEABLE_ON_RESUME = frozenset(
     {
-        "steps", "seed", "zmq_host", "zmq_port", "cpu_workers", "cpu_worker_max_memory_mib",
+        "steps", "seed", "redis_wait_replicas", "redis_wait_timeout_ms", "zmq_host", "zmq_port",
+        "cpu_workers", "cpu_worker_max_memory_mib",
         "cpu_queue", "ship_queue", "bind_wait_seconds", "samples_per_step", "wandb_project",
         "wandb_mode", "record_rollouts", "max_outstanding_rollouts", "log_json", "replay_steps",
         "max_empty_steps", "stall_seconds", "ack_timeout", "allow_eviction", "metrics_port",

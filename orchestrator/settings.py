@@ -17,14 +17,18 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from tasks.app import DEFAULT_REDIS_URL
 from tasks.logs import mask_secrets
 from tasks.manifest import ShipConfig
+from transport.connection import SENTINEL_SCHEME, RedisAddress
 from transport.numbering import PRIME_RL_FIRST_STEP
 
 CONFIG_ENV = "RLSHIP_CONFIG"
-REDIS_SCHEMES = ("redis", "rediss", "unix")
+REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel")
 # Settings whose values may hold credentials: shown and reported only through `mask_secrets`.
 SECRET_SETTINGS = frozenset({"redis_url"})
 # Settings that, left unset, follow others (`RunSettings._resolve_derived`).
-DERIVED_SETTINGS = ("first_step", "start_step", "policy_source", "broadcast_dir", "cpu_queue", "ship_queue")
+DERIVED_SETTINGS = (
+    "first_step", "start_step", "policy_source", "broadcast_dir", "cpu_queue", "ship_queue",
+    "redis_wait_replicas",
+)  # fmt: skip
 
 
 class RunSettings(BaseSettings):
@@ -39,7 +43,19 @@ class RunSettings(BaseSettings):
     redis_url: str = Field(
         default=DEFAULT_REDIS_URL,
         validation_alias=AliasChoices("REDIS_URL", "redis_url"),
-        description="the run's one Redis: broker, result backend and every client",
+        description="the run's one Redis: broker, result backend and every client; with Sentinels "
+        "sentinel://host:port;sentinel://host:port/0?master_name=NAME",
+    )
+    redis_wait_replicas: int | None = Field(
+        default=None,
+        ge=0,
+        description="replicas that must acknowledge each write exactly-once depends on (WAIT) before "
+        "anything acts on it (unset: 1 with Sentinels, 0 with one Redis)",
+    )
+    redis_wait_timeout_ms: int = Field(
+        default=1000,
+        ge=1,
+        description="how long one WAIT waits for the replicas before it is logged and waited again",
     )
     steps: int = Field(default=5, ge=1, description="steps to ship, then stop")
     first_step: int | None = Field(
@@ -209,6 +225,9 @@ class RunSettings(BaseSettings):
         scheme = urlsplit(value).scheme
         if scheme not in REDIS_SCHEMES:
             raise ValueError(f"the scheme must be one of {', '.join(REDIS_SCHEMES)}, not {scheme!r}")
+        if scheme == SENTINEL_SCHEME:
+            RedisAddress.parse(value)
+            return value
         database = urlsplit(value).path.strip("/") if scheme != "unix" else ""
         if database and not database.isdigit():
             raise ValueError(f"the database after the port must be a number (as /0), not {database!r}")
@@ -236,6 +255,8 @@ class RunSettings(BaseSettings):
             self.cpu_queue = run_queue(self.run_id, "cpu")
         if self.ship_queue is None:
             self.ship_queue = run_queue(self.run_id, "ship")
+        if self.redis_wait_replicas is None:
+            self.redis_wait_replicas = 1 if RedisAddress.parse(self.redis_url).is_sentinel else 0
         self.__pydantic_fields_set__.difference_update(unset)
         if self.start_step < self.first_step:
             raise ValueError(

@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import msgpack
-import redis
 import redis.asyncio as aioredis
 
 from orchestrator.diagnosis import DIAGNOSE_SECONDS, RedisOutOfMemory, stall_reason
@@ -25,6 +24,7 @@ from orchestrator.publisher import Publisher
 from orchestrator.settings import RunSettings
 from tasks.ship import finalize
 from tasks.stages.finalize import StepVerdict
+from transport.connection import connect_redis
 from transport.keys import RunKeys, StepValue
 
 log = logging.getLogger("rlship.orchestrator")
@@ -66,8 +66,8 @@ class StallWatchdog:
         self.stall_reason: str | None = None
         # Diagnosis makes blocking calls (INFO, CLIENT LIST): its own thread and client.
         self._diagnosis_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlship-diagnosis")
-        self._sync_client = redis.Redis.from_url(
-            settings.redis_url, socket_timeout=5, socket_connect_timeout=5
+        self._sync_client = connect_redis(
+            settings.redis_url, ride_out_outages=False, socket_timeout=5, socket_connect_timeout=5
         )
 
     async def watch(self) -> None:

@@ -7,11 +7,13 @@ the bound ZMQ sockets). With `RLSHIP_LOG_JSON=1` a worker logs JSON lines (`task
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from celery import Celery
 
 from tasks import logs  # noqa: F401  (connects the worker logging hooks)
+from transport.connection import celery_redis_options
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 CPU_QUEUE = "cpu"
@@ -26,7 +28,7 @@ def visibility_timeout() -> int:
 
 
 _environment_url = os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
-app = Celery("rlship", broker=_environment_url, backend=_environment_url, include=["tasks.ship"])
+app = Celery("rlship", include=["tasks.ship"])
 app.conf.update(
     task_serializer="msgpack",
     result_serializer="msgpack",
@@ -51,21 +53,29 @@ app.conf.update(
         "interval_step": 0.5,
         "interval_max": 1.0,
     },
-    broker_transport_options={"visibility_timeout": visibility_timeout()},
-    result_backend_transport_options={"visibility_timeout": visibility_timeout()},
     worker_hijack_root_logger=False,
 )
 
 
 def use_redis(url: str) -> None:
-    """Point the broker and the result backend at `url`. The app is built when this module is
+    """Point the broker and the result backend at `url` (with Sentinels: at the primary
+    they name, followed through a failover). The app is built when this module is
     imported, from REDIS_URL, before a command has read its flags and `--config` file; the
     orchestrator calls this with the URL its settings resolved, so the tasks it enqueues go
     to the Redis its keys are on. Call it before the first publish: a connection pool, once
     made, stays."""
-    app.conf.update(broker_url=url, result_backend=url)
+    options = celery_redis_options(url)
+    for name in ("broker_transport_options", "result_backend_transport_options"):
+        options[name] = {**options.get(name, {}), "visibility_timeout": visibility_timeout()}
+    app.conf.update(options)
+    _redis_url[0] = url
+
+
+_redis_url = [_environment_url]
+with contextlib.suppress(ValueError):  # a malformed REDIS_URL is named by the settings' check
+    use_redis(_environment_url)
 
 
 def redis_url() -> str:
-    """The Redis this process's clients use: the app's broker (REDIS_URL in a worker)."""
-    return app.conf.broker_url
+    """The Redis this process's clients use (REDIS_URL in a worker)."""
+    return _redis_url[0]

@@ -65,6 +65,8 @@ class ShipConfig:
     replay_steps: int = 8
     first_step: int = 0  # the run's numbering, for the off-policy staleness of what ships
     bind_wait_seconds: float = 5.0  # a ZMQ port held by another process: wait, then stop the run
+    redis_wait_replicas: int = 0  # replicas that acknowledge the marks exactly-once depends on
+    redis_wait_timeout_ms: int = 1000
 
     @property
     def output_path(self) -> Path:

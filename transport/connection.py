@@ -1,9 +1,14 @@
-"""Redis clients that ride out a Redis restart.
+"""Redis clients that ride out a Redis restart or a Sentinel failover.
 
-Every long-lived process (orchestrator, workers, trainer ranks, producer) gets its clients
+Every process (orchestrator, workers, trainer ranks, producer, the commands) gets its clients
 here, so they share one policy: a command that fails on a lost connection is retried with
-backoff for about `OUTAGE_SECONDS`, long enough for a restart, short enough that a Redis
-that stays down ends the process with a clear error instead of a hang.
+backoff for about `OUTAGE_SECONDS`, long enough for a restart or a failover, short enough
+that a Redis that stays down ends the process with a clear error instead of a hang.
+
+A run's Redis is a URL (`redis://`, `rediss://`, `unix://`) or Sentinels and the name of the
+primary they watch (`RedisAddress`): `sentinel://[:password@]host:port;sentinel://host:port
+/db?master_name=NAME`, kombu's form with the master's name in the query. With Sentinels a
+client asks them for the primary at each connect, so a failover is one more lost connection.
 
 Retrying is safe for rlship's writes: they are idempotent (SET, HSET, SADD, marks), guarded
 (the record is written in a WATCH transaction, which redis-py does not replay: the
@@ -14,10 +19,14 @@ after a lost reply costs only a statistic.
 from __future__ import annotations
 
 import builtins
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.sentinel
+import redis.sentinel
 from redis._parsers import _RESP3Parser
 from redis._parsers.socket import SENTINEL, SERVER_CLOSED_CONNECTION_ERROR, SocketBuffer
 from redis.asyncio.retry import Retry as AsyncRetry
@@ -80,23 +89,118 @@ class LargeReplyParser(_RESP3Parser):
         self._buffer = LargeReplyBuffer(self._sock, self.socket_read_size, connection.socket_timeout)
 
 
-def connect_redis(url: str, *, large_replies: bool = False, **options: Any) -> redis.Redis:
-    """A client that rides out a restart; with `large_replies`, megabyte values are read
-    without redis-py's copies (`LargeReplyBuffer`)."""
+SENTINEL_SCHEME = "sentinel"
+DEFAULT_SENTINEL_PORT = 26379
+# A Sentinel that does not answer must not hold up finding the primary: ask the next one.
+_SENTINEL_OPTIONS = {"socket_connect_timeout": 1.0, "socket_timeout": 1.0}
+
+
+@dataclass(frozen=True)
+class RedisAddress:
+    """Where a run's Redis is: a plain URL, or the Sentinels and the master name they watch."""
+
+    url: str
+    sentinels: tuple[tuple[str, int], ...] = ()
+    master_name: str = ""
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+    @property
+    def is_sentinel(self) -> bool:
+        return bool(self.sentinels)
+
+    @property
+    def celery_url(self) -> str:
+        """The URL as kombu and Celery take it: the master's name goes in their transport
+        options (`celery_redis_options`), not in the URL."""
+        return self.url.split("?", 1)[0] if self.is_sentinel else self.url
+
+    @classmethod
+    def parse(cls, url: str) -> RedisAddress:
+        """Read `url`; a malformed Sentinel address raises ValueError naming what is wrong."""
+        if urlsplit(url).scheme != SENTINEL_SCHEME:
+            return cls(url)
+        sentinels: list[tuple[str, int]] = []
+        found: dict[str, Any] = {}
+        for chunk in url.split(";"):
+            parts = urlsplit(chunk)
+            if parts.scheme != SENTINEL_SCHEME or not parts.hostname:
+                raise ValueError(f"each Sentinel must be given as sentinel://host:port, not {chunk!r}")
+            sentinels.append((parts.hostname, parts.port or DEFAULT_SENTINEL_PORT))
+            if parts.password is not None:
+                found["password"] = unquote(parts.password)
+                found["username"] = unquote(parts.username) if parts.username else None
+            if parts.path.strip("/"):
+                if not parts.path.strip("/").isdigit():
+                    raise ValueError(
+                        f"the database after a Sentinel must be a number (as /0), not {parts.path!r}"
+                    )
+                found["db"] = int(parts.path.strip("/"))
+            names = parse_qs(parts.query).get("master_name")
+            if names:
+                found["master_name"] = names[0]
+        if not found.get("master_name"):
+            raise ValueError(
+                "a sentinel:// address needs the name of the primary its Sentinels watch, as "
+                "?master_name=NAME at its end"
+            )
+        return cls(url, tuple(sentinels), **found)
+
+    def sentinel(self, **options: Any) -> redis.sentinel.Sentinel:
+        """A client of the Sentinels themselves (topology, `rlship doctor`)."""
+        return redis.sentinel.Sentinel(list(self.sentinels), sentinel_kwargs=_SENTINEL_OPTIONS, **options)
+
+    def master_options(self) -> dict[str, Any]:
+        return {"db": self.db, "username": self.username, "password": self.password}
+
+
+def celery_redis_options(url: str) -> dict[str, Any]:
+    """Celery settings for a broker and result backend on `url`: with Sentinels, kombu's
+    `sentinel://` URL and the master's name in both transport options."""
+    address = RedisAddress.parse(url)
+    options: dict[str, Any] = {"broker_url": address.celery_url, "result_backend": address.celery_url}
+    if address.is_sentinel:
+        extra = {"master_name": address.master_name, "sentinel_kwargs": dict(_SENTINEL_OPTIONS)}
+        options["broker_transport_options"] = extra
+        options["result_backend_transport_options"] = extra
+    return options
+
+
+def _retry_options(ride_out_outages: bool) -> dict[str, Any]:
+    if not ride_out_outages:
+        return {"retry": None}
+    return {
+        "retry": Retry(ExponentialBackoff(**_BACKOFF), _RETRIES),
+        "retry_on_error": [ConnectionError, TimeoutError],
+    }
+
+
+def connect_redis(
+    url: str, *, large_replies: bool = False, ride_out_outages: bool = True, **options: Any
+) -> redis.Redis:
+    """A client of the run's Redis (its primary, with Sentinels) that rides out a restart or
+    a failover; with `large_replies`, megabyte values are read without redis-py's copies
+    (`LargeReplyBuffer`); without `ride_out_outages`, a lost connection fails at once (a
+    command that checks whether Redis answers)."""
     if large_replies:
         options["parser_class"] = LargeReplyParser
-    return redis.Redis.from_url(
-        url,
-        retry=Retry(ExponentialBackoff(**_BACKOFF), _RETRIES),
-        retry_on_error=[ConnectionError, TimeoutError],
-        **options,
-    )
+    options.update(_retry_options(ride_out_outages))
+    address = RedisAddress.parse(url)
+    if address.is_sentinel:
+        return address.sentinel().master_for(address.master_name, **address.master_options(), **options)
+    return redis.Redis.from_url(url, **options)
 
 
 def connect_redis_async(url: str, **options: Any) -> aioredis.Redis:
-    return aioredis.Redis.from_url(
-        url,
-        retry=AsyncRetry(ExponentialBackoff(**_BACKOFF), _RETRIES),
-        retry_on_error=[ConnectionError, TimeoutError],
-        **options,
-    )
+    retry = {
+        "retry": AsyncRetry(ExponentialBackoff(**_BACKOFF), _RETRIES),
+        "retry_on_error": [ConnectionError, TimeoutError],
+    }
+    address = RedisAddress.parse(url)
+    if address.is_sentinel:
+        sentinels = redis.asyncio.sentinel.Sentinel(
+            list(address.sentinels), sentinel_kwargs=_SENTINEL_OPTIONS
+        )
+        return sentinels.master_for(address.master_name, **address.master_options(), **retry, **options)
+    return aioredis.Redis.from_url(url, **retry, **options)

@@ -20,10 +20,12 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import redis
+from redis.sentinel import MasterNotFoundError
 
 from orchestrator.settings import RunSettings
 from orchestrator.worker_queries import queue_consumers
 from tasks.logs import mask_secrets
+from transport.connection import RedisAddress, connect_redis
 from transport.keys import RunKeys
 from transport.port_claims import other_claimants, port_claims, port_holder
 
@@ -81,11 +83,19 @@ class RedisAnswer:
 def probe_redis(url: str) -> RedisAnswer:
     """One ping with short timeouts and no retries: reachable, authenticated, database selected."""
     shown = mask_secrets(url)
-    client = redis.Redis.from_url(
-        url, socket_connect_timeout=REDIS_TIMEOUT_SECONDS, socket_timeout=REDIS_TIMEOUT_SECONDS, retry=None
+    client = connect_redis(
+        url,
+        ride_out_outages=False,
+        socket_connect_timeout=REDIS_TIMEOUT_SECONDS,
+        socket_timeout=REDIS_TIMEOUT_SECONDS,
     )
     try:
         client.ping()
+    except MasterNotFoundError as exc:
+        address = RedisAddress.parse(url)
+        detail = f"no Sentinel at {shown} names a primary for master_name {address.master_name!r} ({exc})"
+        fix = "start the Sentinels, or correct the addresses or the master_name in REDIS_URL"
+        return RedisAnswer(Check("redis", False, detail, fix), "unreachable")
     except redis.AuthenticationError:
         return RedisAnswer(_auth_failed(client, shown), "auth")
     except (redis.ConnectionError, redis.TimeoutError, OSError, redis.exceptions.InvalidResponse) as exc:
@@ -111,7 +121,7 @@ def probe_redis(url: str) -> RedisAnswer:
     options = client.connection_pool.connection_kwargs
     if not options.get("password"):
         return RedisAnswer(Check("redis", True, f"{answers}, no password asked or given"), "ok", client)
-    if _answers_without_password(client):
+    if _answers_without_password(url, client):
         unasked = Check(
             "redis",
             False,
@@ -123,13 +133,17 @@ def probe_redis(url: str) -> RedisAnswer:
     return RedisAnswer(Check("redis", True, f"{answers}, the password accepted"), "ok", client)
 
 
-def _answers_without_password(client: redis.Redis) -> bool:
+def _answers_without_password(url: str, client: redis.Redis) -> bool:
     """Whether the server behind `client` answers a client that gives no password."""
-    pool = client.connection_pool
-    options = {**pool.connection_kwargs, "password": None, "username": None}
-    bare = redis.Redis(
-        connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **options)
-    )
+    address = RedisAddress.parse(url)
+    if address.is_sentinel:
+        bare = address.sentinel().master_for(address.master_name, db=address.db, retry=None)
+    else:
+        pool = client.connection_pool
+        options = {**pool.connection_kwargs, "password": None, "username": None}
+        bare = redis.Redis(
+            connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **options)
+        )
     try:
         return bool(bare.ping())
     except redis.RedisError:

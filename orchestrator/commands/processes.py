@@ -18,6 +18,7 @@ import redis
 from orchestrator.settings import RunSettings
 from orchestrator.worker_queries import answering_workers
 from tasks.logs import mask_secrets
+from transport.connection import connect_redis
 from transport.keys import RunKeys
 
 # Where children start: `python -m orchestrator.commands.cli` finds the packages here.
@@ -108,7 +109,7 @@ class ProcessGroup:
 
 def redis_answers(url: str) -> bool:
     try:
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+        return bool(connect_redis(url, ride_out_outages=False, socket_connect_timeout=1).ping())
     except (redis.ConnectionError, redis.TimeoutError, OSError):
         return False
 
@@ -183,7 +184,7 @@ def delete_queues(client: redis.Redis, queues: Collection[str]) -> None:
 
 def delete_run_keys(settings: RunSettings) -> None:
     """Every key of the placement's run, and the traces of its one-off queues."""
-    client = redis.Redis.from_url(settings.redis_url)
+    client = connect_redis(settings.redis_url)
     keys = list(client.scan_iter(match=RunKeys(settings.run_id).prefix + "*", count=1000))
     for start in range(0, len(keys), 1000):
         client.unlink(*keys[start : start + 1000])

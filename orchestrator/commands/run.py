@@ -42,6 +42,7 @@ from orchestrator.settings_resolution import (
 )
 from orchestrator.status_reader import StatusReader
 from tasks.logs import mask_secrets
+from transport.connection import connect_redis
 from transport.keys import RunKeys
 from transport.port_claims import claim_call, claim_holder, release_call
 from transport.store import DEFAULT_TTL_SECONDS, PayloadStore
@@ -174,7 +175,7 @@ def run_local(
                 f"so this run started its own there (data in {output_dir / 'redis'}); it stops with the "
                 "run, and `rlship status` sees the run only while it runs"
             )
-        client = redis.Redis.from_url(settings.redis_url, socket_timeout=5)
+        client = connect_redis(settings.redis_url, socket_timeout=5)
         settings = claim_ship_ports(client, settings, port_movable)
         group.env = settings_to_env(settings)
         status_key = RunKeys(settings.run_id).status
@@ -283,7 +284,7 @@ def _summarize(
 ) -> dict[str, Any]:
     """What the run shipped, from Redis (the one source whatever stopped the run): a step is
     shipped when its record is published, which needs every rank's send first."""
-    client = redis.Redis.from_url(settings.redis_url)
+    client = connect_redis(settings.redis_url)
     shipped = int(client.hlen(RunKeys(settings.run_id).published))
     summary: dict[str, Any] = {"run_id": settings.run_id}
     if orchestrator_summary.exists():
@@ -323,7 +324,9 @@ def resume_with_run_settings(settings: RunSettings, sources: Mapping[str, str]) 
         return settings
     keys = RunKeys(settings.run_id)
     try:
-        client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2, socket_timeout=5)
+        client = connect_redis(
+            settings.redis_url, ride_out_outages=False, socket_connect_timeout=2, socket_timeout=5
+        )
         pipe = client.pipeline(transaction=False)
         pipe.get(keys.settings).exists(keys.finished).hlen(keys.published).exists(keys.orchestrator_lease)
         stored, finished, shipped, running = pipe.execute()

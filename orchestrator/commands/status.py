@@ -22,6 +22,7 @@ from orchestrator.run_info import RunInfo
 from orchestrator.settings_resolution import add_settings_arguments, settings_from_args
 from orchestrator.status_reader import StatusReader
 from tasks.logs import mask_secrets
+from transport.connection import connect_redis
 from transport.keys import RunKeys, run_id_of_marker, run_markers_pattern
 
 RUNNING, FINISHED, STOPPED = "running", "finished", "stopped"
@@ -114,7 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     require("status", [probe_redis(settings.redis_url).check])  # one line, as every command says it
-    client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+    client = connect_redis(
+        settings.redis_url, ride_out_outages=False, socket_timeout=5, socket_connect_timeout=5
+    )
     where = f"Redis at {mask_secrets(settings.redis_url)}"
     if args.run is None or args.list:
         rows = list_runs(client)

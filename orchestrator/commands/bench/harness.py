@@ -31,6 +31,7 @@ from orchestrator.commands.processes import (
 from orchestrator.commands.run import received_by_rank
 from orchestrator.producer import RolloutProducer
 from orchestrator.settings import RunSettings, settings_to_env
+from transport.connection import connect_redis
 from transport.keys import RunKeys
 from transport.zmq_sockets import free_port_pair
 
@@ -67,7 +68,7 @@ def run_placement(
     group = ProcessGroup(env=settings_to_env(settings), log_dir=log_dir)
     spec, result = log_dir / "spec.json", log_dir / "result.json"
     deadline = time.monotonic() + args.timeout
-    client = redis.Redis.from_url(settings.redis_url)
+    client = connect_redis(settings.redis_url)
     try:
         for rank in range(settings.ranks):
             trainer = rlship_command(
@@ -147,7 +148,7 @@ def process_kinds(group: ProcessGroup, client: redis.Redis) -> dict[str, list[in
 def feed(settings: RunSettings, batches: list[StepBatch], group: ProcessGroup, deadline: float) -> None:
     """The producer of the celery placement: step k's rollouts go to Redis once step k - 1 is
     published, so they are ingested before the cut, as the in-process placements hold theirs."""
-    client = redis.Redis.from_url(settings.redis_url)
+    client = connect_redis(settings.redis_url)
     producer = RolloutProducer.for_run(client, settings, admitted=False)  # a step's batch in one call
     published = RunKeys(settings.run_id).published
     for batch in batches:

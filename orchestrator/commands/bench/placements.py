@@ -49,6 +49,7 @@ from tasks.stages.pack import pack_samples
 from tasks.stages.prune import prune_samples, worker_drops
 from tasks.stages.publish import build_record, running_totals
 from tasks.stages.release import trim_process_memory
+from transport.connection import connect_redis_async
 from transport.keys import RunKeys
 from transport.zmq_sender import ZMQSender
 
@@ -284,7 +285,7 @@ async def run_placement(placement: str, settings: RunSettings, timeout: float) -
     origin = loop.time()
     baseline_rss = psutil.Process().memory_info().rss
     heartbeat = LagProbe(HEARTBEAT_SECONDS, keep_timeline=True)
-    client = aioredis.Redis.from_url(settings.redis_url, socket_timeout=60)
+    client = connect_redis_async(settings.redis_url, socket_timeout=60)
     background = [asyncio.create_task(heartbeat.run())]
     try:
         if placement == "celery":

@@ -30,6 +30,7 @@ from orchestrator.groups import TRAINABLE, decide_group
 from orchestrator.producer import RolloutProducer
 from orchestrator.settings import RunSettings, settings_to_env
 from tasks.faults import fault_field
+from transport.connection import connect_redis
 from transport.keys import RunKeys
 from transport.store import PayloadStore
 
@@ -45,7 +46,7 @@ class RunFailed(RuntimeError):
 def write_workload(settings: RunSettings) -> int:
     """Write whole groups until they hold enough trainable rollouts for every step (plus
     one batch); the fates are decided here exactly as the orchestrator will decide them."""
-    client = redis.Redis.from_url(settings.redis_url)
+    client = connect_redis(settings.redis_url)
     producer = RolloutProducer.for_run(client, settings, admitted=False)  # written up front
     workload = SyntheticWorkload(seed=settings.seed, group_size=settings.group_size, seq_len=settings.seq_len)
     needed = (settings.steps + 1) * settings.batch_size
@@ -94,7 +95,7 @@ def run_system(
     group = ProcessGroup(
         env={**settings_to_env(settings), "RLSHIP_FAULTS": "1"}, log_dir=settings.output_dir / "logs"
     )
-    client = redis.Redis.from_url(settings.redis_url)
+    client = connect_redis(settings.redis_url)
     kills: list[Kill] = []
     started = time.monotonic()
     try:
