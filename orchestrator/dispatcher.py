@@ -33,6 +33,7 @@ from tasks.manifest import StepManifest
 from tasks.ship import finalize
 from tasks.stages.finalize import StepVerdict
 from transport.keys import StepValue
+from transport.replication import Durability
 from transport.store import AsyncPayloadStore
 
 log = logging.getLogger("rlship.orchestrator")
@@ -61,6 +62,7 @@ class Dispatcher:
         self.store = store
         self.keys = store.keys
         self.config = settings.ship_config()
+        self.durability = Durability.of(settings, self.keys.replication_probe)
         self.ingest = ingest
         self.gate = gate
         self.publisher = publisher
@@ -221,15 +223,22 @@ class Dispatcher:
         here the loop gets the GIL back between the pieces (`packb_in_pieces`)."""
         step = manifest.step
         manifest_key = self.keys.step(step, StepValue.MANIFEST)
-        pipe = self.publisher.client.pipeline(transaction=True)
-        pipe.set(manifest_key, manifest.to_bytes(), ex=self.store.ttl)
-        pipe.sadd(self.keys.step_keys(step), manifest_key, *(self.keys.rollout(r) for r in batch_ids))
-        pipe.expire(self.keys.step_keys(step), self.store.ttl)
-        pipe.set(self.keys.next_step, step + 1)
-        pipe.set(self.keys.checkpoint, checkpoint.to_bytes())
-        pipe.set(self.keys.accounted, accounted)
-        pipe.xtrim(self.keys.rollout_stream, minid=oldest_held)
-        pipe.execute()
+        client = self.publisher.client
+
+        def write() -> None:
+            pipe = client.pipeline(transaction=True)
+            pipe.set(manifest_key, manifest.to_bytes(), ex=self.store.ttl)
+            pipe.sadd(self.keys.step_keys(step), manifest_key, *(self.keys.rollout(r) for r in batch_ids))
+            pipe.expire(self.keys.step_keys(step), self.store.ttl)
+            pipe.set(self.keys.next_step, step + 1)
+            pipe.set(self.keys.checkpoint, checkpoint.to_bytes())
+            pipe.set(self.keys.accounted, accounted)
+            pipe.xtrim(self.keys.rollout_stream, minid=oldest_held)
+            pipe.execute()
+
+        # Its tasks are enqueued only once a replica holds the cut: a cut lost in a failover
+        # would leave them a step with no manifest (`transport.replication`).
+        self.durability.replicate(client, write, lambda pipe: pipe.exists(manifest_key), f"step {step}'s cut")
 
     async def _take_back(self, step: int) -> int:
         """Undo the cut of an empty step: its rollouts are discarded (`empty_step`), its keys

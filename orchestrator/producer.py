@@ -26,6 +26,7 @@ from orchestrator.settings import RunSettings
 from tasks.stages.finalize import check_rollout_arrays
 from transport.keys import RunKeys
 from transport.numbering import required_version, version_after
+from transport.replication import Durability
 from transport.schema import EncodedTensor, SchemaError
 from transport.store import DEFAULT_TTL_SECONDS, flat_arrays, pack_arrays
 
@@ -199,9 +200,13 @@ class _Producer:
         max_tokens: int = RunSettings.model_fields["seq_len"].default,
         vocab_size: int = RunSettings.model_fields["vocab_size"].default,
         admission: Admission | None = None,
+        replicas: int = 0,
+        wait_timeout_ms: int = RunSettings.model_fields["redis_wait_timeout_ms"].default,
     ) -> None:
         self.client = client
         self.keys = RunKeys(run_id)
+        # A rollout is acknowledged (produce returns) once `replicas` replicas hold it.
+        self.durability = Durability(replicas, wait_timeout_ms, self.keys.replication_probe)
         self.ttl = ttl_seconds
         self.max_tokens = max_tokens
         self.vocab_size = vocab_size
@@ -219,7 +224,14 @@ class _Producer:
             max_tokens=settings.seq_len,
             vocab_size=settings.vocab_size,
             admission=Admission.for_run(settings) if admitted else None,
+            replicas=settings.redis_wait_replicas or 0,
+            wait_timeout_ms=settings.redis_wait_timeout_ms,
         )
+
+    def _stored(self, keys: list[str]) -> tuple[Any, Any]:
+        """The witness that a call's rollouts are stored (their payload keys), for `Durability`."""
+        payload_keys = keys[5:]
+        return (lambda pipe: pipe.exists(*payload_keys)), (lambda found: found[0] == len(payload_keys))
 
     def _script_arguments(self, rollouts: Rollouts) -> tuple[list[str], list[Any]]:
         """Check every rollout (RolloutRejected, nothing written, if any is bad), then the
@@ -319,16 +331,22 @@ class RolloutProducer(_Producer):
         to `timeout` seconds, if given."""
         keys, data = self._script_arguments(rollouts)
         deadline = time.monotonic() + (timeout or 0.0)
-        while True:
-            try:
-                gate = self._gate(rollouts, *self.client.mget(self._gate_keys)) if self.admission else None
-                reply = self._produce(keys=keys, args=self._call_arguments(gate, data))
-                if self._verdict(rollouts, gate, reply):
-                    return
-            except AdmissionRefused as exc:
-                if not self._waits_out(exc, deadline):
-                    raise
-                time.sleep(ADMISSION_POLL_SECONDS)
+
+        def write() -> None:
+            while True:
+                try:
+                    known = self.client.mget(self._gate_keys) if self.admission else None
+                    gate = self._gate(rollouts, *known) if known is not None else None
+                    reply = self._produce(keys=keys, args=self._call_arguments(gate, data))
+                    if self._verdict(rollouts, gate, reply):
+                        return
+                except AdmissionRefused as exc:
+                    if not self._waits_out(exc, deadline):
+                        raise
+                    time.sleep(ADMISSION_POLL_SECONDS)
+
+        witness, holds = self._stored(keys)
+        self.durability.replicate(self.client, write, witness, f"{len(rollouts)} rollouts", holds)
 
     def outstanding(self) -> int:
         """Rollouts appended but not yet accounted for by the orchestrator (shipped or discarded)."""
@@ -349,14 +367,19 @@ class AsyncRolloutProducer(_Producer):
     async def produce(self, rollouts: Rollouts, timeout: float | None = None) -> None:
         keys, data = self._script_arguments(rollouts)
         deadline = time.monotonic() + (timeout or 0.0)
-        while True:
-            try:
-                known = await self.client.mget(self._gate_keys) if self.admission else None
-                gate = self._gate(rollouts, *known) if known is not None else None
-                reply = await self._produce(keys=keys, args=self._call_arguments(gate, data))
-                if self._verdict(rollouts, gate, reply):
-                    return
-            except AdmissionRefused as exc:
-                if not self._waits_out(exc, deadline):
-                    raise
-                await asyncio.sleep(ADMISSION_POLL_SECONDS)
+
+        async def write() -> None:
+            while True:
+                try:
+                    known = await self.client.mget(self._gate_keys) if self.admission else None
+                    gate = self._gate(rollouts, *known) if known is not None else None
+                    reply = await self._produce(keys=keys, args=self._call_arguments(gate, data))
+                    if self._verdict(rollouts, gate, reply):
+                        return
+                except AdmissionRefused as exc:
+                    if not self._waits_out(exc, deadline):
+                        raise
+                    await asyncio.sleep(ADMISSION_POLL_SECONDS)
+
+        witness, holds = self._stored(keys)
+        await self.durability.replicate_async(self.client, write, witness, f"{len(rollouts)} rollouts", holds)

@@ -201,6 +201,7 @@ class RunSettings(BaseSettings):
         "start_step",
         "cpu_queue",
         "ship_queue",
+        "redis_wait_replicas",
         mode="before",
     )
     @classmethod

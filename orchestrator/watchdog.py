@@ -15,7 +15,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import kombu.exceptions
 import msgpack
+import redis
 import redis.asyncio as aioredis
 
 from orchestrator.diagnosis import DIAGNOSE_SECONDS, RedisOutOfMemory, stall_reason
@@ -128,9 +130,13 @@ class StallWatchdog:
     async def _diagnose(self, step: int, seconds: float) -> None:
         """Say why a step makes no progress (status `stall_reason` and the log); a Redis out
         of memory stops the run, since waiting cannot free it."""
-        cause = await asyncio.get_running_loop().run_in_executor(
-            self._diagnosis_thread, stall_reason, self._sync_client, self.settings
-        )
+        try:
+            cause = await asyncio.get_running_loop().run_in_executor(
+                self._diagnosis_thread, stall_reason, self._sync_client, self.settings
+            )
+        except (redis.RedisError, kombu.exceptions.OperationalError) as exc:
+            # Asking during a Redis restart or failover: that is the cause, and no reason to stop.
+            cause = f"Redis does not answer the diagnosis ({exc}): restarting or failing over?"
         if cause is None and seconds < self.settings.stall_seconds:
             return  # most likely a long stage still running: nothing to say yet
         reason = f"step {step} made no progress for {seconds:.0f} s: {cause or 'cause not found'}"

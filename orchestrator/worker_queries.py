@@ -7,23 +7,30 @@ them off the event loop.
 
 from __future__ import annotations
 
+from typing import Any
+
+from transport.connection import celery_redis_options
+
+
+def _control_app(name: str, redis_url: str) -> Any:
+    """A Celery app of its own on the broker at `redis_url` (Sentinels included)."""
+    from celery import Celery
+
+    app = Celery(name)
+    app.conf.update(celery_redis_options(redis_url), accept_content=["msgpack", "json"])
+    return app
+
 
 def answering_workers(redis_url: str, timeout: float = 0.5) -> set[str]:
     """The names of the workers on `redis_url` that answer a ping: they consume their queues.
     An app of its own, because the shared app's broker is fixed when it is imported."""
-    from celery import Celery
-
-    ping_app = Celery("rlship-ping", broker=redis_url)
-    ping_app.conf.accept_content = ["msgpack", "json"]
+    ping_app = _control_app("rlship-ping", redis_url)
     return {name for reply in ping_app.control.ping(timeout=timeout) or [] for name in reply}
 
 
 def queue_consumers(redis_url: str, queues: list[str], timeout: float = 1.0) -> dict[str, list[str]]:
     """Per queue, the names of the workers that answer and consume it."""
-    from celery import Celery
-
-    inspect_app = Celery("rlship-inspect", broker=redis_url)
-    inspect_app.conf.accept_content = ["msgpack", "json"]
+    inspect_app = _control_app("rlship-inspect", redis_url)
     replies = inspect_app.control.inspect(timeout=timeout).active_queues() or {}
     consumed = {worker: {q["name"] for q in worker_queues} for worker, worker_queues in replies.items()}
     return {queue: sorted(w for w, names in consumed.items() if queue in names) for queue in queues}

@@ -30,6 +30,7 @@ from tasks.graph import STAGE, Stage, predecessors, stage_ranks
 from tasks.manifest import StepManifest
 from transport.connection import connect_redis
 from transport.keys import StepValue, stage_field
+from transport.replication import Durability
 from transport.store import PayloadStore
 
 log = logging.getLogger("rlship.tasks")
@@ -63,6 +64,11 @@ class StepContext:
     @functools.cached_property
     def manifest(self) -> StepManifest:
         return _decoded_manifest(bytes(self.store.get_step_value(self.step, StepValue.MANIFEST)))
+
+    @functools.cached_property
+    def durability(self) -> Durability:
+        """How many replicas hold a mark before the task acts on it (`transport.replication`)."""
+        return Durability.of(self.manifest.config, self.keys.replication_probe)
 
     def is_published(self, step: int | None = None) -> bool:
         return bool(self.client.hexists(self.keys.published, self.step if step is None else step))

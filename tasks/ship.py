@@ -14,6 +14,7 @@ import json
 import logging
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -234,13 +235,31 @@ def _send_now(ctx: StepContext, rank: int) -> bool:
         raise ctx.retry(countdown=RETRY_SECONDS, queue=config.ship_queue) from None
     seconds = time.perf_counter() - started
     ctx.crash_if_armed("send", rank)  # left the process, not yet marked: the window
-    pipe = ctx.client.pipeline(transaction=True)
-    pipe.set(ctx.keys.last_sent(rank), step)
-    pipe.hset(ctx.keys.times(step), stage_field("send", rank), seconds)
-    pipe.unlink(ctx.keys.ship_problem)
-    pipe.execute()
+
+    def mark_sent() -> None:
+        pipe = ctx.client.pipeline(transaction=True)
+        pipe.set(ctx.keys.last_sent(rank), step)
+        pipe.hset(ctx.keys.times(step), stage_field("send", rank), seconds)
+        pipe.unlink(ctx.keys.ship_problem)
+        pipe.execute()
+
+    # The next step is sent only once a replica holds this mark: lost in a failover, it would
+    # have the step sent again (a duplicate to a stock receiver).
+    ctx.durability.replicate(
+        ctx.client, mark_sent, _reads(ctx.keys.last_sent(rank)), f"step {step} rank {rank}'s last_sent mark",
+        _at_least(step),
+    )  # fmt: skip
     _intents.discard((run_id, step, rank))
     return True
+
+
+def _reads(key: str) -> Callable[[Any], None]:
+    return lambda pipe: pipe.get(key)
+
+
+def _at_least(step: int) -> Callable[[list[Any]], bool]:
+    """Whether a mark read back (`_reads`) says `step` or later."""
+    return lambda found: found[0] is not None and int(found[0]) >= step
 
 
 # Per run, since when this process has failed to bind the run's ports (bind_wait_seconds).
@@ -277,7 +296,15 @@ def _mark_intent(ctx: StepContext, step: int, rank: int) -> None:
     intent = (ctx.run_id, step, rank)
     if intent in _intents:
         return  # this process's own retry: its message is tracked by the sender
-    previous = ctx.client.getset(ctx.keys.sending(rank), step)
+    sending = ctx.keys.sending(rank)
+    # Sent only once a replica holds the mark: the worker that follows a failover must know.
+    previous = ctx.durability.replicate(
+        ctx.client,
+        lambda: ctx.client.getset(sending, step),
+        _reads(sending),
+        f"step {step} rank {rank}'s sending mark",
+        _at_least(step),
+    )
     _intents.add(intent)
     if previous is not None and int(previous) == step:
         ctx.client.hincrby(ctx.keys.interrupted_sends, f"{step}:{rank}", 1)
@@ -311,6 +338,19 @@ def publish(ctx: StepContext) -> None:
     step, manifest, keys = ctx.step, ctx.manifest, ctx.keys
     if manifest.prev_step >= 0 and not ctx.is_published(manifest.prev_step):
         raise ctx.retry(countdown=RETRY_SECONDS, queue=manifest.config.cpu_queue)
+    # The step counts as published (the orchestrator goes on, sinks get the record) once a
+    # replica holds the record: lost in a failover, it is written again, once.
+    ctx.durability.replicate(
+        ctx.client,
+        lambda: _write_record(ctx),
+        lambda pipe: pipe.hexists(keys.published, step),
+        f"step {step}'s record",
+    )
+
+
+def _write_record(ctx: StepContext) -> None:
+    """The record and the `published` mark, in one transaction guarded by that mark."""
+    step, manifest, keys = ctx.step, ctx.manifest, ctx.keys
     step_record = ctx.get(StepValue.METRICS)
     stage_seconds = _stage_seconds(ctx.client.hgetall(keys.times(step)))
     with ctx.client.pipeline(transaction=True) as pipe:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+import kombu.transport
+import kombu.transport.redis
 import redis
 import redis.asyncio as aioredis
 import redis.asyncio.sentinel
@@ -87,6 +89,51 @@ class LargeReplyParser(_RESP3Parser):
     def on_connect(self, connection: Any) -> None:
         super().on_connect(connection)
         self._buffer = LargeReplyBuffer(self._sock, self.socket_read_size, connection.socket_timeout)
+
+
+class _PrimaryConnection(redis.sentinel.SentinelManagedConnection):
+    """redis-py's Sentinel-managed connection, but a reconnect on the way to sending a
+    command asks the Sentinels too: redis-py's `send_packed_command` reconnects with
+    `connect_check_health`, to the address the connection last had, so after a failover a
+    connection dropped for a READONLY reply reconnected to the old primary, now a replica,
+    until its retries ran out (seen here: an orchestrator stopped 30 s after a failover)."""
+
+    def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+        if not self._sock and self.connection_pool.is_master:
+            self.host, self.port = self.connection_pool.get_master_address()
+        super().connect_check_health(check_health, retry_socket_connect)
+
+
+class _AsyncPrimaryConnection(redis.asyncio.sentinel.SentinelManagedConnection):
+    """`_PrimaryConnection` for redis.asyncio."""
+
+    async def connect_check_health(
+        self, check_health: bool = True, retry_socket_connect: bool = True
+    ) -> None:
+        if not self.is_connected and self.connection_pool.is_master:
+            self.host, self.port = await self.connection_pool.get_master_address()
+        await super().connect_check_health(check_health, retry_socket_connect)
+
+
+class _KombuSentinelChannel(kombu.transport.redis.SentinelChannel):
+    connection_class = _PrimaryConnection
+
+    def _get_pool(self, asynchronous: bool = False) -> Any:
+        """A late acknowledgement run while a lost broker connection is being closed asks
+        for a pool after kombu let go of the connection: raise the connection error kombu
+        logs and recovers from (the message is delivered again), not the AttributeError
+        that left a worker's consumer stopped for good (seen here after a failover)."""
+        if self.connection.client is None:
+            raise ConnectionError("the broker connection is closed")
+        return super()._get_pool(asynchronous)
+
+
+class KombuSentinelTransport(kombu.transport.redis.SentinelTransport):
+    """kombu's Sentinel transport on `_PrimaryConnection`: without it a Celery worker whose
+    broker connection was dropped after a failover reconnected to the old primary and
+    consumed nothing (seen here: a run stalled with its tasks waiting in the queue)."""
+
+    Channel = _KombuSentinelChannel
 
 
 SENTINEL_SCHEME = "sentinel"
@@ -164,6 +211,9 @@ def celery_redis_options(url: str) -> dict[str, Any]:
         extra = {"master_name": address.master_name, "sentinel_kwargs": dict(_SENTINEL_OPTIONS)}
         options["broker_transport_options"] = extra
         options["result_backend_transport_options"] = extra
+        # kombu picks the transport by the URL's scheme, again at every switch to the next
+        # Sentinel: the scheme itself must name this one (kombu's registry of transports).
+        kombu.transport.TRANSPORT_ALIASES[SENTINEL_SCHEME] = f"{__name__}:KombuSentinelTransport"
     return options
 
 
@@ -188,7 +238,9 @@ def connect_redis(
     options.update(_retry_options(ride_out_outages))
     address = RedisAddress.parse(url)
     if address.is_sentinel:
-        return address.sentinel().master_for(address.master_name, **address.master_options(), **options)
+        return address.sentinel().master_for(
+            address.master_name, connection_class=_PrimaryConnection, **address.master_options(), **options
+        )
     return redis.Redis.from_url(url, **options)
 
 
@@ -202,5 +254,11 @@ def connect_redis_async(url: str, **options: Any) -> aioredis.Redis:
         sentinels = redis.asyncio.sentinel.Sentinel(
             list(address.sentinels), sentinel_kwargs=_SENTINEL_OPTIONS
         )
-        return sentinels.master_for(address.master_name, **address.master_options(), **retry, **options)
+        return sentinels.master_for(
+            address.master_name,
+            connection_class=_AsyncPrimaryConnection,
+            **address.master_options(),
+            **retry,
+            **options,
+        )
     return aioredis.Redis.from_url(url, **retry, **options)

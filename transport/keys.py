@@ -274,6 +274,12 @@ class RunKeys:
         return self.run_key("foreign_dropped")
 
     @property
+    def replication_probe(self) -> str:
+        """Written just before a WAIT that confirms a write reached the replicas
+        (`transport.replication`); expires after an hour."""
+        return self.run_key("replication_probe")
+
+    @property
     def ship_fatal(self) -> str:
         """Why the run cannot ship at all (a ZMQ port pair the ship worker could not bind
         within `bind_wait_seconds`, an output directory of another run): read by the

@@ -77,18 +77,30 @@ class LocalSentinelCluster:
         self._wait(
             self._ready, START_SECONDS, "the primary, its replicas and three Sentinels to see each other"
         )
+        self._wait_replicas_in_sync("the replicas to catch up")
         return self
 
     def primary_port(self) -> int:
-        """The primary's port as the Sentinels report it."""
+        """The primary's port: the one most Sentinels name, if it says it is the primary."""
+        named: list[int] = []
         for sentinel in self.sentinels:
             try:
                 host_port = _client(sentinel.port).sentinel_get_master_addr_by_name(MASTER_NAME)
             except redis.RedisError:
                 continue
             if host_port:
-                return int(host_port[1])
-        raise ClusterFailed("no Sentinel answers")
+                named.append(int(host_port[1]))
+        for port in sorted(set(named), key=named.count, reverse=True):
+            role = _client(port).info("replication").get("role")
+            if 2 * named.count(port) > SENTINELS and role == "master":
+                return port
+        raise ClusterFailed(f"no primary named by most Sentinels (they name {named})")
+
+    def _all_sentinels_name(self, port: int) -> bool:
+        """Whether every Sentinel names `port` the primary: a Sentinel that lags would name the
+        killed server, once started again, to a client that asks it first."""
+        named = [_client(s.port).sentinel_get_master_addr_by_name(MASTER_NAME) for s in self.sentinels]
+        return all(host_port and int(host_port[1]) == port for host_port in named)
 
     def fail_over(self) -> float:
         """SIGKILL the primary, wait for the Sentinels to promote a replica, start the killed
@@ -104,8 +116,12 @@ class LocalSentinelCluster:
             lambda: self._promoted_other_than(old), FAILOVER_SECONDS, f"a replica promoted after {old}"
         )
         promoted = time.monotonic() - killed
-        self._start_server(server, self.primary_port())
-        self._wait(self._replicas_in_sync, FAILOVER_SECONDS, f"{old} to rejoin as a replica")
+        primary = self.primary_port()
+        self._wait(
+            lambda: self._all_sentinels_name(primary), FAILOVER_SECONDS, f"every Sentinel to name {primary}"
+        )
+        self._start_server(server, primary)
+        self._wait_replicas_in_sync(f"{old} to rejoin as a replica")
         return promoted
 
     def stop(self) -> None:
@@ -146,22 +162,27 @@ class LocalSentinelCluster:
                 return False
             if int(state.get("num-slaves", 0)) < self.replicas:
                 return False
-        return self._replicas_in_sync()
+        return True
 
     def _promoted_other_than(self, old: int) -> bool:
         port = self.primary_port()
         return port != old and _client(port).info("replication").get("role") == "master"
 
-    def _replicas_in_sync(self) -> bool:
-        """Every replica online and caught up: after a full sync the primary streams to a
-        replica only once it has acknowledged an offset (within a second), so "online" alone
-        is not enough."""
+    def _wait_replicas_in_sync(self, what: str) -> None:
+        """Until every replica is online and has acknowledged the primary's offset as it was
+        once they were online: after a full sync the primary streams to a replica only once
+        it has acknowledged an offset (within a second), so "online" alone is not enough."""
+        self._wait(lambda: len(self._replica_offsets()[1]) >= self.replicas, FAILOVER_SECONDS, what)
+        target = self._replica_offsets()[0]
+        self._wait(lambda: min(self._replica_offsets()[1]) >= target, FAILOVER_SECONDS, what)
+
+    def _replica_offsets(self) -> tuple[int, list[int]]:
+        """The primary's replication offset and each online replica's acknowledged one."""
         info = _client(self.primary_port()).info("replication")
         states = [info.get(f"slave{i}", {}) for i in range(int(info.get("connected_slaves", 0)))]
-        caught_up = [
-            s.get("state") == "online" and s.get("offset") == info["master_repl_offset"] for s in states
+        return int(info["master_repl_offset"]), [
+            int(s["offset"]) for s in states if s.get("state") == "online"
         ]
-        return sum(caught_up) >= self.replicas
 
     @staticmethod
     def _wait(condition, timeout: float, what: str) -> None:

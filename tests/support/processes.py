@@ -18,10 +18,10 @@ from types import ModuleType
 
 import psutil
 import pytest
-import redis
 
 from orchestrator.commands.processes import celery_worker_command, delete_queues
 from orchestrator.worker_queries import answering_workers
+from transport.connection import connect_redis
 
 REPO = Path(__file__).resolve().parents[2]
 COMMAND_DEADLINE_SECONDS = 30
@@ -184,7 +184,7 @@ class Workers:
                 process.wait()
         # A stopped worker puts back what it held (a retry waiting for its countdown): the
         # session's queues are its own, so they go with it.
-        delete_queues(redis.Redis.from_url(self.redis_url), (self.cpu_queue, self.ship_queue))
+        delete_queues(connect_redis(self.redis_url), (self.cpu_queue, self.ship_queue))
 
 
 @contextlib.contextmanager

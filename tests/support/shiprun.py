@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import redis
-import redis.asyncio as aioredis
 
 from orchestrator.commands.produce import run_producer
 from orchestrator.orchestrator import Orchestrator
@@ -24,6 +23,7 @@ from orchestrator.settings import RunSettings, settings_to_env
 from tests.support.factories import group
 from tests.support.processes import REPO, Workers, python_command
 from tests.support.stock_peers import start_stock_ranks
+from transport.connection import connect_redis, connect_redis_async
 from transport.keys import RunKeys
 from transport.numbering import version_after
 from transport.store import PayloadStore
@@ -95,7 +95,7 @@ class ShipResult:
 
 
 async def run_orchestrator(settings: RunSettings, timeout: float = 120.0) -> ShipResult:
-    client = aioredis.Redis.from_url(settings.redis_url, socket_timeout=30)
+    client = connect_redis_async(settings.redis_url, socket_timeout=30)
     try:
         orchestrator = Orchestrator(settings, client)
         summary = await asyncio.wait_for(orchestrator.run(), timeout)
@@ -120,7 +120,7 @@ def ship(settings: RunSettings, trainers: bool = True, produce: bool = True) -> 
             producer.join()
         stop(ranks)
     # As `rlship run` does once the producer has stopped: what it wrote late never ships.
-    PayloadStore(redis.Redis.from_url(settings.redis_url), settings.run_id).delete_all_rollouts()
+    PayloadStore(connect_redis(settings.redis_url), settings.run_id).delete_all_rollouts()
     return result
 
 

@@ -1,0 +1,153 @@
+"""The run's Redis primary dies, and Sentinel promotes its replica: nothing is lost.
+
+Real servers on loopback ports (a primary, a replica and three Sentinels, each in its own
+directory: `orchestrator.commands.sentinel_cluster`), real Celery workers, the orchestrator
+as its own process and trainer ranks that receive as prime-rl's stock ones do (they never
+talk to Redis, check nothing and replay nothing). The primary is SIGKILLed five times while
+steps are cut, encoded, sent and published; each time the killed server is started again
+as a replica of the new primary, as a supervisor would. The oracles are the ranks' own
+records of what they received, the run's checksums of what it encoded, the records read
+back from the last primary, and what this test's producer was told was written.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from orchestrator.commands.processes import delete_run_keys
+from orchestrator.commands.sentinel_cluster import LocalSentinelCluster
+from orchestrator.producer import RolloutProducer
+from tests.support.factories import group
+from tests.support.processes import running_workers
+from tests.support.shiprun import deterministic_run, metrics_lines, start_orchestrator
+from tests.support.stock_peers import read_record, start_stock_ranks
+from transport.connection import connect_redis
+from transport.keys import RunKeys
+
+pytestmark = pytest.mark.timeout(600)
+
+STEPS, KILLS = 30, 5
+LIVE_GROUPS = 32  # written by a producer while the primary dies, besides 16 steps' worth up front
+
+
+def produce_during_failovers(settings, acknowledged: list[str], failed: list[BaseException]) -> None:
+    """A producer of the run on its own Sentinel client: each group it is told was written
+    is recorded; it must then be in the run's accounting, whatever primary died."""
+    producer = RolloutProducer.for_run(connect_redis(settings.redis_url), settings, admitted=False)
+    try:
+        for index in range(LIVE_GROUPS):
+            rollouts = group(f"live{index}", [1.0, 0.0, 0.0, 1.0], num_output_tokens=12 + index, env="math")
+            producer.produce(rollouts)
+            acknowledged += [record.rollout_id for record, _ in rollouts]
+            time.sleep(0.25)
+    except BaseException as exc:
+        failed.append(exc)
+
+
+def wait_published(
+    client: redis.Redis, key: str, count: int, orchestrator, log: Path, timeout: float
+) -> float:
+    deadline = time.monotonic() + timeout
+    while client.hlen(key) < count:
+        assert orchestrator.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"step {count} not published within {timeout:.0f} s"
+        time.sleep(0.02)
+    return time.monotonic()
+
+
+@pytest.mark.parametrize("transport", ["zmq", "fs"])
+def test_five_primary_kills_lose_nothing(transport, run_id, tmp_path):
+    with LocalSentinelCluster(tmp_path / "redis") as cluster:
+        url = cluster.url
+        client = connect_redis(url)
+        (tmp_path / "worker-logs").mkdir()
+        with running_workers(url, tmp_path / "worker-logs") as workers:
+            settings = deterministic_run(client, run_id, url, workers, tmp_path, 15).with_changes(
+                steps=STEPS, trainers="external", stall_seconds=3.0, transport=transport
+            )
+            assert settings.redis_wait_replicas == 1, "with Sentinels a write waits for a replica"
+            records, peers = start_stock_ranks(
+                settings, [STEPS if transport == "fs" else None] * settings.ranks
+            )
+            log = tmp_path / "orchestrator.log"
+            orchestrator = start_orchestrator(settings, log)
+            acknowledged: list[str] = []
+            failed: list[BaseException] = []
+            producer = threading.Thread(
+                target=produce_during_failovers, args=(settings, acknowledged, failed)
+            )
+            published = RunKeys(run_id).published
+            stalls, promotions = [], []
+            try:
+                wait_published(client, published, 2, orchestrator, log, 120)
+                producer.start()
+                for threshold in range(4, 4 + 5 * KILLS, 5):
+                    wait_published(client, published, threshold, orchestrator, log, 120)
+                    before = client.hlen(published)
+                    killed = time.monotonic()
+                    promotions.append(cluster.fail_over())
+                    stalls.append(
+                        wait_published(client, published, before + 1, orchestrator, log, 120) - killed
+                    )
+                producer.join(120)
+                assert orchestrator.wait(240) == 0, log.read_text()[-3000:]
+                if transport == "fs":
+                    for peer in peers:
+                        assert peer.wait(60) == 0, "every stock rank got its steps and exited"
+                else:
+                    deadline = time.monotonic() + 60
+                    while any(len({r["topic_step"] for r in read_record(rec)}) < STEPS for rec in records):
+                        assert time.monotonic() < deadline, "every stock rank got every step"
+                        time.sleep(0.1)
+            finally:
+                for peer in peers:
+                    peer.kill()
+                if orchestrator.poll() is None:
+                    orchestrator.kill()
+            assert not failed, f"the producer failed: {failed}"
+            steps = list(settings.step_numbers)
+            keys = RunKeys(run_id)
+            encoded = {k.decode(): v.decode() for k, v in client.hgetall(keys.sent_checksums).items()}
+            interrupted = {k.decode() for k in client.hkeys(keys.interrupted_sends)}
+            for rank, record in enumerate(records):
+                got = read_record(record)
+                received = [entry["step"] if transport == "fs" else entry["topic_step"] for entry in got]
+                # A send redone after an interrupted one may reach a stock rank twice, right
+                # after itself, and is counted (docs/reliability.md); any other duplicate is a bug.
+                again = [b for a, b in itertools.pairwise(received) if a == b]
+                assert all(f"{step}:{rank}" in interrupted for step in again), (rank, received, interrupted)
+                assert [s for i, s in enumerate(received) if i == 0 or received[i - 1] != s] == steps, (
+                    received
+                )
+                for step, entry in zip(received, got, strict=True):
+                    assert entry["sha256"][:32] == encoded[f"{step}:{rank}"], (
+                        f"rank {rank} step {step} as encoded"
+                    )
+            lines = metrics_lines(settings)
+            assert [int(line["step"]) for line in lines] == steps, "one record per step, in order"
+            stream = [int(fields[b"step"]) for _, fields in client.xrange(keys.metrics_stream)]
+            assert stream == steps, "one record per step on the last primary too"
+            for line in lines:
+                settled = sum(
+                    line[f"accounting/{term}"]
+                    for term in ("cut", "pending", "in_open_groups", "rejected", "discarded")
+                )
+                assert line["accounting/arrived"] == settled, f"step {line['step']}: accounting balanced"
+            assert len(acknowledged) == LIVE_GROUPS * 4, "the producer was told every group was written"
+            produced = int(client.get(keys.produced))
+            assert produced == 16 * 8 + len(acknowledged), (
+                "every acknowledged rollout is on the last primary, once"
+            )
+            assert lines[-1]["accounting/arrived"] == produced, "and reached the run's accounting"
+            promoted, stalled = [round(p, 1) for p in promotions], [round(s, 1) for s in stalls]
+            print(
+                f"{transport}: primary killed {KILLS} times; promoted after {promoted} s; "
+                f"kill to next step published {stalled} s; resent: {sorted(interrupted)}"
+            )
+        delete_run_keys(settings)
