@@ -19,6 +19,7 @@ after a lost reply costs only a statistic.
 from __future__ import annotations
 
 import builtins
+import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -37,6 +38,7 @@ from redis.exceptions import ConnectionError, TimeoutError
 from redis.retry import Retry
 
 OUTAGE_SECONDS = 30.0
+FAILOVER_WAIT_SECONDS = 10.0  # a Celery worker's connect waits this long for a new primary
 _BACKOFF = {"cap": 1.0, "base": 0.05}
 # 0.05, 0.1, ... capped at 1 s: about OUTAGE_SECONDS in all.
 _RETRIES = 5 + int(OUTAGE_SECONDS)
@@ -115,8 +117,25 @@ class _AsyncPrimaryConnection(redis.asyncio.sentinel.SentinelManagedConnection):
         await super().connect_check_health(check_health, retry_socket_connect)
 
 
+class _KombuPrimaryConnection(_PrimaryConnection):
+    """`_PrimaryConnection` for kombu, which reconnects a worker with waits of 2, 4, 6 s
+    between rounds: a connect waits out a failover (up to `FAILOVER_WAIT_SECONDS`) instead,
+    so a worker consumes again as soon as the Sentinels name the new primary, not at the
+    round after it (measured here: 6 s from the kill, against 2 to 4 s for the promotion)."""
+
+    def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+        deadline = time.monotonic() + FAILOVER_WAIT_SECONDS
+        while True:
+            try:
+                return super().connect_check_health(check_health, retry_socket_connect)
+            except ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+
 class _KombuSentinelChannel(kombu.transport.redis.SentinelChannel):
-    connection_class = _PrimaryConnection
+    connection_class = _KombuPrimaryConnection
 
     def _get_pool(self, asynchronous: bool = False) -> Any:
         """A late acknowledgement run while a lost broker connection is being closed asks
