@@ -77,7 +77,6 @@ def main(args: argparse.Namespace) -> int:
         print(f"rlship orchestrate: Redis at {shown} refused a command: {exc}", file=sys.stderr)
         return 3
     except redis.ConnectionError as exc:
-        import traceback; traceback.print_exc()  # DEBUG
         print(
             f"rlship orchestrate: Redis at {mask_secrets(settings.redis_url)} stayed unreachable "
             f"for {OUTAGE_SECONDS:.0f} s: {exc}",
