@@ -18,7 +18,7 @@ import redis
 from orchestrator.settings import RunSettings
 from orchestrator.worker_queries import answering_workers
 from tasks.logs import mask_secrets
-from transport.connection import connect_redis
+from transport.connection import RedisAddress, connect_redis
 from transport.keys import RunKeys
 
 # Where children start: `python -m orchestrator.commands.cli` finds the packages here.
@@ -120,6 +120,11 @@ def ensure_redis(url: str, group: ProcessGroup, data_dir: Path) -> bool:
     acknowledged: the ship path's marks and the records stay true."""
     if redis_answers(url):
         return False
+    if RedisAddress.parse(url).is_sentinel:
+        raise SystemExit(
+            f"rlship: redis_url={mask_secrets(url)!r}: no Sentinel there names a primary that answers "
+            "(rlship starts a Redis of its own only for a plain redis:// URL)"
+        )
     port = redis.connection.parse_url(url).get("port", 6379)
     data_dir.mkdir(parents=True, exist_ok=True)
     group.start(

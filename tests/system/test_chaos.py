@@ -43,6 +43,40 @@ def test_chaos_delivers_every_step_once_in_order_and_identical(tmp_path):
     assert "goal MET" in done.stdout
 
 
+def test_chaos_with_the_redis_primary_killed_twice_among_the_other_kills(tmp_path):
+    """Both runs on a primary, a replica and three Sentinels of their own; the chaos run's
+    primary is SIGKILLed twice (each time the killed server rejoins as a replica)."""
+    path = tmp_path / "chaos.json"
+    done = subprocess.run(
+        python_command(
+            "chaos",
+            "--steps",
+            "8",
+            "--kill-every",
+            "0.3",
+            "--timeout",
+            "150",
+            "--json",
+            str(path),
+            "--kill-redis-primary",
+            "2",
+        ),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=380,
+    )
+    assert path.exists(), done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads(path.read_text())
+    assert done.returncode == 0 and report["goal_met"], done.stdout[-2000:] + done.stderr[-2000:]
+    assert report["kills_by_target"]["redis-primary"] == 2
+    assert report["steps_delivered_per_rank"] == {"0": 8, "1": 8}
+    assert report["duplicates_delivered"] == report["out_of_order"] == report["payload_mismatches"] == 0
+    assert report["records_published"] == 8 and report["keys_left"] == 0
+    left = [p.pid for p in psutil.process_iter(["cwd"]) if str(tmp_path) in (p.info["cwd"] or "")]
+    assert not left, "the chaos command stopped its Redis servers and Sentinels (each runs in its directory)"
+
+
 def test_chaos_with_stock_receivers_reports_no_duplicate_outside_the_window_and_no_hang(tmp_path):
     """Ranks that receive as prime-rl's do (READY once, no duplicate check, no replay),
     the ship worker killed twice among the other kills."""
@@ -96,7 +130,12 @@ def stock_observation(orders: dict[str, list[int]], redone: dict[str, int]) -> d
 @pytest.mark.timeout(10)
 def test_a_stock_duplicate_counts_in_the_window_only_where_its_send_was_redone():
     args = argparse.Namespace(
-        steps=3, kill_every=0.2, receivers="stock", ship_kills=1, json=Path("chaos.json")
+        steps=3,
+        kill_every=0.2,
+        receivers="stock",
+        ship_kills=1,
+        kill_redis_primary=0,
+        json=Path("chaos.json"),
     )
     expected = {"ranks": {r: {"checksums": {str(s): f"sha-{s}" for s in (1, 2, 3)}} for r in "01"},
                 "keys_left": [], "wall_seconds": 1.0}  # fmt: skip

@@ -41,6 +41,7 @@ from orchestrator.commands.chaos.kills import STOCK_STAGES, KillPlan
 from orchestrator.commands.chaos.report import compare, print_report
 from orchestrator.commands.chaos.system import RunFailed, run_system
 from orchestrator.commands.processes import delete_run_keys
+from orchestrator.commands.sentinel_cluster import LocalSentinelCluster
 from orchestrator.settings import RunSettings
 from tasks.graph import STAGE_NAMES
 from transport.zmq_sockets import free_port_pair
@@ -62,14 +63,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="trainer ranks: rlship's, or ones that receive as prime-rl's stock receivers do",
     )
     parser.add_argument("--ship-kills", type=int, default=1, help="times the whole ship worker is killed")
+    parser.add_argument(
+        "--kill-redis-primary",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run both runs on a primary, a replica and three Sentinels of their own, and SIGKILL "
+        "the chaos run's primary N times (each time started again as the new primary's replica)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
-    base = RunSettings()  # REDIS_URL from the environment, as every rlship process reads it
     token = secrets.token_hex(3)
     out_dir = args.json.parent
+    cluster = None
+    if args.kill_redis_primary > 0:
+        cluster = LocalSentinelCluster((out_dir / f"redis-{token}").resolve()).start()
+        print(f"rlship chaos: Redis is a primary, a replica and three Sentinels: {cluster.url}", flush=True)
+    try:
+        return _chaos(args, token, cluster)
+    finally:
+        if cluster is not None:
+            cluster.stop()
+
+
+def _chaos(args: argparse.Namespace, token: str, cluster: LocalSentinelCluster | None) -> int:
+    base = RunSettings()  # REDIS_URL from the environment, as every rlship process reads it
+    out_dir = args.json.parent
     common = {
-        "redis_url": base.redis_url,
+        "redis_url": cluster.url if cluster is not None else base.redis_url,
         "steps": args.steps,
         "ranks": args.ranks,
         "batch_size": args.batch_size,
@@ -96,7 +118,8 @@ def main(args: argparse.Namespace) -> int:
     reference, chaos = settings_for("reference"), settings_for("chaos")
     print(f"rlship chaos: fault-free run of {args.steps} steps ({reference.run_id})", flush=True)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that every child is stopped
-    plan = KillPlan(args.ship_kills, STOCK_STAGES if args.receivers == "stock" else STAGE_NAMES)
+    stages = STOCK_STAGES if args.receivers == "stock" else STAGE_NAMES
+    plan = KillPlan(args.ship_kills, stages, args.kill_redis_primary, cluster)
     try:
         expected = run_system(reference, None, random.Random(args.seed), args.timeout, args.receivers, plan)
         print(f"rlship chaos: the same with a kill every {args.kill_every:g} s ({chaos.run_id})", flush=True)

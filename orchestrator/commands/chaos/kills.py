@@ -12,6 +12,7 @@ import psutil
 import redis
 
 from orchestrator.commands.processes import ProcessGroup
+from orchestrator.commands.sentinel_cluster import LocalSentinelCluster
 from orchestrator.settings import RunSettings
 from tasks.faults import arm, fault_field
 from tasks.graph import PER_RANK_STAGES, STAGE_NAMES
@@ -24,12 +25,14 @@ STOCK_STAGES = tuple(stage for stage in STAGE_NAMES if stage != "send")  # see t
 class KillPlan:
     ship_kills: int
     stages: tuple[str, ...]
+    redis_primary_kills: int = 0
+    cluster: LocalSentinelCluster | None = None  # the run's Redis, when its primary is killed
 
 
 @dataclass
 class Kill:
     seconds: float  # since the chaos run started
-    target: str  # stage-fault, cpu-worker-child, ship-worker, orchestrator
+    target: str  # stage-fault, cpu-worker-child, ship-worker, orchestrator, redis-primary
     stage: str | None = None
     step: int | None = None
     rank: int | None = None
@@ -46,13 +49,19 @@ def kill_one(
     plan: KillPlan,
 ) -> Kill | None:
     """The next kill of the rotation. The orchestrator dies once it has published two
-    steps; the ship worker once four are, and again every few steps after
-    (`plan.ship_kills` in all), so both die mid-run."""
+    steps; the Redis primary, if asked, once three are and again every few steps after
+    (`plan.redis_primary_kills` in all); the ship worker once four are, and again every few
+    steps after (`plan.ship_kills` in all), so all die mid-run."""
     published = client.hlen(RunKeys(settings.run_id).published)
     done = Counter(kill.target for kill in kills)
     if not done["orchestrator"] and published >= 2:
         group.processes["orchestrator"].send_signal(signal.SIGKILL)
         return Kill(seconds, "orchestrator", step=published)
+    if plan.cluster is not None and done["redis-primary"] < plan.redis_primary_kills:
+        every = max(1, (settings.steps - 3) // plan.redis_primary_kills)
+        if published >= 3 + every * done["redis-primary"]:
+            plan.cluster.fail_over()  # returns once the killed server is a replica again
+            return Kill(seconds, "redis-primary", step=published)
     spacing = max(1, (settings.steps - 4) // max(1, plan.ship_kills))
     if done["ship-worker"] < plan.ship_kills and published >= 4 + spacing * done["ship-worker"]:
         children = _children(group, "ship-worker")  # before: once the parent dies they move

@@ -51,7 +51,8 @@ def compare(
         "interrupted_sends": observed.get("interrupted_sends", {}),
         "command": (
             f"rlship chaos --steps {args.steps} --kill-every {args.kill_every:g} "
-            f"--receivers {args.receivers} --ship-kills {args.ship_kills} --json {args.json}"
+            f"--receivers {args.receivers} --ship-kills {args.ship_kills} "
+            f"--kill-redis-primary {args.kill_redis_primary} --json {args.json}"
         ),
     }
     report["goal_met"] = (
@@ -64,6 +65,7 @@ def compare(
         and report["kills"] >= 10
         and {"orchestrator", "ship-worker"} <= set(report["kills_by_target"])
         and report["kills_by_target"]["ship-worker"] >= args.ship_kills
+        and report["kills_by_target"].get("redis-primary", 0) >= args.kill_redis_primary
     )
     return report
 
