@@ -49,17 +49,8 @@ def test_chaos_with_the_redis_primary_killed_twice_among_the_other_kills(tmp_pat
     path = tmp_path / "chaos.json"
     done = subprocess.run(
         python_command(
-            "chaos",
-            "--steps",
-            "8",
-            "--kill-every",
-            "0.3",
-            "--timeout",
-            "150",
-            "--json",
-            str(path),
-            "--kill-redis-primary",
-            "2",
+            "chaos", "--steps", "12", "--kill-every", "0.2", "--timeout", "150", "--json", str(path),
+            "--kill-redis-primary", "2",
         ),
         cwd=REPO,
         capture_output=True,
