@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 import redis
 from redis.sentinel import MasterNotFoundError
 
+from orchestrator.redis_topology import read_topology
 from orchestrator.settings import RunSettings
 from orchestrator.worker_queries import queue_consumers
 from tasks.logs import mask_secrets
@@ -194,6 +195,10 @@ def wait_for_redis(url: str, seconds: float = REDIS_WAIT_SECONDS) -> RedisAnswer
 
 def redis_can_be_started(url: str) -> Check:
     """`rlship run` starts a Redis when none answers: on a local TCP URL, with redis-server."""
+    if RedisAddress.parse(url).is_sentinel:
+        detail = f"no Sentinel at {mask_secrets(url)} names a primary that answers"
+        fix = "rlship starts a Redis of its own only for a redis:// URL"
+        return Check("redis-server", False, detail, fix)
     host = urlsplit(url).hostname or "127.0.0.1"
     local = urlsplit(url).scheme == "redis" and host in ("127.0.0.1", "localhost", "::1")
     path = shutil.which("redis-server")
@@ -210,8 +215,9 @@ def redis_can_be_started(url: str) -> Check:
     )
 
 
-def redis_keeps_data(client: redis.Redis, allow_eviction: bool) -> list[Check]:
-    """Eviction (payloads and queued tasks could vanish) and persistence (a restart loses the run)."""
+def redis_keeps_data(client: redis.Redis, allow_eviction: bool, replicated: bool = False) -> list[Check]:
+    """Eviction (payloads and queued tasks could vanish) and persistence (a restart loses the
+    run, unless its writes wait for replicas: `replicated`, see `redis_replicas`)."""
     memory = client.info("memory")
     policy = str(memory.get("maxmemory_policy", "noeviction"))
     limit = int(memory.get("maxmemory", 0))
@@ -229,6 +235,8 @@ def redis_keeps_data(client: redis.Redis, allow_eviction: bool) -> list[Check]:
     persistence = client.info("persistence")
     if int(persistence.get("aof_enabled", 0)):
         kept = Check("persistence", True, "append-only file on: a restarted Redis keeps the run")
+    elif replicated:
+        kept = Check("persistence", True, "writes the run depends on wait for replicas: a failover keeps the run")
     else:
         kept = Check(
             "persistence",
@@ -238,6 +246,30 @@ def redis_keeps_data(client: redis.Redis, allow_eviction: bool) -> list[Check]:
             fatal=False,
         )
     return [eviction, kept]
+
+
+def redis_replicas(client: redis.Redis, settings: RunSettings) -> list[Check]:
+    """With Sentinels, or writes that wait for replicas: the topology, and enough replicas
+    online for `redis_wait_replicas` (fewer would hold every write the run waits on)."""
+    wanted = settings.redis_wait_replicas or 0
+    if wanted == 0 and not RedisAddress.parse(settings.redis_url).is_sentinel:
+        return []
+    try:
+        topology = read_topology(settings.redis_url, client)
+    except redis.RedisError as exc:
+        return [Check("replicas", False, f"the Sentinels' view could not be read: {exc}", "", fatal=False)]
+    line = topology.line(wanted, settings.redis_wait_timeout_ms)
+    if topology.online < wanted:
+        detail = (
+            f"redis_wait_replicas={wanted} but {topology.online} replica(s) are online: every write "
+            f"exactly-once depends on would wait ({line})"
+        )
+        fix = "start a replica of the primary, or lower redis_wait_replicas"
+        return [Check("replicas", False, detail, fix)]
+    if wanted == 0:
+        lost = "redis_wait_replicas=0: a failover may lose the writes the primary had not replicated"
+        return [Check("replicas", False, f"{line}; {lost}", "set redis_wait_replicas to 1", fatal=False)]
+    return [Check("replicas", True, line)]
 
 
 def run_id_free(client: redis.Redis, run_id: str) -> Check:
@@ -382,7 +414,8 @@ def doctor_checks(settings: RunSettings) -> list[Check]:
     if answer.reason == "unreachable":
         checks.append(redis_can_be_started(settings.redis_url))
     elif answer.client is not None:
-        checks += redis_keeps_data(answer.client, settings.allow_eviction)
+        checks += redis_keeps_data(answer.client, settings.allow_eviction, bool(settings.redis_wait_replicas))
+        checks += redis_replicas(answer.client, settings)
     if settings.transport == "zmq":
         checks.append(port_pair_free(settings.zmq_host, settings.zmq_port))
     if settings.metrics_port:
@@ -400,7 +433,11 @@ def doctor_checks(settings: RunSettings) -> list[Check]:
 def redis_checks(settings: RunSettings, answer: RedisAnswer) -> list[Check]:
     if answer.client is None:
         return [answer.check]
-    return [answer.check, *redis_keeps_data(answer.client, settings.allow_eviction)]
+    return [
+        answer.check,
+        *redis_keeps_data(answer.client, settings.allow_eviction, bool(settings.redis_wait_replicas)),
+        *redis_replicas(answer.client, settings),
+    ]
 
 
 def preflight_run(settings: RunSettings, *, port_movable: bool = False) -> list[Check]:

@@ -18,11 +18,12 @@ import redis
 
 from orchestrator.commands.checks import probe_redis, require
 from orchestrator.commands.progress import REFRESH_SECONDS, ProgressDisplay
+from orchestrator.redis_topology import read_topology
 from orchestrator.run_info import RunInfo
 from orchestrator.settings_resolution import add_settings_arguments, settings_from_args
 from orchestrator.status_reader import StatusReader
 from tasks.logs import mask_secrets
-from transport.connection import connect_redis
+from transport.connection import RedisAddress, connect_redis
 from transport.keys import RunKeys, run_id_of_marker, run_markers_pattern
 
 RUNNING, FINISHED, STOPPED = "running", "finished", "stopped"
@@ -138,6 +139,9 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if RedisAddress.parse(settings.redis_url).is_sentinel:
+        topology = read_topology(settings.redis_url, client)
+        print(f"redis: {topology.line(settings.redis_wait_replicas or 0, settings.redis_wait_timeout_ms)}")
     print(HEADER)
     print(row.line(time.time()))
     try:
