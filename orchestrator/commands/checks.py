@@ -236,7 +236,7 @@ def redis_keeps_data(client: redis.Redis, allow_eviction: bool, replicated: bool
     if int(persistence.get("aof_enabled", 0)):
         kept = Check("persistence", True, "append-only file on: a restarted Redis keeps the run")
     elif replicated:
-        kept = Check("persistence", True, "writes the run depends on wait for replicas: a failover keeps the run")
+        kept = Check("persistence", True, "the run's writes wait for replicas: a failover keeps the run")
     else:
         kept = Check(
             "persistence",
