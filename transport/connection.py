@@ -19,6 +19,8 @@ after a lost reply costs only a statistic.
 from __future__ import annotations
 
 import builtins
+import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +38,8 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError, TimeoutError
 from redis.retry import Retry
+
+log = logging.getLogger("rlship.redis")
 
 OUTAGE_SECONDS = 30.0
 FAILOVER_WAIT_SECONDS = 10.0  # a Celery worker's connect waits this long for a new primary
@@ -93,6 +97,37 @@ class LargeReplyParser(_RESP3Parser):
         self._buffer = LargeReplyBuffer(self._sock, self.socket_read_size, connection.socket_timeout)
 
 
+class _Failover:
+    """Says in this process's log when its Redis primary stopped answering (a failover under
+    way, most likely) and which primary answered again, and after how long: once each."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+        self.lock = threading.Lock()
+
+    def failed(self, exc: Exception) -> None:
+        with self.lock:
+            if self.since is None:
+                self.since = time.time()
+                log.warning(
+                    "Redis primary unreachable since %s (%s): failing over? Asking the Sentinels again",
+                    time.strftime("%H:%M:%S", time.localtime(self.since)),
+                    exc,
+                )
+
+    def connected(self, host: str, port: int) -> None:
+        if self.since is None:
+            return
+        with self.lock:
+            if self.since is not None:
+                seconds = time.time() - self.since
+                log.warning("Redis primary is %s:%d again, after %.1f s", host, port, seconds)
+                self.since = None
+
+
+_failover = _Failover()
+
+
 class _PrimaryConnection(redis.sentinel.SentinelManagedConnection):
     """redis-py's Sentinel-managed connection, but a reconnect on the way to sending a
     command asks the Sentinels too: redis-py's `send_packed_command` reconnects with
@@ -101,9 +136,14 @@ class _PrimaryConnection(redis.sentinel.SentinelManagedConnection):
     until its retries ran out (seen here: an orchestrator stopped 30 s after a failover)."""
 
     def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
-        if not self._sock and self.connection_pool.is_master:
-            self.host, self.port = self.connection_pool.get_master_address()
-        super().connect_check_health(check_health, retry_socket_connect)
+        try:
+            if not self._sock and self.connection_pool.is_master:
+                self.host, self.port = self.connection_pool.get_master_address()
+            super().connect_check_health(check_health, retry_socket_connect)
+        except ConnectionError as exc:
+            _failover.failed(exc)
+            raise
+        _failover.connected(self.host, self.port)
 
 
 class _AsyncPrimaryConnection(redis.asyncio.sentinel.SentinelManagedConnection):
@@ -112,9 +152,14 @@ class _AsyncPrimaryConnection(redis.asyncio.sentinel.SentinelManagedConnection):
     async def connect_check_health(
         self, check_health: bool = True, retry_socket_connect: bool = True
     ) -> None:
-        if not self.is_connected and self.connection_pool.is_master:
-            self.host, self.port = await self.connection_pool.get_master_address()
-        await super().connect_check_health(check_health, retry_socket_connect)
+        try:
+            if not self.is_connected and self.connection_pool.is_master:
+                self.host, self.port = await self.connection_pool.get_master_address()
+            await super().connect_check_health(check_health, retry_socket_connect)
+        except ConnectionError as exc:
+            _failover.failed(exc)
+            raise
+        _failover.connected(self.host, self.port)
 
 
 class _KombuPrimaryConnection(_PrimaryConnection):

@@ -147,6 +147,9 @@ def test_five_primary_kills_lose_nothing(transport, run_id, tmp_path):
                 "every acknowledged rollout is on the last primary, once"
             )
             assert lines[-1]["accounting/arrived"] == produced, "and reached the run's accounting"
+            said = log.read_text()
+            assert said.count("Redis primary unreachable since") >= KILLS, "each failover is said in the log"
+            assert said.count("Redis primary is 127.0.0.1:") >= KILLS, "and which primary answered"
             promoted, stalled = [round(p, 1) for p in promotions], [round(s, 1) for s in stalls]
             print(
                 f"{transport}: primary killed {KILLS} times; promoted after {promoted} s; "
