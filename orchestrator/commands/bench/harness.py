@@ -29,6 +29,7 @@ from orchestrator.commands.processes import (
     worker_commands,
 )
 from orchestrator.commands.run import received_by_rank
+from orchestrator.commands.sentinel_cluster import LocalSentinelCluster
 from orchestrator.producer import RolloutProducer
 from orchestrator.settings import RunSettings, settings_to_env
 from transport.connection import connect_redis
@@ -65,6 +66,20 @@ def run_placement(
             "output_dir": log_dir,
         }
     )
+    cluster = None
+    if placement == "celery-replicated":
+        cluster = LocalSentinelCluster(log_dir / "redis").start()
+        settings = settings.model_copy(update={"redis_url": cluster.url, "redis_wait_replicas": 1})
+    try:
+        return _run_placement(placement, settings, batches, args, log_dir)
+    finally:
+        if cluster is not None:
+            cluster.stop()
+
+
+def _run_placement(
+    placement: str, settings: RunSettings, batches: list[StepBatch], args: argparse.Namespace, log_dir: Path
+) -> dict[str, Any]:
     group = ProcessGroup(env=settings_to_env(settings), log_dir=log_dir)
     spec, result = log_dir / "spec.json", log_dir / "result.json"
     deadline = time.monotonic() + args.timeout
@@ -75,7 +90,7 @@ def run_placement(
                 "trainer", "--rank", str(rank), "--idle-timeout", str(TRAINER_IDLE_SECONDS)
             )
             group.start(f"trainer-{rank}", _prioritized(trainer, args.trainer_nice, args.idle_class))
-        if placement == "celery":
+        if placement.startswith("celery"):
             for name, command in worker_commands(settings).items():
                 group.start(name, _prioritized(command, args.worker_nice, args.idle_class))
             wait_for_workers(settings, group)
@@ -99,7 +114,7 @@ def run_placement(
         )
         sampler = CpuSampler(process_kinds(group, client))
         sampler.start()
-        if placement == "celery":
+        if placement.startswith("celery"):
             feed(settings, batches, group, deadline)
         try:
             child.wait(max(1.0, deadline - time.monotonic()))

@@ -29,6 +29,7 @@ import psutil
 from orchestrator.commands.bench.cpu import machine_cpu_seconds, other_cpu_share, own_cpu_seconds
 from orchestrator.commands.bench.harness import run_placement
 from orchestrator.commands.bench.placements import (
+    DEFAULT_PLACEMENTS,
     PLACEMENTS,
     StepBatch,
     cut_manifest,
@@ -36,7 +37,7 @@ from orchestrator.commands.bench.placements import (
     step_batches,
 )
 from orchestrator.commands.bench.plot import plot_lag
-from orchestrator.commands.bench.summary import goals, print_report, summarize, summary_line
+from orchestrator.commands.bench.summary import durability_cost, goals, print_report, summarize, summary_line
 from orchestrator.commands.processes import redis_answers
 from orchestrator.settings import RunSettings
 from transport.checksum import payload_checksum
@@ -52,7 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=3, help="measured steps per placement")
     parser.add_argument("--warmup-steps", type=int, default=1, help="shipped and checked, not measured")
     parser.add_argument(
-        "--placements", default=",".join(PLACEMENTS), help="comma-separated, run in this order"
+        "--placements",
+        default=",".join(DEFAULT_PLACEMENTS),
+        help=f"comma-separated, run in this order, of {', '.join(PLACEMENTS)}",
     )
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
@@ -104,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"bench loop: generating {base.steps} steps of {args.rollouts} rollouts and the reference payloads")
     batches = list(step_batches(base, base.steps))
     workload, reference = reference_payloads(base, batches)
-    if "celery" not in placements:
+    if not any(placement.startswith("celery") for placement in placements):
         batches.clear()
 
     results: dict[str, dict[str, Any]] = {}
@@ -131,6 +134,7 @@ def main(args: argparse.Namespace) -> int:
         "placements": results,
         "steps_identical": all(r["steps_identical"] for r in results.values()),
         "goals": goals(results),
+        "durability_cost": durability_cost(results),
         "wall_seconds": time.time() - started,
     }
     args.json.write_text(json.dumps(report, indent=1))

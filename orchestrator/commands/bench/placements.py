@@ -53,7 +53,10 @@ from transport.connection import connect_redis_async
 from transport.keys import RunKeys
 from transport.zmq_sender import ZMQSender
 
-PLACEMENTS: tuple[str, ...] = ("inline", "thread", "celery")
+PLACEMENTS: tuple[str, ...] = ("inline", "thread", "celery", "celery-replicated")
+DEFAULT_PLACEMENTS: tuple[str, ...] = ("inline", "thread", "celery")
+# celery-replicated: the celery placement on a primary, a replica and three Sentinels of its
+# own, every write the run depends on waiting for the replica (redis_wait_replicas=1).
 HEARTBEAT_SECONDS = 0.05
 READY_TIMEOUT_SECONDS = 120.0
 SEND_TIMEOUT_SECONDS = 30.0
@@ -288,7 +291,7 @@ async def run_placement(placement: str, settings: RunSettings, timeout: float) -
     client = connect_redis_async(settings.redis_url, socket_timeout=60)
     background = [asyncio.create_task(heartbeat.run())]
     try:
-        if placement == "celery":
+        if placement.startswith("celery"):
             shipper: TimedOrchestrator | InProcessShipper = TimedOrchestrator(settings, client)
             await asyncio.wait_for(shipper.run(), timeout)
         else:

@@ -106,6 +106,20 @@ def goals(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def durability_cost(results: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """What waiting for a replica costs (issue 27 asks it measured, sets no bound): the
+    replicated placement over the plain one, median ship seconds and CPU per step."""
+    plain, replicated = results.get("celery"), results.get("celery-replicated")
+    if plain is None or replicated is None:
+        return {}
+    return {
+        "ship_seconds_ratio": statistics.median(replicated["ship_seconds"])
+        / statistics.median(plain["ship_seconds"]),
+        "cpu_seconds_per_step_ratio": replicated["cpu_seconds_per_step"]["ship"]
+        / max(plain["cpu_seconds_per_step"]["ship"], 1e-9),
+    }
+
+
 def summary_line(placement: str, result: dict[str, Any]) -> str:
     lag = result["lag_ms"]
     return (
@@ -130,6 +144,13 @@ def print_report(report: dict[str, Any]) -> None:
     print_cpu_table(report["placements"])
     for goal in report["goals"]:
         print(f"  {'PASS' if goal['pass'] else 'MISS'}  {goal['goal']}: {goal['value']:.3g}")
+    cost = report.get("durability_cost") or {}
+    if cost:
+        print(
+            "  waiting for a replica (celery-replicated / celery): "
+            f"ship time x{cost['ship_seconds_ratio']:.2f}, "
+            f"CPU per step (ship kinds) x{cost['cpu_seconds_per_step_ratio']:.2f}"
+        )
     print(f"  other processes used {report['machine']['other_cpu_share']:.0%} of the CPU meanwhile")
 
 
@@ -140,4 +161,4 @@ def print_cpu_table(placements: dict[str, dict[str, Any]]) -> None:
     print("\n  CPU ms per step (the step of median ship CPU): " + " | ".join(columns))
     for placement, result in placements.items():
         cpu = result["cpu_seconds_per_step"]
-        print(f"  {placement:>9}: " + " | ".join(f"{1000 * cpu.get(c, 0.0):7.0f}" for c in columns))
+        print(f"  {placement:>17}: " + " | ".join(f"{1000 * cpu.get(c, 0.0):7.0f}" for c in columns))
