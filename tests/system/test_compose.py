@@ -24,6 +24,7 @@ from pathlib import Path
 
 import click
 import pytest
+import yaml
 from celery import Celery
 from celery.app.control import Inspect
 from celery.bin.celery import celery as celery_cli
@@ -33,6 +34,7 @@ from orchestrator.commands.cli import COMMANDS, load_command
 from orchestrator.settings import CONFIG_ENV, RunSettings, env_name
 from tests.support.compose import InterpolationError, compose, compose_interpolate, container_argv, procfile
 from tests.support.processes import REPO, session_queue
+from transport.connection import RedisAddress
 from transport.zmq_sockets import free_port_pair
 
 # Redis, the two kinds of workers, Flower, the orchestrator, the producer and the trainer ranks.
@@ -250,3 +252,26 @@ def test_flower_container_refuses_to_start_without_a_login(tmp_path: Path) -> No
     options = dict(token[2:].split("=", 1) for token in argv if token.startswith("--"))
     assert options["address"] not in ("127.0.0.1", "localhost", "::1")
     assert "basic_auth" in flower_options  # Flower reads FLOWER_{OPTION} for each of its options
+
+
+def test_the_sentinel_variant_points_every_rlship_service_at_sentinels_watching_its_redis() -> None:
+    """compose.sentinel.yaml over compose.yaml (Compose merges a service's maps): every
+    service built from this project gets a Sentinel REDIS_URL that the settings accept, names
+    Sentinels the file defines, waits for them, and the name they monitor is the URL's."""
+    base = compose()
+    override = compose_interpolate(yaml.safe_load((REPO / "compose.sentinel.yaml").read_text()), {})
+    services = override["services"]
+    rlship_services = [name for name, service in base["services"].items() if "build" in service]
+    assert rlship_services and all(name in services for name in rlship_services)
+    for name in rlship_services:
+        environment = {**base["services"][name].get("environment", {}), **services[name]["environment"]}
+        address = RedisAddress.parse(RunSettings(redis_url=environment["REDIS_URL"]).redis_url)
+        assert address.is_sentinel, name
+        named = {host for host, _ in address.sentinels}
+        assert named <= set(services) and named <= set(services[name]["depends_on"]), name
+        for sentinel in named:
+            script = services[sentinel]["command"][2]
+            assert f"sentinel monitor {address.master_name} redis 6379 2" in script
+            assert "--sentinel" in script
+    replica = services["redis-replica"]["command"]
+    assert replica[replica.index("--replicaof") + 1 : replica.index("--replicaof") + 3] == ["redis", "6379"]
