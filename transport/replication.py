@@ -67,15 +67,11 @@ class Durability:
         while True:
             pipe = client.pipeline(transaction=False)
             self._confirm(pipe, witness)
-            _, *found, acknowledged = pipe.execute()
-            if not holds(found):
-                log.warning("%s was lost in a Redis failover before a replica had it; writing it again", what)
+            verdict = waiting.verdict(holds, *pipe.execute())
+            if verdict == _REWRITE:
                 result = write()
-            elif acknowledged >= self.replicas:
-                waiting.done()
+            elif verdict == _DONE:
                 return result
-            else:
-                waiting.short(acknowledged)
 
     async def replicate_async(
         self,
@@ -93,15 +89,11 @@ class Durability:
         while True:
             pipe = client.pipeline(transaction=False)
             self._confirm(pipe, witness)
-            _, *found, acknowledged = await pipe.execute()
-            if not holds(found):
-                log.warning("%s was lost in a Redis failover before a replica had it; writing it again", what)
+            verdict = waiting.verdict(holds, *await pipe.execute())
+            if verdict == _REWRITE:
                 result = await write()
-            elif acknowledged >= self.replicas:
-                waiting.done()
+            elif verdict == _DONE:
                 return result
-            else:
-                waiting.short(acknowledged)
 
     def _confirm(self, pipe: Any, witness: Callable[[Any], None]) -> None:
         pipe.set(self.probe_key, time.time(), ex=PROBE_TTL_SECONDS)
@@ -109,13 +101,29 @@ class Durability:
         pipe.wait(self.replicas, self.timeout_ms)
 
 
+_REWRITE, _DONE, _WAIT = "rewrite", "done", "wait"
+
+
 class _Waiting:
-    """Says, at most every few seconds, that a write waits for replicas, and when it got them."""
+    """One write's confirmation rounds: what each round's replies mean, said in the log (a
+    lost write; a wait for replicas, at most every few seconds, and when it ended)."""
 
     def __init__(self, what: str, replicas: int) -> None:
         self.what, self.replicas = what, replicas
         self.since: float | None = None
         self.logged = 0.0
+
+    def verdict(self, holds: Callable[[list[Any]], bool], _probe: Any, *replies: Any) -> str:
+        """From a round's replies (probe, witness reads, WAIT): write again, done, or wait."""
+        *found, acknowledged = replies
+        if not holds(found):
+            log.warning("%s was lost in a failover before a replica had it; writing it again", self.what)
+            return _REWRITE
+        if acknowledged >= self.replicas:
+            self.done()
+            return _DONE
+        self.short(acknowledged)
+        return _WAIT
 
     def short(self, acknowledged: int) -> None:
         now = time.monotonic()

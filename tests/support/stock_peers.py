@@ -230,6 +230,25 @@ def start_stock_ranks(
     return records, peers
 
 
+def await_every_step(
+    transport: str,
+    peers: Sequence[subprocess.Popen],
+    records: Sequence[Path],
+    steps: int,
+    timeout: float = 60.0,
+) -> None:
+    """Until every stock rank has `steps` steps: over files each exits once it has them; over
+    ZMQ each reads until killed (a duplicate counts as a step to it), so its record is watched."""
+    if transport == "fs":
+        for peer in peers:
+            assert peer.wait(timeout) == 0, f"every stock rank got its {steps} steps and exited"
+        return
+    deadline = time.monotonic() + timeout
+    while any(len({r["topic_step"] for r in read_record(record)}) < steps for record in records):
+        assert time.monotonic() < deadline, "every stock rank got every step"
+        time.sleep(0.1)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("transport", choices=("zmq", "fs"))

@@ -26,7 +26,7 @@ from orchestrator.producer import RolloutProducer
 from tests.support.factories import group
 from tests.support.processes import running_workers
 from tests.support.shiprun import deterministic_run, metrics_lines, start_orchestrator
-from tests.support.stock_peers import read_record, start_stock_ranks
+from tests.support.stock_peers import await_every_step, read_record, start_stock_ranks
 from transport.connection import connect_redis
 from transport.keys import RunKeys
 
@@ -99,14 +99,7 @@ def test_five_primary_kills_lose_nothing(transport, run_id, tmp_path):
                     )
                 producer.join(120)
                 assert orchestrator.wait(240) == 0, log.read_text()[-3000:]
-                if transport == "fs":
-                    for peer in peers:
-                        assert peer.wait(60) == 0, "every stock rank got its steps and exited"
-                else:
-                    deadline = time.monotonic() + 60
-                    while any(len({r["topic_step"] for r in read_record(rec)}) < STEPS for rec in records):
-                        assert time.monotonic() < deadline, "every stock rank got every step"
-                        time.sleep(0.1)
+                await_every_step(transport, peers, records, STEPS)
             finally:
                 for peer in peers:
                     peer.kill()

@@ -34,7 +34,7 @@ from tasks.faults import arm
 from tests.support.factories import payload
 from tests.support.processes import running_workers, wait_for
 from tests.support.shiprun import deterministic_run, metrics_lines, run_orchestrator, ship_to_stock_ranks
-from tests.support.stock_peers import read_record, start_stock_peer, start_stock_ranks
+from tests.support.stock_peers import await_every_step, read_record, start_stock_peer, start_stock_ranks
 from transport.announcements import RedisAnnouncements
 from transport.keys import RunKeys
 from transport.zmq_sender import ZMQSender
@@ -152,14 +152,7 @@ def test_ship_worker_killed_five_times_stock_ranks_get_every_step_once(
             orchestrator.join(240)
             assert not orchestrator.is_alive(), "the run ended"
             assert "result" in outcome, "the orchestrator finished without error"
-            if transport == "fs":
-                for peer in peers:
-                    assert peer.wait(60) == 0, "every stock rank got its 30 steps and exited"
-            else:
-                deadline = time.monotonic() + 60
-                while any(len({r["topic_step"] for r in read_record(rec)}) < STEPS for rec in records):
-                    assert time.monotonic() < deadline, "every stock rank got every step"
-                    time.sleep(0.1)
+            await_every_step(transport, peers, records, STEPS)
         finally:
             for peer in peers:
                 peer.kill()
