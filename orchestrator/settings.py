@@ -43,8 +43,8 @@ class RunSettings(BaseSettings):
     redis_url: str = Field(
         default=DEFAULT_REDIS_URL,
         validation_alias=AliasChoices("REDIS_URL", "redis_url"),
-        description="the run's one Redis: broker, result backend and every client; with Sentinels "
-        "sentinel://host:port;sentinel://host:port/0?master_name=NAME",
+        description="the run's one Redis: broker, result backend and every client (or its Sentinels: "
+        "sentinel://host:port;... ending in ?master_name=NAME)",
     )
     redis_wait_replicas: int | None = Field(
         default=None,
