@@ -26,9 +26,15 @@ from types import SimpleNamespace
 import numpy as np
 import zmq
 
-from rlship import AdmissionRefused, RolloutProducer, RolloutRecord, RunSettings, ZMQMicroBatchReceiver
+from rlship import (
+    AdmissionRefused,
+    RolloutProducer,
+    RolloutRecord,
+    RunSettings,
+    ZMQMicroBatchReceiver,
+    connect_redis,
+)
 from transport.codec import decode_microbatches
-from transport.connection import connect_redis
 
 # -- your inference side ---------------------------------------------------------------------
 

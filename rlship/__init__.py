@@ -6,6 +6,8 @@
   `RolloutRejected` (bad data, named) and `AdmissionRefused` (the run has enough for now).
 - `REQUIRED_ARRAYS`, `OPTIONAL_TOKEN_ARRAYS`: the per-token arrays a rollout carries.
 - `RunSettings`: a run's settings, as `rlship` reads them (flags, `RLSHIP_*`, a TOML file).
+- `connect_redis`, `connect_redis_async`: a client of the run's Redis (a URL, or Sentinels
+  and the primary they watch) that rides out a restart or a failover.
 - `ZMQMicroBatchReceiver`, `FileSystemMicroBatchReceiver`: prime-rl's receiver interface,
   each step once and in order, for trainer ranks.
 """
@@ -14,6 +16,7 @@ from orchestrator.producer import AdmissionRefused, AsyncRolloutProducer, Rollou
 from orchestrator.records import InvalidRecord, RolloutRecord
 from orchestrator.settings import RunSettings
 from tasks.stages.finalize import OPTIONAL_TOKEN_ARRAYS, REQUIRED_ARRAYS
+from transport.connection import connect_redis, connect_redis_async
 from transport.prime_receivers import FileSystemMicroBatchReceiver, ZMQMicroBatchReceiver
 
 __all__ = [
@@ -28,4 +31,6 @@ __all__ = [
     "RolloutRejected",
     "RunSettings",
     "ZMQMicroBatchReceiver",
+    "connect_redis",
+    "connect_redis_async",
 ]
