@@ -13,6 +13,8 @@ back from the last primary, and what this test's producer was told was written.
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -23,8 +25,9 @@ import redis
 from orchestrator.commands.processes import delete_run_keys
 from orchestrator.commands.sentinel_cluster import LocalSentinelCluster
 from orchestrator.producer import RolloutProducer
+from orchestrator.settings import RunSettings
 from tests.support.factories import group
-from tests.support.processes import running_workers
+from tests.support.processes import REPO, python_command, refused, running_workers
 from tests.support.shiprun import deterministic_run, metrics_lines, start_orchestrator
 from tests.support.stock_peers import await_every_step, read_record, start_stock_ranks
 from transport.connection import connect_redis
@@ -149,3 +152,33 @@ def test_five_primary_kills_lose_nothing(transport, run_id, tmp_path):
                 f"kill to next step published {stalled} s; resent: {sorted(interrupted)}"
             )
         delete_run_keys(settings)
+
+
+def test_a_user_run_on_sentinels_shows_the_topology_and_refuses_too_few_replicas(tmp_path):
+    """`rlship run`, `doctor` and `status` started as a user starts them, REDIS_URL naming the
+    Sentinels: the run ships; doctor and status show the primary the Sentinels name and its
+    replica; a run asking for more replicas than are online stops at once, in one line."""
+    with LocalSentinelCluster(tmp_path / "redis") as cluster:
+        env = {**os.environ, "REDIS_URL": cluster.url}
+        primary = f"primary 127.0.0.1:{cluster.primary_port()}"
+
+        def rlship(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run(
+                python_command(*args), cwd=REPO, env=env, capture_output=True, text=True, timeout=180
+            )
+
+        doctor = rlship("doctor")
+        assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+        assert f"ok   replicas: {primary}" in doctor.stdout and "(online" in doctor.stdout
+        assert "Sentinels answering 3 of 3; writes wait for 1 replica(s)" in doctor.stdout
+        done = rlship(
+            "run", "--steps", "2", "--redis-wait-replicas", "2", "--output-dir", str(tmp_path / "r2")
+        )
+        refused(done, "redis_wait_replicas=2", "1 replica(s) are online")
+        run = rlship("run", "--steps", "3", "--run-id", "on-sentinels", "--output-dir", str(tmp_path / "run"))
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        assert "3 steps shipped" in run.stdout
+        status = rlship("status", "on-sentinels", "--once")
+        assert status.returncode == 0, status.stderr
+        assert status.stdout.startswith(f"redis: {primary} (master_name 'rlship'); replicas: 127.0.0.1:")
+        delete_run_keys(RunSettings(redis_url=cluster.url, run_id="on-sentinels"))
