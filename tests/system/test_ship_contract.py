@@ -18,6 +18,7 @@ from tasks import faults, ship
 from tasks.app import app
 from tasks.graph import STAGES
 from transport.keys import RunKeys
+from transport.replication import Durability
 
 LOGGER = "rlship.tasks"
 
@@ -179,6 +180,7 @@ def test_the_sending_mark_counts_a_resend_only_after_another_process_died_mid_se
     caplog.set_level(logging.INFO, logger=LOGGER)
     mark, interrupted = f"rlship:{run_id}:sending:1", f"rlship:{run_id}:interrupted_sends"
     ctx = ship.StepContext(run_id, 5)
+    ctx.durability = Durability(0, 1000, f"rlship:{run_id}:replication_probe")  # no manifest here: one Redis
     monkeypatch.setattr(ship, "_intents", set())  # a fresh process
     ship._mark_intent(ctx, 5, 1)
     assert client.get(mark) == b"5"
