@@ -248,9 +248,10 @@ def redis_keeps_data(client: redis.Redis, allow_eviction: bool, replicated: bool
     return [eviction, kept]
 
 
-def redis_replicas(client: redis.Redis, settings: RunSettings) -> list[Check]:
+def redis_replicas(client: redis.Redis, settings: RunSettings, *, fatal: bool = True) -> list[Check]:
     """With Sentinels, or writes that wait for replicas: the topology, and enough replicas
-    online for `redis_wait_replicas` (fewer would hold every write the run waits on)."""
+    online for `redis_wait_replicas` (fewer would hold every write the run waits on). Not
+    `fatal` for a process a supervisor may restart mid-run, in a failover: it waits instead."""
     wanted = settings.redis_wait_replicas or 0
     if wanted == 0 and not RedisAddress.parse(settings.redis_url).is_sentinel:
         return []
@@ -265,7 +266,7 @@ def redis_replicas(client: redis.Redis, settings: RunSettings) -> list[Check]:
             f"exactly-once depends on would wait ({line})"
         )
         fix = "start a replica of the primary, or lower redis_wait_replicas"
-        return [Check("replicas", False, detail, fix)]
+        return [Check("replicas", False, detail, fix, fatal=fatal)]
     if wanted == 0:
         lost = "redis_wait_replicas=0: a failover may lose the writes the primary had not replicated"
         return [Check("replicas", False, f"{line}; {lost}", "set redis_wait_replicas to 1", fatal=False)]
@@ -430,13 +431,13 @@ def doctor_checks(settings: RunSettings) -> list[Check]:
 # -- what each command needs ----------------------------------------------------------------
 
 
-def redis_checks(settings: RunSettings, answer: RedisAnswer) -> list[Check]:
+def redis_checks(settings: RunSettings, answer: RedisAnswer, *, replicas_fatal: bool = True) -> list[Check]:
     if answer.client is None:
         return [answer.check]
     return [
         answer.check,
         *redis_keeps_data(answer.client, settings.allow_eviction, bool(settings.redis_wait_replicas)),
-        *redis_replicas(answer.client, settings),
+        *redis_replicas(answer.client, settings, fatal=replicas_fatal),
     ]
 
 
@@ -468,7 +469,7 @@ def preflight_client(command: str, settings: RunSettings, *, unfinished_run: boo
     the password and database right, and (`unfinished_run`, for the orchestrator) a run id
     not used by a finished run; returns the probing client."""
     answer = wait_for_redis(settings.redis_url)
-    checks = redis_checks(settings, answer)
+    checks = redis_checks(settings, answer, replicas_fatal=False)
     if answer.client is not None and unfinished_run:
         checks.append(run_id_free(answer.client, settings.run_id))
     require(command, checks)
