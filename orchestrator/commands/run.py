@@ -215,6 +215,9 @@ def run_local(
         except ChildFailed as exc:
             stopped = str(exc)
         group.stop("orchestrator")
+        # The run's one orchestrator (a second start of a running run is refused) is gone, even
+        # if a Ctrl-C ended it before it let go of its lease: a resume must not wait that out.
+        client.delete(RunKeys(settings.run_id).orchestrator_lease)
         run_seconds = time.time() - started_at
         client.hset(status_key, "run_seconds", run_seconds)
         # Every step published, however the run stopped (Ctrl-C too), and the run's time.
