@@ -99,15 +99,17 @@ class LargeReplyParser(_RESP3Parser):
 
 class _Failover:
     """Says in this process's log when its Redis primary stopped answering (a failover under
-    way, most likely) and which primary answered again, and after how long: once each."""
+    way, most likely) and which primary answered again, and after how long: once each. A
+    process that never reached a primary says nothing here: its command reports that."""
 
     def __init__(self) -> None:
         self.since: float | None = None
+        self.reached = False
         self.lock = threading.Lock()
 
     def failed(self, exc: Exception) -> None:
         with self.lock:
-            if self.since is None:
+            if self.reached and self.since is None:
                 self.since = time.time()
                 log.warning(
                     "Redis primary unreachable since %s (%s): failing over? Asking the Sentinels again",
@@ -116,6 +118,7 @@ class _Failover:
                 )
 
     def connected(self, host: str, port: int) -> None:
+        self.reached = True
         if self.since is None:
             return
         with self.lock:
