@@ -200,13 +200,12 @@ class _Producer:
         max_tokens: int = RunSettings.model_fields["seq_len"].default,
         vocab_size: int = RunSettings.model_fields["vocab_size"].default,
         admission: Admission | None = None,
-        replicas: int = 0,
-        wait_timeout_ms: int = RunSettings.model_fields["redis_wait_timeout_ms"].default,
+        durability: Durability | None = None,
     ) -> None:
         self.client = client
         self.keys = RunKeys(run_id)
-        # A rollout is acknowledged (produce returns) once `replicas` replicas hold it.
-        self.durability = Durability(replicas, wait_timeout_ms, self.keys.replication_probe)
+        # A rollout is acknowledged (produce returns) once the run's replicas hold it.
+        self.durability = durability or Durability(0, 0, self.keys.replication_probe)
         self.ttl = ttl_seconds
         self.max_tokens = max_tokens
         self.vocab_size = vocab_size
@@ -224,8 +223,7 @@ class _Producer:
             max_tokens=settings.seq_len,
             vocab_size=settings.vocab_size,
             admission=Admission.for_run(settings) if admitted else None,
-            replicas=settings.redis_wait_replicas or 0,
-            wait_timeout_ms=settings.redis_wait_timeout_ms,
+            durability=Durability.of(settings, RunKeys(settings.run_id).replication_probe),
         )
 
     def _stored(self, keys: list[str]) -> tuple[Any, Any]:

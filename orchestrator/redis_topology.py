@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
@@ -47,21 +48,25 @@ class RedisTopology:
         )
 
 
+def replica_states(info: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each connected replica's state (ip, port, state, offset, lag) from a primary's
+    `INFO replication`."""
+    return [info.get(f"slave{index}", {}) for index in range(int(info.get("connected_slaves", 0)))]
+
+
 def read_topology(url: str, primary: redis.Redis) -> RedisTopology:
     """The topology as the primary (`primary`, a client of it) and the Sentinels see it."""
     info = primary.info("replication")
     offset = int(info.get("master_repl_offset", 0))
-    replicas = []
-    for index in range(int(info.get("connected_slaves", 0))):
-        state = info.get(f"slave{index}", {})
-        replicas.append(
-            Replica(
-                f"{state.get('ip')}:{state.get('port')}",
-                state.get("state") == "online",
-                max(0, offset - int(state.get("offset", 0))),
-                int(state.get("lag", 0)),
-            )
+    replicas = [
+        Replica(
+            f"{state.get('ip')}:{state.get('port')}",
+            state.get("state") == "online",
+            max(0, offset - int(state.get("offset", 0))),
+            int(state.get("lag", 0)),
         )
+        for state in replica_states(info)
+    ]
     address = RedisAddress.parse(url)
     connection = primary.connection_pool.connection_kwargs
     where = f"{connection.get('host', '?')}:{connection.get('port', '?')}"

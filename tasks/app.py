@@ -68,14 +68,15 @@ def use_redis(url: str) -> None:
     for name in ("broker_transport_options", "result_backend_transport_options"):
         options[name] = {**options.get(name, {}), "visibility_timeout": visibility_timeout()}
     app.conf.update(options)
-    _redis_url[0] = url
+    global _redis_url
+    _redis_url = url
 
 
-_redis_url = [_environment_url]
+_redis_url = _environment_url
 with contextlib.suppress(ValueError):  # a malformed REDIS_URL is named by the settings' check
     use_redis(_environment_url)
 
 
 def redis_url() -> str:
     """The Redis this process's clients use (REDIS_URL in a worker)."""
-    return _redis_url[0]
+    return _redis_url

@@ -203,7 +203,11 @@ class KombuSentinelTransport(kombu.transport.redis.SentinelTransport):
     Channel = _KombuSentinelChannel
 
 
+
 SENTINEL_SCHEME = "sentinel"
+# kombu picks a transport by the URL's scheme, again at every switch to the next Sentinel:
+# the scheme itself names this one (kombu's registry of transports).
+kombu.transport.TRANSPORT_ALIASES[SENTINEL_SCHEME] = f"{__name__}:KombuSentinelTransport"
 DEFAULT_SENTINEL_PORT = 26379
 # A Sentinel that does not answer must not hold up finding the primary: ask the next one.
 _SENTINEL_OPTIONS = {"socket_connect_timeout": 1.0, "socket_timeout": 1.0}
@@ -278,9 +282,6 @@ def celery_redis_options(url: str) -> dict[str, Any]:
         extra = {"master_name": address.master_name, "sentinel_kwargs": dict(_SENTINEL_OPTIONS)}
         options["broker_transport_options"] = extra
         options["result_backend_transport_options"] = extra
-        # kombu picks the transport by the URL's scheme, again at every switch to the next
-        # Sentinel: the scheme itself must name this one (kombu's registry of transports).
-        kombu.transport.TRANSPORT_ALIASES[SENTINEL_SCHEME] = f"{__name__}:KombuSentinelTransport"
     return options
 
 

@@ -12,11 +12,14 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
 
+from orchestrator.commands.processes import redis_answers
+from orchestrator.redis_topology import replica_states
 from transport.zmq_sockets import free_port_pair
 
 MASTER_NAME = "rlship"
@@ -72,35 +75,31 @@ class LocalSentinelCluster:
                 f"sentinel failover-timeout {MASTER_NAME} {FAILOVER_TIMEOUT_MS}\n"
                 f"sentinel parallel-syncs {MASTER_NAME} 1\n"
             )
-            sentinel.process = self._popen(["redis-server", str(config), "--sentinel"], sentinel)
+            sentinel.process = _popen(["redis-server", str(config), "--sentinel"], sentinel.directory)
             self.sentinels.append(sentinel)
-        self._wait(
-            self._ready, START_SECONDS, "the primary, its replicas and three Sentinels to see each other"
-        )
+        _wait(self._ready, START_SECONDS, "the primary, its replicas and three Sentinels to see each other")
         self._wait_replicas_in_sync("the replicas to catch up")
         return self
 
     def primary_port(self) -> int:
         """The primary's port: the one most Sentinels name, if it says it is the primary."""
-        named: list[int] = []
-        for sentinel in self.sentinels:
-            try:
-                host_port = _client(sentinel.port).sentinel_get_master_addr_by_name(MASTER_NAME)
-            except redis.RedisError:
-                continue
-            if host_port:
-                named.append(int(host_port[1]))
+        named = [port for port in self._named_ports() if port is not None]
         for port in sorted(set(named), key=named.count, reverse=True):
             role = _client(port).info("replication").get("role")
             if 2 * named.count(port) > SENTINELS and role == "master":
                 return port
         raise ClusterFailed(f"no primary named by most Sentinels (they name {named})")
 
-    def _all_sentinels_name(self, port: int) -> bool:
-        """Whether every Sentinel names `port` the primary: a Sentinel that lags would name the
-        killed server, once started again, to a client that asks it first."""
-        named = [_client(s.port).sentinel_get_master_addr_by_name(MASTER_NAME) for s in self.sentinels]
-        return all(host_port and int(host_port[1]) == port for host_port in named)
+    def _named_ports(self) -> list[int | None]:
+        """Per Sentinel, the primary's port it names (None: it does not answer or name one)."""
+        named: list[int | None] = []
+        for sentinel in self.sentinels:
+            try:
+                host_port = _client(sentinel.port).sentinel_get_master_addr_by_name(MASTER_NAME)
+            except redis.RedisError:
+                host_port = None
+            named.append(int(host_port[1]) if host_port else None)
+        return named
 
     def fail_over(self) -> float:
         """SIGKILL the primary, wait for the Sentinels to promote a replica, start the killed
@@ -112,14 +111,13 @@ class LocalSentinelCluster:
         killed = time.monotonic()
         server.process.send_signal(signal.SIGKILL)
         server.process.wait()
-        self._wait(
-            lambda: self._promoted_other_than(old), FAILOVER_SECONDS, f"a replica promoted after {old}"
-        )
+        # A Sentinel that lags would name the killed server, once started again, to a client
+        # that asks it first: every Sentinel names the new primary before it starts.
+        _wait(lambda: self.primary_port() != old, FAILOVER_SECONDS, f"a replica promoted after {old}")
         promoted = time.monotonic() - killed
         primary = self.primary_port()
-        self._wait(
-            lambda: self._all_sentinels_name(primary), FAILOVER_SECONDS, f"every Sentinel to name {primary}"
-        )
+        everyone = [primary] * SENTINELS
+        _wait(lambda: self._named_ports() == everyone, FAILOVER_SECONDS, f"every Sentinel to name {primary}")
         self._start_server(server, primary)
         self._wait_replicas_in_sync(f"{old} to rejoin as a replica")
         return promoted
@@ -141,19 +139,7 @@ class LocalSentinelCluster:
         self.stop()
 
     def _start_server(self, server: _Server, replica_of: int | None) -> None:
-        command = [
-            "redis-server", "--port", str(server.port), "--bind", "127.0.0.1", "--dir", str(server.directory),
-            "--save", "", "--appendonly", "no", "--repl-diskless-sync-delay", "0",
-        ]  # fmt: skip
-        if replica_of is not None:
-            command += ["--replicaof", "127.0.0.1", str(replica_of)]
-        server.process = self._popen(command, server)
-        self._wait(lambda: _answers(server.port), START_SECONDS, f"redis-server on {server.port}")
-
-    @staticmethod
-    def _popen(command: list[str], server: _Server) -> subprocess.Popen:
-        with open(server.directory / "server.log", "ab") as log:
-            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=server.directory)
+        server.process = start_redis_server(server.directory, server.port, replica_of)
 
     def _ready(self) -> bool:
         for sentinel in self.sentinels:
@@ -164,46 +150,54 @@ class LocalSentinelCluster:
                 return False
         return True
 
-    def _promoted_other_than(self, old: int) -> bool:
-        port = self.primary_port()
-        return port != old and _client(port).info("replication").get("role") == "master"
-
     def _wait_replicas_in_sync(self, what: str) -> None:
         """Until every replica is online and has acknowledged the primary's offset as it was
         once they were online: after a full sync the primary streams to a replica only once
         it has acknowledged an offset (within a second), so "online" alone is not enough."""
-        self._wait(lambda: len(self._replica_offsets()[1]) >= self.replicas, FAILOVER_SECONDS, what)
+        _wait(lambda: len(self._replica_offsets()[1]) >= self.replicas, FAILOVER_SECONDS, what)
         target = self._replica_offsets()[0]
-        self._wait(lambda: min(self._replica_offsets()[1]) >= target, FAILOVER_SECONDS, what)
+        _wait(lambda: min(self._replica_offsets()[1]) >= target, FAILOVER_SECONDS, what)
 
     def _replica_offsets(self) -> tuple[int, list[int]]:
         """The primary's replication offset and each online replica's acknowledged one."""
         info = _client(self.primary_port()).info("replication")
-        states = [info.get(f"slave{i}", {}) for i in range(int(info.get("connected_slaves", 0)))]
         return int(info["master_repl_offset"]), [
-            int(s["offset"]) for s in states if s.get("state") == "online"
+            int(s["offset"]) for s in replica_states(info) if s.get("state") == "online"
         ]
 
-    @staticmethod
-    def _wait(condition, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if condition():
-                    return
-            except (redis.RedisError, ClusterFailed):
-                pass
-            if time.monotonic() > deadline:
-                raise ClusterFailed(f"timed out after {timeout:.0f} s waiting for {what}")
-            time.sleep(0.05)
+
+def start_redis_server(directory: Path, port: int, replica_of: int | None = None) -> subprocess.Popen:
+    """A redis-server on loopback that keeps nothing on disk (a replica of `replica_of`, if
+    given), logging in `directory`; returns once it answers."""
+    directory.mkdir(parents=True, exist_ok=True)
+    command = [
+        "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory),
+        "--save", "", "--appendonly", "no", "--repl-diskless-sync-delay", "0",
+    ]  # fmt: skip
+    if replica_of is not None:
+        command += ["--replicaof", "127.0.0.1", str(replica_of)]
+    server = _popen(command, directory)
+    _wait(lambda: redis_answers(f"redis://127.0.0.1:{port}/0"), START_SECONDS, f"redis-server on {port}")
+    return server
+
+
+def _popen(command: list[str], directory: Path) -> subprocess.Popen:
+    with open(directory / "server.log", "ab") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=directory)
+
+
+def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if condition():
+                return
+        except (redis.RedisError, ClusterFailed):
+            pass
+        if time.monotonic() > deadline:
+            raise ClusterFailed(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.05)
 
 
 def _client(port: int) -> redis.Redis:
     return redis.Redis(port=port, socket_connect_timeout=1, socket_timeout=2)
-
-
-def _answers(port: int) -> bool:
-    try:
-        return bool(_client(port).ping())
-    except redis.RedisError:
-        return False

@@ -20,19 +20,22 @@ from tests.support.processes import REPO, left_running, python_command, refused
 pytestmark = pytest.mark.timeout(400)
 
 
-def test_chaos_delivers_every_step_once_in_order_and_identical(tmp_path):
+def chaos(tmp_path: Path, *options: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """`rlship chaos` with a kill every 0.2 s and `options`; what it printed and its report."""
     path = tmp_path / "chaos.json"
     done = subprocess.run(
-        python_command(
-            "chaos", "--steps", "8", "--kill-every", "0.2", "--timeout", "150", "--json", str(path)
-        ),
+        python_command("chaos", "--kill-every", "0.2", "--timeout", "150", "--json", str(path), *options),
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=380,
     )
     assert path.exists(), done.stdout[-2000:] + done.stderr[-2000:]
-    report = json.loads(path.read_text())
+    return done, json.loads(path.read_text())
+
+
+def test_chaos_delivers_every_step_once_in_order_and_identical(tmp_path):
+    done, report = chaos(tmp_path, "--steps", "8")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert report["goal_met"]
     assert report["steps_delivered_per_rank"] == {"0": 8, "1": 8}
@@ -46,19 +49,7 @@ def test_chaos_delivers_every_step_once_in_order_and_identical(tmp_path):
 def test_chaos_with_the_redis_primary_killed_twice_among_the_other_kills(tmp_path):
     """Both runs on a primary, a replica and three Sentinels of their own; the chaos run's
     primary is SIGKILLed twice (each time the killed server rejoins as a replica)."""
-    path = tmp_path / "chaos.json"
-    done = subprocess.run(
-        python_command(
-            "chaos", "--steps", "12", "--kill-every", "0.2", "--timeout", "150", "--json", str(path),
-            "--kill-redis-primary", "2",
-        ),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=380,
-    )
-    assert path.exists(), done.stdout[-2000:] + done.stderr[-2000:]
-    report = json.loads(path.read_text())
+    done, report = chaos(tmp_path, "--steps", "12", "--kill-redis-primary", "2")
     assert done.returncode == 0 and report["goal_met"], done.stdout[-2000:] + done.stderr[-2000:]
     assert report["kills_by_target"]["redis-primary"] == 2
     assert report["steps_delivered_per_rank"] == {"0": 12, "1": 12}
@@ -71,24 +62,12 @@ def test_chaos_with_the_redis_primary_killed_twice_among_the_other_kills(tmp_pat
 def test_chaos_with_stock_receivers_reports_no_duplicate_outside_the_window_and_no_hang(tmp_path):
     """Ranks that receive as prime-rl's do (READY once, no duplicate check, no replay),
     the ship worker killed twice among the other kills."""
-    path = tmp_path / "chaos.json"
     # What an earlier invocation with the same --json left: its ranks' records of step 1.
     for name in ("reference", "chaos"):
         earlier = tmp_path / name / "stock" / "rank-0.jsonl"
         earlier.parent.mkdir(parents=True)
         earlier.write_text(json.dumps({"step": 1, "topic_step": 1, "sha256": "0" * 64}) + "\n")
-    done = subprocess.run(
-        python_command(
-            "chaos", "--steps", "8", "--kill-every", "0.2", "--timeout", "150", "--json", str(path),
-            "--receivers", "stock", "--ship-kills", "2",
-        ),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=380,
-    )  # fmt: skip
-    assert path.exists(), done.stdout[-2000:] + done.stderr[-2000:]
-    report = json.loads(path.read_text())
+    done, report = chaos(tmp_path, "--steps", "8", "--receivers", "stock", "--ship-kills", "2")
     # A ship worker killed after a message left it and before its mark reached Redis (one
     # round trip) has it sent again: the window README's Reliability states. A duplicate
     # from anywhere else, a lost step or a hang fails.

@@ -5,41 +5,22 @@ writes this test's write function made, not the code's own reply."""
 
 from __future__ import annotations
 
-import subprocess
 import threading
-import time
-from pathlib import Path
 
 import pytest
 import redis
 
+from orchestrator.commands.sentinel_cluster import start_redis_server
 from transport.replication import Durability
 from transport.zmq_sockets import free_port_pair
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def start_server(directory: Path, port: int, replica_of: int | None = None) -> subprocess.Popen:
-    directory.mkdir(parents=True, exist_ok=True)
-    command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory),
-               "--save", "", "--appendonly", "no", "--repl-diskless-sync-delay", "0"]  # fmt: skip
-    if replica_of is not None:
-        command += ["--replicaof", "127.0.0.1", str(replica_of)]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            redis.Redis(port=port).ping()
-            return server
-        except redis.ConnectionError:
-            assert time.monotonic() < deadline, f"redis-server on {port}"
-            time.sleep(0.05)
-
-
 @pytest.fixture
 def primary(tmp_path):
     port = free_port_pair()
-    server = start_server(tmp_path / "primary", port)
+    server = start_redis_server(tmp_path / "primary", port)
     yield port
     server.terminate()
     server.wait(10)
@@ -60,7 +41,7 @@ def test_a_write_is_acted_on_only_once_a_replica_holds_it(primary, tmp_path):
     writer.start()
     assert not returned.wait(1.0), "no replica yet: the write is not acted on"
     replica_port = free_port_pair()
-    replica = start_server(tmp_path / "replica", replica_port, replica_of=primary)
+    replica = start_redis_server(tmp_path / "replica", replica_port, replica_of=primary)
     try:
         assert returned.wait(30), "a replica joined and acknowledged it"
         assert redis.Redis(port=replica_port).get("mark") == b"7", "the replica holds the write"
@@ -74,7 +55,7 @@ def test_a_write_lost_before_its_confirmation_is_written_again(primary, tmp_path
     """As after a failover to a replica that never saw it: the witness finds it missing."""
     client = redis.Redis(port=primary)
     replica_port = free_port_pair()
-    replica = start_server(tmp_path / "replica", replica_port, replica_of=primary)
+    replica = start_redis_server(tmp_path / "replica", replica_port, replica_of=primary)
     writes = []
 
     def write() -> None:
