@@ -9,12 +9,16 @@ from typing import Any
 
 from orchestrator.groups import TRAINABLE, Outcome
 from orchestrator.records import RolloutRecord
+from tasks.stages.finalize import PayloadFacts
 
 EMPTY_STEP = "empty_step"  # the discard reason of the rollouts of a cut the workers emptied
 
 
-def outcome_row(outcome: Outcome) -> tuple[dict[str, float], dict[str, str], dict[str, float]]:
-    """A rollout's scalar observations: numeric columns, labels, custom metrics."""
+def outcome_row(
+    outcome: Outcome, facts: PayloadFacts | None = None
+) -> tuple[dict[str, float], dict[str, str], dict[str, float]]:
+    """A rollout's scalar observations: numeric columns (with its producer's facts, if it
+    came with them), labels, custom metrics."""
     r: RolloutRecord = outcome.record
     numeric = {
         "reward": r.reward,
@@ -28,6 +32,7 @@ def outcome_row(outcome: Outcome) -> tuple[dict[str, float], dict[str, str], dic
         "is_trainable": float(outcome.fate == TRAINABLE),
         "has_error": float(r.error is not None),
         "cancelled": float(r.cancelled),
+        **(facts.columns() if facts is not None else {}),
     }
     labels = {
         "rollout_id": r.rollout_id,

@@ -26,6 +26,7 @@ from orchestrator.rollout_log import RolloutLog
 from orchestrator.settings import RunSettings
 from tasks.cohort import Cohort, CohortBuilder
 from tasks.manifest import StepManifest
+from tasks.stages.finalize import PayloadFacts
 from transport.keys import RunKeys
 from transport.numbering import staleness
 
@@ -64,6 +65,9 @@ class Ingest:
         # Stream entry of every rollout in an open group, oldest first (insertion order):
         # the stream is trimmed no further than the oldest, so a restart can re-read them.
         self.open_entries: dict[str, str] = {}
+        # The producer's facts of every rollout in an open group that came with them: they
+        # join its cohort row, so finalize need not read its arrays (tasks.stages.finalize).
+        self.open_facts: dict[str, PayloadFacts] = {}
         self.resumed_from: Checkpoint | None = None
         # A cut taken from `pending` whose transaction (new `next_step`, its `accounted`) has
         # not landed: `accounted` is not written meanwhile (`cutting`).
@@ -78,7 +82,9 @@ class Ingest:
             entries = response[0][1] if response else []
             release_ids: list[str] = []
             for entry_id, fields in entries:
-                release_ids.extend(self.take_record(entry_id.decode(), fields.get(b"record", b"")))
+                release_ids.extend(
+                    self.take_record(entry_id.decode(), fields.get(b"record", b""), fields.get(b"facts"))
+                )
             if entries:
                 self.stream_cursor = entries[-1][0].decode()
             pipe = self.client.pipeline(transaction=False)
@@ -94,7 +100,7 @@ class Ingest:
             if len(self.pending) >= self.settings.batch_size:
                 self.work.set()
 
-    def take_record(self, entry_id: str, raw: bytes) -> list[str]:
+    def take_record(self, entry_id: str, raw: bytes, facts: bytes | None = None) -> list[str]:
         """Account one stream record; return the rollout ids whose payloads to release.
 
         After a restart, a record the checkpoint covers is taken again only if its rollout
@@ -117,11 +123,16 @@ class Ingest:
             log.warning("rollout record rejected (%s): %s", exc.reason, exc)
             rollout_id = _rollout_id_of(raw)
             return [rollout_id] if rollout_id and exc.reason != "duplicate_rollout" else []
+        checked = PayloadFacts.from_wire(facts)
         if group is None:
             self.open_entries[record.rollout_id] = entry_id
+            if checked is not None:
+                self.open_facts[record.rollout_id] = checked
             return []
         for member in group:
             self.open_entries.pop(member.rollout_id, None)
+        group_facts = {m.rollout_id: self.open_facts.pop(m.rollout_id, None) for m in group}
+        group_facts[record.rollout_id] = checked
         released = []
         for outcome in decide_group(
             group,
@@ -130,10 +141,11 @@ class Ingest:
             self.settings.normalize_advantages,
             self.settings.first_step,
         ):
-            self.window.append(*outcome_row(outcome))
+            row = outcome_row(outcome, group_facts[outcome.record.rollout_id])
+            self.window.append(*row)
             self.rollout_log.finalized(outcome)
             if outcome.fate == TRAINABLE:
-                self.pending.append(*outcome_row(outcome))
+                self.pending.append(*row)
             else:
                 self.accounting.discard(outcome.fate)
                 released.append(outcome.record.rollout_id)

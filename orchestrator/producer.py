@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 from orchestrator.policy import NO_VERSION
 from orchestrator.records import RolloutRecord
 from orchestrator.settings import RunSettings
-from tasks.stages.finalize import check_rollout_arrays
+from tasks.stages.finalize import PayloadFacts, check_rollout_arrays
 from transport.keys import RunKeys
 from transport.numbering import required_version, version_after
 from transport.replication import Durability
@@ -44,8 +44,8 @@ class RolloutRejected(ValueError):
 # KEYS: the rollout stream, the produced and accounted counters, the refused-writes counter,
 # the run's next step, then one payload key per rollout. ARGV: the TTL, the backlog limit (-1:
 # not admitted), the room the policy gate leaves, the next step that room was worked out for
-# (as read, '' if unset), then per rollout its arrays blob and its record. The call is admitted
-# whole or not at all, in the same step as the writes, so concurrent producers cannot
+# (as read, '' if unset), then per rollout its arrays blob, its record and its `PayloadFacts`.
+# The call is admitted whole or not at all, in the same step as the writes, so concurrent producers cannot
 # overshoot: the backlog (produced, not yet accounted by the orchestrator: in the stream, in
 # open groups or pending) plus this call must fit both bounds. A step cut since the room was
 # worked out (`moved`) shrinks both the backlog and the room: the caller works it out again.
@@ -72,9 +72,9 @@ if limit >= 0 then
 end
 local reply = {'ok', 0}
 for i = 6, #KEYS do
-  local at = 5 + (i - 6) * 2
+  local at = 5 + (i - 6) * 3
   if redis.call('SET', KEYS[i], ARGV[at], 'NX', 'EX', ARGV[1]) then
-    redis.call('XADD', KEYS[1], '*', 'record', ARGV[at + 1])
+    redis.call('XADD', KEYS[1], '*', 'record', ARGV[at + 1], 'facts', ARGV[at + 2])
     redis.call('INCR', KEYS[2])
   else
     redis.call('INCR', KEYS[4])
@@ -157,10 +157,11 @@ class _Gate:
     next_step_read: str  # as read ('' if unset): the script admits only while it stands
 
 
-def check_rollouts(rollouts: Rollouts, max_tokens: int, vocab_size: int) -> None:
+def check_rollouts(rollouts: Rollouts, max_tokens: int, vocab_size: int) -> list[Mapping[str, Any]]:
     """The workers' own payload checks, run where the bad data is made (the producer), and
-    one id given twice in the same call."""
+    one id given twice in the same call; returns each rollout's checked arrays."""
     problems = {}
+    checked = []
     seen: set[str] = set()
     for record, arrays in rollouts:
         if record.rollout_id in seen:
@@ -172,16 +173,14 @@ def check_rollouts(rollouts: Rollouts, max_tokens: int, vocab_size: int) -> None
         except SchemaError as exc:
             problems[record.rollout_id] = str(exc)
             continue
-        problem = check_rollout_arrays(
-            {k: v if isinstance(v, EncodedTensor) else np.asarray(v) for k, v in flat.items()},
-            record.num_tokens,
-            max_tokens,
-            vocab_size,
-        )
+        arrays = {k: v if isinstance(v, EncodedTensor) else np.asarray(v) for k, v in flat.items()}
+        problem = check_rollout_arrays(arrays, record.num_tokens, max_tokens, vocab_size)
         if problem is not None:
             problems[record.rollout_id] = problem
+        checked.append(arrays)
     if problems:
         raise RolloutRejected(problems)
+    return checked
 
 
 class _Producer:
@@ -235,7 +234,7 @@ class _Producer:
         """Check every rollout (RolloutRejected, nothing written, if any is bad), then the
         script's keys and per-rollout arguments: arrays before records, so a record never
         points at a payload not there yet."""
-        check_rollouts(rollouts, self.max_tokens, self.vocab_size)
+        checked = check_rollouts(rollouts, self.max_tokens, self.vocab_size)
         keys = [
             self.keys.rollout_stream,
             self.keys.produced,
@@ -244,9 +243,10 @@ class _Producer:
             self.keys.next_step,
         ]
         args: list[Any] = []
-        for record, arrays in rollouts:
+        for (record, arrays), flat in zip(rollouts, checked, strict=True):
             keys.append(self.keys.rollout(record.rollout_id))
-            args += [pack_arrays(arrays), record.model_dump_json()]
+            blob = pack_arrays(arrays)
+            args += [blob, record.model_dump_json(), PayloadFacts.of(flat, len(blob)).to_wire()]
         return keys, args
 
     def _gate(self, rollouts: Rollouts, known: bytes | None, next_step: bytes | None) -> _Gate:

@@ -122,14 +122,18 @@ class CohortBuilder:
         labels: Mapping[str, str],
         custom: Mapping[str, float] | None = None,
     ) -> None:
-        for name in NUMERIC_COLUMNS:
-            self._numeric[name].append(float(numeric[name]))
+        """One row: every column of NUMERIC_COLUMNS and LABEL_COLUMNS; any other numeric
+        column (a producer's facts) and custom metrics are NaN in the rows without them."""
         for name in LABEL_COLUMNS:
             self._labels[name].append(labels.get(name) or "")
-        for name, value in (custom or {}).items():
-            column = self._numeric.get(CUSTOM_PREFIX + name)
+        optional = {name: value for name, value in numeric.items() if name not in NUMERIC_COLUMNS}
+        optional.update({CUSTOM_PREFIX + name: value for name, value in (custom or {}).items()})
+        for name in NUMERIC_COLUMNS:
+            self._numeric[name].append(float(numeric[name]))
+        for name, value in optional.items():
+            column = self._numeric.get(name)
             if column is None:
-                column = self._numeric[CUSTOM_PREFIX + name] = array("d", [np.nan]) * self._rows
+                column = self._numeric[name] = array("d", [np.nan]) * self._rows
             column.append(float(value))
         self._rows += 1
         for column in self._numeric.values():

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgpack
 import redis
 import zmq
 
@@ -24,7 +25,13 @@ from tasks.cohort import Cohort
 from tasks.context import StepContext, redis_client, stage_task
 from tasks.manifest import ShipConfig
 from tasks.stages.encode import encode_rank, rank_rollout_ids
-from tasks.stages.finalize import StepVerdict, finalize_step, step_verdict
+from tasks.stages.finalize import (
+    StepVerdict,
+    finalize_step,
+    rollouts_to_read,
+    rollouts_with_facts,
+    step_verdict,
+)
 from tasks.stages.metrics import step_metrics
 from tasks.stages.pack import PackPlan, pack_samples
 from tasks.stages.prune import prune_samples, worker_drops
@@ -58,7 +65,8 @@ RECORDS_KEPT = 1000
 
 def _finalized(ctx: StepContext) -> dict[str, Any]:
     manifest = ctx.manifest
-    payloads = ctx.store.fetch_rollouts(manifest.effective.labels["rollout_id"])
+    stored = ctx.store.stored_sizes(rollouts_with_facts(manifest.effective))
+    payloads = ctx.store.fetch_rollouts(rollouts_to_read(manifest.effective, stored))
     result = finalize_step(manifest, payloads)
     for rollout_id, reason in result.failures.items():
         log.warning("step %d: rollout %s dropped: %s", ctx.step, rollout_id, reason)
@@ -103,12 +111,6 @@ def metrics(ctx: StepContext) -> None:
     shipped = Cohort.from_wire(ctx.get(StepValue.PRUNED)["samples"])
     dropped = list(ctx.get(StepValue.DROPPED).values())
     ctx.put(StepValue.METRICS, step_metrics(ctx.manifest, shipped, dropped))
-    config = ctx.manifest.config
-    positions = choose_samples(len(shipped), config.samples_per_step, ctx.step)
-    if positions:
-        ids = [shipped.labels["rollout_id"][i] for i in positions]
-        lines = sample_lines(ctx.step, shipped, positions, ctx.store.get_rollouts(ids))
-        write_samples(config.output_path, ctx.step, lines)
 
 
 @stage_task("pack")
@@ -127,6 +129,13 @@ def encode(ctx: StepContext, rank: int) -> None:
     payload = encode_rank(plans, samples, arrays)
     ctx.store.put_payload(ctx.step, rank, payload)
     ctx.client.hset(ctx.keys.sent_checksums, f"{ctx.step}:{rank}", payload_checksum(payload))
+    # The step's sample lines of this rank's rollouts, from the arrays just read (the one
+    # read of them); publish writes the file.
+    chosen = choose_samples(len(samples), ctx.manifest.config.samples_per_step, ctx.step)
+    held = sorted(set(chosen).intersection(i for plan in plans for i in plan.samples))
+    if held:
+        lines = sample_lines(ctx.step, samples, held, arrays)
+        ctx.put(f"{StepValue.SAMPLES}:{rank}", list(zip(held, lines, strict=True)))
 
 
 @functools.cache
@@ -338,6 +347,7 @@ def publish(ctx: StepContext) -> None:
     step, manifest, keys = ctx.step, ctx.manifest, ctx.keys
     if manifest.prev_step >= 0 and not ctx.is_published(manifest.prev_step):
         raise ctx.retry(countdown=RETRY_SECONDS, queue=manifest.config.cpu_queue)
+    _write_step_samples(ctx)
     # The step counts as published (the orchestrator goes on, sinks get the record) once a
     # replica holds the record: lost in a failover, it is written again, once.
     ctx.durability.replicate(
@@ -346,6 +356,20 @@ def publish(ctx: StepContext) -> None:
         lambda pipe: pipe.hexists(keys.published, step),
         f"step {step}'s record",
     )
+
+
+def _write_step_samples(ctx: StepContext) -> None:
+    """The step's samples file, from the lines each rank's encode left (in position order)."""
+    config = ctx.manifest.config
+    if config.samples_per_step <= 0:
+        return
+    names = [ctx.keys.step(ctx.step, f"{StepValue.SAMPLES}:{rank}") for rank in range(config.ranks)]
+    held = [msgpack.unpackb(value, raw=False) for value in ctx.client.mget(names) if value is not None]
+    lines = [
+        line for _, line in sorted((pair for rank_lines in held for pair in rank_lines), key=lambda p: p[0])
+    ]
+    if lines:
+        write_samples(config.output_path, ctx.step, lines)
 
 
 def _write_record(ctx: StepContext) -> None:

@@ -24,6 +24,7 @@ class StepValue(StrEnum):
     DROPPED = "dropped"
     METRICS = "metrics"
     PLAN = "plan"
+    SAMPLES = "samples"  # per rank, `samples:{rank}`: its encode's sample lines, for publish
 
 
 @dataclass(frozen=True, slots=True)

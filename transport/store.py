@@ -137,6 +137,15 @@ class PayloadStore:
         keys = [self.keys.rollout(r) for r in rollout_ids]
         return _decode_rollouts_leniently(keys, self.client.mget(keys) if keys else [])
 
+    def stored_sizes(self, rollout_ids: Iterable[str]) -> dict[str, int]:
+        """Each rollout's stored blob size in bytes, 0 if it is gone, without reading any
+        (one pipeline of STRLEN)."""
+        ids = list(rollout_ids)
+        pipe = self.client.pipeline(transaction=False)
+        for rollout_id in ids:
+            pipe.strlen(self.keys.rollout(rollout_id))
+        return dict(zip(ids, pipe.execute() if ids else [], strict=True))
+
     def put_step_value(self, step: int, name: str, value: bytes | memoryview) -> str:
         """Write a step-scoped value and register it with the step; returns its key."""
         key = self.keys.step(step, name)

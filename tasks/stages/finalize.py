@@ -1,7 +1,16 @@
-"""Finalize: check that every cut rollout can really train, materialize its arrays once,
-and stamp the annotations the later stages and the record use (step, advantage,
-staleness, token counts). A rollout that fails a check is dropped with a reason; it never
-fails the step."""
+"""Finalize: check that every cut rollout can really train and stamp the annotations the
+later stages and the record use (step, advantage, staleness, token counts). A rollout that
+fails a check is dropped with a reason; it never fails the step.
+
+Most rollouts were checked already where their bytes were made: rlship's producer runs
+`check_rollout_arrays` before it writes and sends what the run's own limits still need, and
+the size of the blob it wrote (`PayloadFacts`), in the stream entry; they reach the cut as
+cohort columns. For those, finalize reads no array: it asks Redis each stored blob's size
+(STRLEN), and only a blob gone (dropped) or of another size than the producer wrote (written
+over since: read and checked whole) costs a read. The encoder's read is then the one read of
+each byte. A rollout without facts (written by other code, or cut from a checkpoint older
+than them) has its arrays read and checked here, as before.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +22,7 @@ import numpy as np
 
 from tasks.cohort import Cohort
 from tasks.manifest import StepManifest
-from tasks.stages.prune import count_trainable_tokens, drop_field, worker_drops
+from tasks.stages.prune import drop_field, trainable_tokens, worker_drops
 from transport.numbering import staleness
 from transport.schema import MM_KWARGS_PREFIX, EncodedTensor
 
@@ -31,6 +40,47 @@ FLOAT_ARRAYS: tuple[str, ...] = ("inference_logprobs", "ref_logprobs", "ce_weigh
 # Every array name a rollout may carry besides the multimodal ones (`mm_kwargs.*`): another is
 # a producer's mistake (a misspelt `ref_logprob` would otherwise be stored and never used).
 KNOWN_ARRAYS: tuple[str, ...] = (*REQUIRED_ARRAYS, *OPTIONAL_TOKEN_ARRAYS)
+
+
+# The cohort columns holding a producer's `PayloadFacts` (NaN: the rollout came without).
+FACT_COLUMNS: tuple[str, ...] = ("payload_loss_tokens", "payload_max_token_id", "payload_bytes")
+
+
+@dataclass(frozen=True)
+class PayloadFacts:
+    """What is left to check of arrays that passed `check_rollout_arrays` at the producer:
+    every other check depends on the arrays alone, these two on the run's limits and the
+    rollout's advantage."""
+
+    loss_tokens: int  # tokens with loss_mask set: the trainable ones, if the advantage is not 0
+    max_token_id: int  # against the run's vocabulary (the producer checked >= 0)
+    payload_bytes: int  # the blob's size as written: a blob of another size was written over
+
+    @classmethod
+    def of(cls, arrays: Mapping[str, np.ndarray], payload_bytes: int) -> PayloadFacts:
+        """The facts of arrays that passed `check_rollout_arrays`, stored as `payload_bytes`."""
+        ids = arrays["input_ids"]
+        max_id = int(ids.max()) if len(ids) else -1
+        return cls(int(np.count_nonzero(arrays["loss_mask"])), max_id, payload_bytes)
+
+    def to_wire(self) -> str:
+        return f"{self.loss_tokens} {self.max_token_id} {self.payload_bytes}"
+
+    @classmethod
+    def from_wire(cls, data: bytes | str | None) -> PayloadFacts | None:
+        """The facts of a stream entry; None when it has none or they do not parse (the
+        rollout's arrays are then checked at finalize)."""
+        try:
+            loss_tokens, max_token_id, payload_bytes = (int(v) for v in (data or "").split())
+        except (ValueError, TypeError):
+            return None
+        if loss_tokens < 0 or payload_bytes <= 0:
+            return None
+        return cls(loss_tokens, max_token_id, payload_bytes)
+
+    def columns(self) -> dict[str, float]:
+        values = (self.loss_tokens, self.max_token_id, self.payload_bytes)
+        return dict(zip(FACT_COLUMNS, values, strict=True))
 
 
 @dataclass
@@ -121,31 +171,75 @@ def check_rollout_arrays(
     return None
 
 
+def check_facts(facts: PayloadFacts, num_tokens: int, seq_len: int, vocab_size: int) -> str | None:
+    """`check_rollout_arrays`'s limit checks over a producer's facts, with its words."""
+    if num_tokens > seq_len:
+        return f"input_ids: length {num_tokens} exceeds seq_len {seq_len}"
+    if facts.max_token_id >= vocab_size:
+        return f"input_ids: token id {facts.max_token_id} outside [0, {vocab_size})"
+    return None
+
+
+def cohort_facts(cohort: Cohort) -> list[PayloadFacts | None]:
+    """Each row's producer facts, None for a row without."""
+    if FACT_COLUMNS[0] not in cohort.numeric:
+        return [None] * len(cohort)
+    columns = zip(*(cohort.numeric[name] for name in FACT_COLUMNS), strict=True)
+    return [None if np.isnan(row[0]) else PayloadFacts(*map(int, row)) for row in columns]
+
+
+def rollouts_with_facts(cohort: Cohort) -> list[str]:
+    """The cut rollouts finalize need not read if their blobs are as the producer wrote them."""
+    rows = zip(cohort.labels["rollout_id"], cohort_facts(cohort), strict=True)
+    return [rollout_id for rollout_id, facts in rows if facts is not None]
+
+
+def rollouts_to_read(cohort: Cohort, stored_bytes: Mapping[str, int]) -> list[str]:
+    """The cut rollouts whose arrays finalize reads and checks whole: those without facts and
+    those whose stored blob (`stored_bytes`, 0 if gone) is not the size their producer wrote."""
+    rows = zip(cohort.labels["rollout_id"], cohort_facts(cohort), strict=True)
+    return [
+        rollout_id
+        for rollout_id, facts in rows
+        if facts is None or stored_bytes.get(rollout_id, 0) != facts.payload_bytes
+    ]
+
+
 def finalize_step(
     manifest: StepManifest, payloads: Mapping[str, Mapping[str, np.ndarray] | Exception]
 ) -> FinalizedStep:
-    """Check each cut rollout's payload and annotate the ones that pass.
+    """Check each cut rollout and annotate the ones that pass: by its arrays where they were
+    read (`rollouts_to_read`), else by its producer's facts.
 
-    `payloads` maps rollout id to its arrays, or to the error met reading them.
+    `payloads` maps each rollout read to its arrays, or to the error met reading them.
     """
     cohort = manifest.effective
+    config = manifest.config
     keep = np.zeros(len(cohort), dtype=bool)
     num_tokens = np.zeros(len(cohort))
     trainable = np.zeros(len(cohort))
     failures: dict[str, str] = {}
-    for i, rollout_id in enumerate(cohort.labels["rollout_id"]):
+    rows = zip(cohort.labels["rollout_id"], cohort_facts(cohort), strict=True)
+    for i, (rollout_id, facts) in enumerate(rows):
+        expected = int(cohort.numeric["num_input_tokens"][i] + cohort.numeric["num_output_tokens"][i])
+        advantage = float(cohort.numeric["advantage"][i])
         arrays = payloads.get(rollout_id)
-        if arrays is None or isinstance(arrays, Exception):
+        if isinstance(arrays, Exception) or (arrays is None and facts is None):
             failures[rollout_id] = f"payload: {arrays or 'not found'}"
             continue
-        expected = int(cohort.numeric["num_input_tokens"][i] + cohort.numeric["num_output_tokens"][i])
-        problem = check_rollout_arrays(arrays, expected, manifest.config.seq_len, manifest.config.vocab_size)
+        if arrays is not None:
+            problem = check_rollout_arrays(arrays, expected, config.seq_len, config.vocab_size)
+            loss_tokens = None if problem else int(np.count_nonzero(arrays["loss_mask"]))
+        else:
+            assert facts is not None
+            problem = check_facts(facts, expected, config.seq_len, config.vocab_size)
+            loss_tokens = facts.loss_tokens
         if problem is not None:
             failures[rollout_id] = problem
             continue
         keep[i] = True
-        num_tokens[i] = len(arrays["input_ids"])
-        trainable[i] = count_trainable_tokens(arrays["loss_mask"], float(cohort.numeric["advantage"][i]))
+        num_tokens[i] = expected
+        trainable[i] = trainable_tokens(loss_tokens, advantage)
     annotated = cohort.with_numeric(
         step=np.full(len(cohort), float(manifest.step)),
         staleness=staleness(manifest.step, cohort.numeric["policy_version"], manifest.config.first_step),

@@ -1,6 +1,7 @@
 """Samples: a few shipped rollouts per step, written whole (tokens, masks, reward) to
-`{output_dir}/samples/step_{N}.jsonl` for people to read. The writer reads its own copy
-of the arrays before the step can be released, so a release never empties an upload."""
+`{output_dir}/samples/step_{N}.jsonl` for people to read. Each rank's encoder makes the
+lines of its chosen rollouts from the arrays it read anyway (the one read of them) and
+publish writes the file before the record, so a release never empties it."""
 
 from __future__ import annotations
 
