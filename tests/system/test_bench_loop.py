@@ -20,6 +20,7 @@ PLACEMENT_KEYS = {
     "heartbeat_p95_ms",
     "heartbeat_max_ms",
     "ship_seconds",
+    "idle_seconds",
     "orchestrator_peak_rss_bytes",
     "tokens_shipped",
     "steps_identical",
@@ -64,6 +65,9 @@ def test_every_placement_ships_identical_payloads(bench: tuple[int, Path], repor
         assert placement["steps_identical"] is True, name
         assert placement["tokens_shipped"] == workload["tokens"][0], name
         assert len(placement["ship_seconds"]) == 1 and placement["ship_seconds"][0] > 0
+        # Heard from the last rank's policy announcement after the step's last rollout arrived.
+        assert len(placement["idle_seconds"]) == 1
+        assert 0 < placement["idle_seconds"][0] < report["wall_seconds"], name
         assert placement["orchestrator_peak_rss_bytes"] > 0
     assert {goal["goal"] for goal in report["goals"]} >= {"steps_identical"}
 

@@ -1,7 +1,8 @@
 """One placement of `rlship bench loop` in its own processes: the trainer ranks, the
 Celery workers (celery placement), the placement's process
 (`orchestrator.commands.bench.placements`) at the CPU priority asked for, and the
-producer that feeds the celery placement; CPU sampled by process kind meanwhile."""
+producer that feeds the celery placement; CPU sampled by process kind and the moment
+each step was decoded by its last rank heard meanwhile."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,10 +36,41 @@ from orchestrator.producer import RolloutProducer
 from orchestrator.settings import RunSettings, settings_to_env
 from transport.connection import connect_redis
 from transport.keys import RunKeys
+from transport.numbering import step_reaching, version_after
 from transport.zmq_sockets import free_port_pair
 
 TRAINER_IDLE_SECONDS = 300
 TRAINER_DRAIN_SECONDS = 120.0
+# Rollouts per producer call of the celery placement's feed: a step arrives in many calls,
+# as inference returns groups, and the orchestrator ingests them while more come.
+FEED_CALL_ROLLOUTS = 128
+
+
+class StepsDecoded:
+    """When each step was decoded by its last rank: the trainer rank completing a step raises
+    the policy version and publishes it on the run's channel (transport.trainer), heard here
+    on the monotonic clock every process of this machine shares."""
+
+    def __init__(self, client: redis.Redis, settings: RunSettings) -> None:
+        self.first_step = settings.first_step
+        self.at: dict[int, float] = {}
+        self._pubsub = client.pubsub(ignore_subscribe_messages=True)
+        self._pubsub.subscribe(RunKeys(settings.run_id).policy_channel)
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._listen, daemon=True)
+        self._thread.start()
+
+    def _listen(self) -> None:
+        while not self._stopped.is_set():
+            message = self._pubsub.get_message(timeout=0.1)
+            if message is not None:
+                heard = time.monotonic()
+                self.at.setdefault(step_reaching(int(message["data"]), self.first_step), heard)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(5)
+        self._pubsub.close()
 
 
 def _prioritized(
@@ -114,8 +147,8 @@ def _run_placement(
         )
         sampler = CpuSampler(process_kinds(group, client))
         sampler.start()
-        if placement.startswith("celery"):
-            feed(settings, batches, group, deadline)
+        decoded = StepsDecoded(client, settings)
+        arrivals = feed(settings, batches, group, deadline) if placement.startswith("celery") else {}
         try:
             child.wait(max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -124,6 +157,7 @@ def _run_placement(
             raise RuntimeError(f"{placement}: not done within {args.timeout:.0f} s; see {log_dir}") from None
         finally:
             sampler.stop()
+            decoded.stop()
         if child.returncode != 0 or not result.exists():
             raise RuntimeError(
                 f"{placement}: the orchestrator process exited with {child.returncode}; see {log_dir}"
@@ -142,7 +176,10 @@ def _run_placement(
     origin = raw["origin"]
     windows = {step: (start + origin, end + origin) for step, (start, end) in raw["windows"].items()}
     cpu = dict(zip(windows, sampler.in_windows(list(windows.values())), strict=True))
-    return {**raw, "received": received, "records": records, "cpu": cpu}
+    # The in-process placements note their steps' arrivals themselves (on their loop's clock).
+    arrivals = arrivals or {int(step): at + origin for step, at in raw["arrivals"].items()}
+    idle = {str(step): decoded.at[step] - arrived for step, arrived in arrivals.items() if step in decoded.at}
+    return {**raw, "received": received, "records": records, "cpu": cpu, "idle_seconds": idle}
 
 
 def process_kinds(group: ProcessGroup, client: redis.Redis) -> dict[str, list[int]]:
@@ -160,15 +197,28 @@ def process_kinds(group: ProcessGroup, client: redis.Redis) -> dict[str, list[in
     return kinds
 
 
-def feed(settings: RunSettings, batches: list[StepBatch], group: ProcessGroup, deadline: float) -> None:
-    """The producer of the celery placement: step k's rollouts go to Redis once step k - 1 is
-    published, so they are ingested before the cut, as the in-process placements hold theirs."""
+def feed(
+    settings: RunSettings, batches: list[StepBatch], group: ProcessGroup, deadline: float
+) -> dict[int, float]:
+    """The producer of the celery placement. Step k's rollouts come once the trainer ranks
+    have decoded step k - 1 and its record is published (the trainers wait for them, the
+    gate is open: what follows is the ship path's alone), in calls of FEED_CALL_ROLLOUTS;
+    returns when each step's last call returned (its last rollout arrived), on the
+    monotonic clock."""
     client = connect_redis(settings.redis_url)
-    producer = RolloutProducer.for_run(client, settings, admitted=False)  # a step's batch in one call
-    published = RunKeys(settings.run_id).published
+    producer = RolloutProducer.for_run(client, settings, admitted=False)
+    keys = RunKeys(settings.run_id)
+    arrivals: dict[int, float] = {}
     for batch in batches:
-        while batch.step and not client.hexists(published, batch.step - 1):
+        previous = version_after(batch.step - 1, settings.first_step)
+        while batch.step and not (
+            client.hexists(keys.published, batch.step - 1)
+            and int(client.get(keys.policy_version) or 0) >= previous
+        ):
             if group.failed() or time.monotonic() > deadline:
-                return
-            time.sleep(0.01)
-        producer.produce(batch.rollouts)
+                return arrivals
+            time.sleep(0.005)
+        for start in range(0, len(batch.rollouts), FEED_CALL_ROLLOUTS):
+            producer.produce(batch.rollouts[start : start + FEED_CALL_ROLLOUTS])
+        arrivals[batch.step] = time.monotonic()
+    return arrivals

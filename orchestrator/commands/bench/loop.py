@@ -133,7 +133,7 @@ def main(args: argparse.Namespace) -> int:
         "workload": workload,
         "placements": results,
         "steps_identical": all(r["steps_identical"] for r in results.values()),
-        "goals": goals(results),
+        "goals": goals(results, args.rollouts),
         "durability_cost": durability_cost(results),
         "wall_seconds": time.time() - started,
     }

@@ -51,6 +51,7 @@ from tasks.stages.publish import build_record, running_totals
 from tasks.stages.release import trim_process_memory
 from transport.connection import connect_redis_async
 from transport.keys import RunKeys
+from transport.numbering import required_version
 from transport.zmq_sender import ZMQSender
 
 PLACEMENTS: tuple[str, ...] = ("inline", "thread", "celery", "celery-replicated")
@@ -180,10 +181,11 @@ class InProcessShipper:
         self.accounting = Accounting()
         self.totals: dict[str, float] = {}
         self.windows: dict[int, list[float]] = {}
+        self.arrivals: dict[int, float] = {}
 
     async def wait_for_policy(self, step: int) -> float:
-        """The orchestrator's gate: the trainers' policy version >= step - 1 - max_async_level."""
-        needed = step - 1 - self.settings.max_async_level
+        """The orchestrator's gate: the trainers' policy version >= the step's required one."""
+        needed = required_version(step, self.settings.first_step, self.settings.max_async_level)
         started = time.perf_counter()
         while int(await self.client.get(self.keys.policy_version) or 0) < needed:
             await asyncio.sleep(POLL_SECONDS)
@@ -202,6 +204,9 @@ class InProcessShipper:
                 raise RuntimeError(f"trainer ranks not ready within {READY_TIMEOUT_SECONDS:.0f} s")
             for batch in step_batches(self.settings, steps):
                 waited = await self.wait_for_policy(batch.step)
+                # Held in memory, the step's rollouts arrive (the last one completes the
+                # batch) when the gate opens: the bench's trainers are waiting for them.
+                self.arrivals[batch.step] = asyncio.get_running_loop().time()
                 await self.ship_step(batch, sender, waited)
                 del batch
                 await self.run(trim_process_memory)
@@ -257,6 +262,7 @@ class TimedOrchestrator(Orchestrator):
     def __init__(self, settings: RunSettings, client: aioredis.Redis) -> None:
         super().__init__(settings, client, probe=LagProbe(keep_timeline=True))
         self.windows: dict[int, list[float]] = {}
+        self.arrivals: dict[int, float] = {}  # none: its rollouts come from the bench's feed
         self.dispatcher.cut = self._timed_cut  # type: ignore[method-assign]
 
     async def _timed_cut(self, step: int) -> StepManifest | None:
@@ -310,6 +316,7 @@ async def run_placement(placement: str, settings: RunSettings, timeout: float) -
         "windows": {
             str(step): [start - origin, end - origin] for step, (start, end) in shipper.windows.items()
         },
+        "arrivals": {str(step): at - origin for step, at in shipper.arrivals.items()},
         "lag": _timeline(shipper.probe, origin),
         "heartbeat": _timeline(heartbeat, origin),
         "baseline_rss_bytes": baseline_rss,
