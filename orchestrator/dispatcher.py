@@ -228,7 +228,8 @@ class Dispatcher:
         def write() -> None:
             pipe = client.pipeline(transaction=True)
             pipe.set(manifest_key, manifest.to_bytes(), ex=self.store.ttl)
-            pipe.sadd(self.keys.step_keys(step), manifest_key, *(self.keys.rollout(r) for r in batch_ids))
+            rollout_keys = (key for r in batch_ids for key in self.keys.rollout_keys(r))
+            pipe.sadd(self.keys.step_keys(step), manifest_key, *rollout_keys)
             pipe.expire(self.keys.step_keys(step), self.store.ttl)
             pipe.set(self.keys.next_step, step + 1)
             pipe.set(self.keys.checkpoint, checkpoint.to_bytes())

@@ -1,11 +1,12 @@
 """Ingest: rollout records from the run's Redis stream, into groups, into fates.
 
 A record joins its group; a complete group's rollouts get their fates (orchestrator.groups):
-trainable ones wait in `pending` for a cut, the others are counted and their payloads
-released at once. Every finalized rollout also goes to the `window` of `all` statistics
-the next cut carries. Ingest owns the stream cursor, the open groups and their stream
-entries, `pending`, `window` and the accounting; the cut takes from them through
-`take`, `take_window`, `put_back` and `kept`, and restarts from `checkpoint`.
+trainable ones wait in `pending` for a cut (and go to the workers to be prepared for the
+wire meanwhile), the others are counted and their payloads released at once. Every
+finalized rollout also goes to the `window` of `all` statistics the next cut carries.
+Ingest owns the stream cursor, the open groups and their stream entries, `pending`,
+`window` and the accounting; the cut takes from them through `take`, `take_window`,
+`put_back` and `kept`, and restarts from `checkpoint`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import redis.asyncio as aioredis
@@ -46,6 +47,7 @@ class Ingest:
         work: asyncio.Event,
         next_step: Callable[[], int],
         status: Callable[[], dict[str, float]],
+        prepare: Callable[[list[str]], Awaitable[None]] | None = None,
     ) -> None:
         # Given.
         self.settings = settings
@@ -56,6 +58,10 @@ class Ingest:
         self.work = work  # set once there are rollouts enough for a cut
         self.next_step = next_step  # the step the next cut makes: staleness counts from it
         self.status = status  # the run's status, written every turn
+        # Hands the workers the rollouts of groups completed trainable in a turn, to make
+        # their wire parts before the cut (tasks.ship.prepare); None: nothing is prepared.
+        self.prepare = prepare
+        self.completed_trainable: list[str] = []
         # Read and taken; `resume` replaces pending and accounting with the checkpoint's.
         self.groups = GroupBuffer(settings.group_size, memory=settings.dedupe_horizon)
         self.pending = CohortBuilder()  # trainable rows, in completion order, cut from the front
@@ -97,6 +103,10 @@ class Ingest:
                 pipe.set(self.keys.accounted, self.accounting.accounted)
             pipe.hset(self.keys.status, mapping=self.status())
             await pipe.execute()
+            if self.completed_trainable:
+                completed, self.completed_trainable = self.completed_trainable, []
+                if self.prepare is not None:
+                    await self.prepare(completed)
             if len(self.pending) >= self.settings.batch_size:
                 self.work.set()
 
@@ -146,6 +156,7 @@ class Ingest:
             self.rollout_log.finalized(outcome)
             if outcome.fate == TRAINABLE:
                 self.pending.append(*row)
+                self.completed_trainable.append(outcome.record.rollout_id)
             else:
                 self.accounting.discard(outcome.fate)
                 released.append(outcome.record.rollout_id)

@@ -5,7 +5,8 @@ stops their concurrent loops; it has no loop of its own. The loops, each a compo
 its own module, and what each owns:
 
 - **ingest** (`Ingest`, orchestrator.ingest): reads rollout records from the Redis stream,
-  completes groups, decides each rollout's fate and releases at once what cannot train.
+  completes groups, decides each rollout's fate, releases at once what cannot train and
+  hands what can to the workers to prepare for the wire before the cut (`tasks.ship.prepare`).
   Owns the stream cursor, the open groups, the pending rollouts, the window of `all`
   statistics and the accounting.
 - **cut and dispatch** (`Dispatcher`, orchestrator.dispatcher): when enough rollouts are
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import json
 import logging
@@ -63,6 +65,7 @@ from orchestrator.run_info import RunInfo
 from orchestrator.settings import RunSettings
 from orchestrator.watchdog import StallWatchdog
 from tasks.app import use_redis
+from tasks.ship import prepare
 from transport.numbering import version_after
 from transport.store import AsyncPayloadStore
 
@@ -101,6 +104,7 @@ class Orchestrator:
             self._work,
             next_step=lambda: self.dispatcher.next_step,
             status=self.status,
+            prepare=functools.partial(self.publisher.enqueue, prepare),
         )
         self.dispatcher = Dispatcher(
             settings,

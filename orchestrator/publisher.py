@@ -32,9 +32,9 @@ class Publisher:
         """Run `work` on the publisher thread, after everything handed to it before."""
         return await asyncio.get_running_loop().run_in_executor(self._thread, work)
 
-    async def enqueue(self, task: Any, step: int, *args: Any) -> None:
-        """Enqueue a stage task of the run for step `step` on the compute queue."""
-        await self.call(functools.partial(task.apply_async, (self.run_id, step, *args), queue=self.queue))
+    async def enqueue(self, task: Any, *args: Any) -> None:
+        """Enqueue a task of the run (a stage's: the step first) on the compute queue."""
+        await self.call(functools.partial(task.apply_async, (self.run_id, *args), queue=self.queue))
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)

@@ -21,12 +21,14 @@ import msgpack
 import redis
 import zmq
 
+from tasks.app import app
 from tasks.cohort import Cohort
 from tasks.context import StepContext, redis_client, stage_task
 from tasks.manifest import ShipConfig
-from tasks.stages.encode import encode_rank, rank_rollout_ids
+from tasks.stages.encode import SampleWire, assemble_rank, encode_rank, prepare_sample, rank_rollout_ids
 from tasks.stages.finalize import (
     StepVerdict,
+    check_rollout_arrays,
     finalize_step,
     rollouts_to_read,
     rollouts_with_facts,
@@ -43,7 +45,7 @@ from transport.checksum import payload_checksum
 from transport.filesystem import ForeignLayout
 from transport.keys import StepValue, stage_field, stage_of_field
 from transport.port_claims import other_claimants, port_holder
-from transport.store import DEFAULT_TTL_SECONDS, PayloadMissingError
+from transport.store import DEFAULT_TTL_SECONDS, PayloadMissingError, PayloadStore
 
 log = logging.getLogger("rlship.tasks")
 
@@ -74,6 +76,28 @@ def _finalized(ctx: StepContext) -> dict[str, Any]:
         StepValue.FINALIZED: {"samples": result.samples.to_wire(), "failures": result.failures},
         StepValue.VERDICT: step_verdict(result).to_wire(),
     }
+
+
+def _inconsistent(arrays: dict[str, Any]) -> bool:
+    """Whether arrays fail a check of their own (the run's limits are finalize's to apply)."""
+    return check_rollout_arrays(arrays, len(arrays.get("input_ids", ())), 2**62, 2**62) is not None
+
+
+@app.task(name="rlship.prepare", ignore_result=True)
+def prepare(run_id: str, rollout_ids: list[str]) -> None:
+    """Before the cut: the wire parts of rollouts whose groups just completed trainable, so
+    that at the cut their ranks' payloads are joined rather than encoded. Their arrays are
+    read here, once; a rollout that is malformed, has optional streams or is gone is left
+    for the encoder to build from its arrays."""
+    store = PayloadStore(redis_client(), run_id)
+    wires = {}
+    for rollout_id, arrays in store.fetch_rollouts(rollout_ids).items():
+        if isinstance(arrays, Exception) or _inconsistent(arrays):
+            continue
+        wire = prepare_sample(arrays)
+        if wire is not None:
+            wires[rollout_id] = wire.to_bytes()
+    store.put_sample_wires(wires)
 
 
 @stage_task("finalize", computes=False)
@@ -123,18 +147,30 @@ def pack(ctx: StepContext) -> None:
 
 @stage_task("encode")
 def encode(ctx: StepContext, rank: int) -> None:
+    """The rank's payload, joined from its samples' wire parts made before the cut
+    (`prepare`); a sample without them has its arrays read and its parts made here, and a
+    rank holding a sample of optional streams is built from the arrays."""
     plans = PackPlan.from_wire(ctx.get(StepValue.PLAN)).ranks[rank]
     samples = Cohort.from_wire(ctx.get(StepValue.PRUNED)["samples"])
-    arrays = ctx.store.get_rollouts(rank_rollout_ids(plans, samples))
-    payload = encode_rank(plans, samples, arrays)
+    ids = rank_rollout_ids(plans, samples)
+    wires = {rid: SampleWire.from_bytes(data) for rid, data in ctx.store.get_sample_wires(ids).items()}
+    arrays = ctx.store.get_rollouts([rid for rid in ids if rid not in wires])
+    wires |= {rid: wire for rid, a in arrays.items() if (wire := prepare_sample(a)) is not None}
+    if len(wires) == len(ids):
+        payload: bytes | memoryview = assemble_rank(plans, samples, wires)
+    else:
+        arrays |= ctx.store.get_rollouts([rid for rid in ids if rid not in arrays])
+        payload = encode_rank(plans, samples, arrays)
     ctx.store.put_payload(ctx.step, rank, payload)
     ctx.client.hset(ctx.keys.sent_checksums, f"{ctx.step}:{rank}", payload_checksum(payload))
-    # The step's sample lines of this rank's rollouts, from the arrays just read (the one
+    # The step's sample lines of this rank's rollouts, from what was just read (the one
     # read of them); publish writes the file.
     chosen = choose_samples(len(samples), ctx.manifest.config.samples_per_step, ctx.step)
     held = sorted(set(chosen).intersection(i for plan in plans for i in plan.samples))
     if held:
-        lines = sample_lines(ctx.step, samples, held, arrays)
+        held_ids = [samples.labels["rollout_id"][i] for i in held]
+        tokens = {rid: arrays[rid] if rid in arrays else wires[rid].token_arrays() for rid in held_ids}
+        lines = sample_lines(ctx.step, samples, held, tokens)
         ctx.put(f"{StepValue.SAMPLES}:{rank}", list(zip(held, lines, strict=True)))
 
 

@@ -34,6 +34,7 @@ from transport.schema import (
 
 __all__ = [
     "CodecError",
+    "array_elements",
     "array_header",
     "decode_microbatches",
     "encode_microbatch",
@@ -164,6 +165,21 @@ def _write_microbatch(batch: MicroBatch, runs: _Runs, out: np.ndarray, pos: int)
             else:
                 pos = _WRITERS[_KIND[name]](value, out, pos)
     return pos
+
+
+def array_elements(name: str, values: np.ndarray) -> bytes:
+    """The elements of a numeric field as they follow its array header on the wire.
+
+    Canonical MessagePack writes each element on its own, so a field whose values are the
+    concatenation of parts is its array header followed by each part's elements: the
+    encoder can join parts made earlier (`tasks.stages.encode.assemble_rank`)."""
+    kind = _KIND[name]
+    size = 9 * len(values) if kind == "f" else len(values) if kind == "b" else writers.int_body_size(values)
+    out = np.empty(size + 8, np.uint8)  # an int field's last word may spill up to 7 bytes
+    end = _WRITERS[kind](np.asarray(values, ARRAY_DTYPES[name]), out, 0)
+    if end != size:
+        raise AssertionError(f"{name}: wrote {end} bytes of elements, planned {size}")
+    return out[:size].tobytes()
 
 
 def encode_microbatches_into(batches: Sequence[MicroBatch], out: Any, size: int | None = None) -> int:

@@ -43,6 +43,16 @@ class RunKeys:
         """A rollout's arrays, written by its producer."""
         return f"{self.prefix}rollout:{rollout_id}"
 
+    def sample_wire(self, rollout_id: str) -> str:
+        """A trainable rollout's token fields as they will be on the wire, made before the
+        cut (`tasks.stages.encode.SampleWire`); under `rollout:` so that what finds or
+        deletes every rollout key of the run finds these too."""
+        return f"{self.rollout(rollout_id)}:wire"
+
+    def rollout_keys(self, rollout_id: str) -> tuple[str, str]:
+        """Every key a rollout may have: its arrays and its wire parts (deleted together)."""
+        return self.rollout(rollout_id), self.sample_wire(rollout_id)
+
     @property
     def refused_writes(self) -> str:
         """How many rollout payload writes were refused: the id was stored already (a

@@ -146,6 +146,23 @@ class PayloadStore:
             pipe.strlen(self.keys.rollout(rollout_id))
         return dict(zip(ids, pipe.execute() if ids else [], strict=True))
 
+    def get_sample_wires(self, rollout_ids: Iterable[str]) -> dict[str, bytes]:
+        """The prepared wire parts of those rollouts that have them (one MGET)."""
+        ids = list(rollout_ids)
+        values = self.client.mget([self.keys.sample_wire(r) for r in ids]) if ids else []
+        return {rollout_id: value for rollout_id, value in zip(ids, values, strict=True) if value is not None}
+
+    def put_sample_wires(self, wires: Mapping[str, bytes]) -> int:
+        """Store prepared wire parts, each only while its rollout is stored: one whose rollout
+        was discarded meanwhile (stale at a cut, its run ended) is not written, so none is
+        left behind. Returns how many were written."""
+        if not wires:
+            return 0
+        keys = [key for r in wires for key in self.keys.rollout_keys(r)]
+        return int(
+            self.client.register_script(_PUT_SAMPLE_WIRES_LUA)(keys=keys, args=[self.ttl, *wires.values()])
+        )
+
     def put_step_value(self, step: int, name: str, value: bytes | memoryview) -> str:
         """Write a step-scoped value and register it with the step; returns its key."""
         key = self.keys.step(step, name)
@@ -226,7 +243,7 @@ class AsyncPayloadStore:
 
     async def delete_rollouts(self, rollout_ids: Iterable[str]) -> int:
         """Release rollouts that will never ship (UNLINK frees them off Redis's main thread)."""
-        keys = [self.keys.rollout(r) for r in rollout_ids]
+        keys = [key for r in rollout_ids for key in self.keys.rollout_keys(r)]
         return int(await self.client.unlink(*keys)) if keys else 0
 
     async def release_payloads(self, ranks: int, through_step: int, evict_through: int) -> ReleasedPayloads:
@@ -252,6 +269,18 @@ class AsyncPayloadStore:
         keys = [key async for key in self.client.scan_iter(match=self.keys.rollout("*"), count=1000)]
         return sum([await self.client.unlink(*keys[i : i + 1000]) for i in range(0, len(keys), 1000)])
 
+
+# KEYS: per rollout, its arrays' key and its wire key; ARGV: the TTL, then the wires.
+_PUT_SAMPLE_WIRES_LUA = """
+local written = 0
+for i = 1, #KEYS, 2 do
+  if redis.call('EXISTS', KEYS[i]) == 1 then
+    redis.call('SET', KEYS[i + 1], ARGV[(i + 1) / 2 + 1], 'EX', ARGV[1])
+    written = written + 1
+  end
+end
+return written
+"""
 
 _DELETE_STEP_LUA = """
 local members = redis.call('SMEMBERS', KEYS[1])

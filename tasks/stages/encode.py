@@ -5,20 +5,29 @@ of tokens); sample-level annotations (advantage, temperature, env) are broadcast
 sample's tokens; zero-advantage tokens get zero rl weight (the prune stage's rule).
 Optional streams (ce and ref-kl weights, token types, mm_kwargs) are carried when any
 sample of the micro-batch has them.
+
+Before the cut, a sample of the plain kind (the required arrays only) is prepared as it
+completes: its token fields encoded once, as they will be on the wire (`SampleWire`). At
+the cut the rank's payload is then joined from those parts (`assemble_rank`): the same
+bytes as `encode_rank`, since canonical MessagePack writes each element on its own.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from tasks.cohort import Cohort
+from tasks.stages.finalize import REQUIRED_ARRAYS
 from tasks.stages.pack import MicroBatchPlan
 from tasks.stages.prune import token_rl_weights
-from transport.codec import encode_microbatches
-from transport.schema import MM_KWARGS_PREFIX, EncodedTensor, MicroBatch, RoutedExperts
+from transport.codec import array_elements, array_header, encode_microbatches
+from transport.schema import MICROBATCH_FIELDS, MM_KWARGS_PREFIX, EncodedTensor, MicroBatch, RoutedExperts
 
 PADDING_ENV = "padding"
 
@@ -39,11 +48,13 @@ def build_microbatch(
     plan: MicroBatchPlan, samples: Cohort, arrays: Mapping[str, Mapping[str, np.ndarray]]
 ) -> MicroBatch:
     """One micro-batch: its samples concatenated, then `plan.padding` padding tokens."""
-    segments = list(_segments(plan, samples, arrays))
+    return _microbatch(list(_segments(plan, samples, arrays)), plan.padding)
+
+
+def _microbatch(segments: list[tuple[Mapping[str, Any], float, float, str]], pad: int) -> MicroBatch:
     lengths = [len(a["input_ids"]) for a, *_ in segments]
-    if plan.padding:
-        lengths.append(plan.padding)
-    pad = plan.padding
+    if pad:
+        lengths.append(pad)
 
     def concat(parts: list[np.ndarray], pad_value: float, dtype: type) -> np.ndarray:
         if pad:
@@ -118,3 +129,111 @@ def rank_rollout_ids(plans: list[MicroBatchPlan], samples: Cohort) -> list[str]:
     """The rollouts whose arrays this rank's encoder needs."""
     ids = samples.labels["rollout_id"]
     return [ids[i] for plan in plans for i in plan.samples]
+
+
+# -- the payload joined from parts prepared before the cut ------------------------------------
+
+# The token fields a sample's own arrays make, encoded when it is prepared; the others
+# (advantages, temperatures, env_names, rl_weights) follow from its cohort row at the cut.
+SAMPLE_WIRE_FIELDS: tuple[str, ...] = ("input_ids", "loss_mask", "inference_logprobs", "position_ids")
+TOKEN_FIELDS: tuple[str, ...] = (*SAMPLE_WIRE_FIELDS, "advantages", "temperatures", "env_names", "rl_weights")
+_LENGTH_FIELDS = ("sequence_lengths", "seq_lens")
+_MICROBATCH_HEADER = array_header(len(MICROBATCH_FIELDS))
+_NIL = b"\xc0"
+_TRUE = 0xC3
+
+
+@dataclass(frozen=True)
+class SampleWire:
+    """A sample's token fields as they will be on the wire (elements, no array header)."""
+
+    tokens: int
+    fields: dict[str, bytes]
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb([self.tokens, self.fields], use_bin_type=True)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> SampleWire:
+        tokens, fields = msgpack.unpackb(data, raw=False)
+        return cls(int(tokens), dict(fields))
+
+    def loss_mask(self) -> np.ndarray:
+        return np.frombuffer(self.fields["loss_mask"], np.uint8) == _TRUE
+
+    def token_arrays(self) -> dict[str, np.ndarray]:
+        """input_ids and loss_mask, read back from the wire parts (for the sample lines)."""
+        ids = msgpack.unpackb(array_header(self.tokens) + self.fields["input_ids"])
+        return {"input_ids": np.asarray(ids, np.int64), "loss_mask": self.loss_mask()}
+
+
+def prepare_sample(arrays: Mapping[str, np.ndarray]) -> SampleWire | None:
+    """The sample's wire parts; None for a rollout with more than the required arrays (an
+    optional stream decides per micro-batch whether and how it is carried: such a rank is
+    built from the arrays at the cut)."""
+    if set(arrays) != set(REQUIRED_ARRAYS):
+        return None
+    tokens = len(arrays["input_ids"])
+    values = {
+        "input_ids": arrays["input_ids"],
+        "loss_mask": arrays["loss_mask"],
+        "inference_logprobs": arrays["inference_logprobs"],
+        "position_ids": np.arange(tokens, dtype=np.int64),
+    }
+    return SampleWire(tokens, {name: array_elements(name, values[name]) for name in SAMPLE_WIRE_FIELDS})
+
+
+def _float_elements(value: float, count: int) -> bytes:
+    return (b"\xcb" + struct.pack(">d", value)) * count
+
+
+def _rl_weight_elements(wire: SampleWire, advantage: float) -> bytes:
+    """`token_rl_weights` over the wire's loss mask: 1.0 on loss tokens, unless the
+    advantage is zero."""
+    if advantage == 0.0:
+        return _float_elements(0.0, wire.tokens)
+    table = np.frombuffer(_float_elements(0.0, 1) + _float_elements(1.0, 1), np.uint8).reshape(2, 9)
+    return table[wire.loss_mask().view(np.uint8)].tobytes()
+
+
+def _padding_parts(pad: int) -> dict[str, bytes]:
+    """The padding tokens' elements of every token field, from a padding-only micro-batch."""
+    batch = _microbatch([], pad)
+    parts = {name: array_elements(name, getattr(batch, name)) for name in TOKEN_FIELDS if name != "env_names"}
+    parts["env_names"] = msgpack.packb(PADDING_ENV) * pad
+    return parts
+
+
+def assemble_rank(plans: list[MicroBatchPlan], samples: Cohort, wires: Mapping[str, SampleWire]) -> bytes:
+    """The rank's payload joined from its samples' wire parts: `encode_rank`'s bytes for
+    samples of the plain kind, without building a micro-batch."""
+    ids = samples.labels["rollout_id"]
+    out = [array_header(len(plans))]
+    for plan in plans:
+        rows = [(wires[ids[i]], i) for i in plan.samples]
+        lengths = [wire.tokens for wire, _ in rows] + ([plan.padding] if plan.padding else [])
+        padding = _padding_parts(plan.padding) if plan.padding else {}
+        out.append(_MICROBATCH_HEADER)
+        for name in MICROBATCH_FIELDS:
+            if name in _LENGTH_FIELDS:
+                out += [array_header(len(lengths)), array_elements(name, np.asarray(lengths, np.int64))]
+            elif name in TOKEN_FIELDS:
+                out.append(array_header(sum(lengths)))
+                out += [_sample_part(name, wire, samples, i) for wire, i in rows]
+                out.append(padding.get(name, b""))
+            else:
+                out.append(_NIL)  # an optional field no plain sample carries
+    return b"".join(out)
+
+
+def _sample_part(name: str, wire: SampleWire, samples: Cohort, index: int) -> bytes:
+    """One sample's elements of a token field: its own, or made from its cohort row."""
+    if name in wire.fields:
+        return wire.fields[name]
+    if name == "advantages":
+        return _float_elements(float(samples.numeric["advantage"][index]), wire.tokens)
+    if name == "temperatures":
+        return _float_elements(float(samples.numeric["temperature"][index]), wire.tokens)
+    if name == "env_names":
+        return msgpack.packb(samples.labels["env"][index]) * wire.tokens
+    return _rl_weight_elements(wire, float(samples.numeric["advantage"][index]))
