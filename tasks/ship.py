@@ -25,7 +25,7 @@ from tasks.app import app
 from tasks.cohort import Cohort
 from tasks.context import StepContext, redis_client, stage_task
 from tasks.manifest import ShipConfig
-from tasks.stages.encode import SampleWire, assemble_rank, encode_rank, prepare_sample, rank_rollout_ids
+from tasks.stages.encode import SampleWire, assemble_rank, encode_rank, prepare_samples, rank_rollout_ids
 from tasks.stages.finalize import (
     StepVerdict,
     check_rollout_arrays,
@@ -90,13 +90,12 @@ def prepare(run_id: str, rollout_ids: list[str]) -> None:
     read here, once; a rollout that is malformed, has optional streams or is gone is left
     for the encoder to build from its arrays."""
     store = PayloadStore(redis_client(), run_id)
-    wires = {}
-    for rollout_id, arrays in store.fetch_rollouts(rollout_ids).items():
-        if isinstance(arrays, Exception) or _inconsistent(arrays):
-            continue
-        wire = prepare_sample(arrays)
-        if wire is not None:
-            wires[rollout_id] = wire.to_bytes()
+    arrays = {
+        rollout_id: found
+        for rollout_id, found in store.fetch_rollouts(rollout_ids).items()
+        if not isinstance(found, Exception) and not _inconsistent(found)
+    }
+    wires = {rollout_id: wire.to_bytes() for rollout_id, wire in prepare_samples(arrays).items()}
     store.put_sample_wires(wires)
 
 
@@ -155,7 +154,7 @@ def encode(ctx: StepContext, rank: int) -> None:
     ids = rank_rollout_ids(plans, samples)
     wires = {rid: SampleWire.from_bytes(data) for rid, data in ctx.store.get_sample_wires(ids).items()}
     arrays = ctx.store.get_rollouts([rid for rid in ids if rid not in wires])
-    wires |= {rid: wire for rid, a in arrays.items() if (wire := prepare_sample(a)) is not None}
+    wires |= prepare_samples(arrays)
     if len(wires) == len(ids):
         payload: bytes | memoryview = assemble_rank(plans, samples, wires)
     else:

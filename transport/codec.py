@@ -40,6 +40,7 @@ __all__ = [
     "encode_microbatch",
     "encode_microbatches",
     "encode_microbatches_into",
+    "split_elements",
     "wire_size",
 ]
 
@@ -180,6 +181,21 @@ def array_elements(name: str, values: np.ndarray) -> bytes:
     if end != size:
         raise AssertionError(f"{name}: wrote {end} bytes of elements, planned {size}")
     return out[:size].tobytes()
+
+
+def split_elements(name: str, values: np.ndarray, lengths: Sequence[int]) -> list[bytes]:
+    """`array_elements` of values that are parts of `lengths` concatenated, one bytes per
+    part: many small parts encoded in one pass."""
+    data = array_elements(name, values)
+    kind = _KIND[name]
+    if kind in "fb":
+        ends = np.cumsum(lengths, dtype=np.int64) * (9 if kind == "f" else 1)
+    else:
+        sizes = np.cumsum(writers.int_element_sizes(np.asarray(values, np.int64)))
+        counts = np.cumsum(lengths, dtype=np.int64)
+        ends = np.where(counts > 0, sizes[np.maximum(counts - 1, 0)] if len(sizes) else 0, 0)
+    starts = np.concatenate([[0], ends[:-1]]) if len(ends) else ends
+    return [data[int(a) : int(b)] for a, b in zip(starts, ends, strict=True)]
 
 
 def encode_microbatches_into(batches: Sequence[MicroBatch], out: Any, size: int | None = None) -> int:

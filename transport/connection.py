@@ -203,7 +203,6 @@ class KombuSentinelTransport(kombu.transport.redis.SentinelTransport):
     Channel = _KombuSentinelChannel
 
 
-
 SENTINEL_SCHEME = "sentinel"
 # kombu picks a transport by the URL's scheme, again at every switch to the next Sentinel:
 # the scheme itself names this one (kombu's registry of transports).

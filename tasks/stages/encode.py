@@ -14,6 +14,7 @@ bytes as `encode_rank`, since canonical MessagePack writes each element on its o
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from tasks.cohort import Cohort
 from tasks.stages.finalize import REQUIRED_ARRAYS
 from tasks.stages.pack import MicroBatchPlan
 from tasks.stages.prune import token_rl_weights
-from transport.codec import array_elements, array_header, encode_microbatches
+from transport.codec import array_elements, array_header, encode_microbatches, split_elements
 from transport.schema import MICROBATCH_FIELDS, MM_KWARGS_PREFIX, EncodedTensor, MicroBatch, RoutedExperts
 
 PADDING_ENV = "padding"
@@ -167,24 +168,36 @@ class SampleWire:
         return {"input_ids": np.asarray(ids, np.int64), "loss_mask": self.loss_mask()}
 
 
-def prepare_sample(arrays: Mapping[str, np.ndarray]) -> SampleWire | None:
-    """The sample's wire parts; None for a rollout with more than the required arrays (an
-    optional stream decides per micro-batch whether and how it is carried: such a rank is
-    built from the arrays at the cut)."""
-    if set(arrays) != set(REQUIRED_ARRAYS):
-        return None
-    tokens = len(arrays["input_ids"])
+def prepare_samples(rollouts: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, SampleWire]:
+    """The wire parts of those rollouts that hold the required arrays only, encoded in one
+    pass per field. A rollout with an optional stream is left out: whether and how such a
+    stream is carried is decided per micro-batch, so its rank is built from the arrays."""
+    plain = {rid: arrays for rid, arrays in rollouts.items() if set(arrays) == set(REQUIRED_ARRAYS)}
+    if not plain:
+        return {}
+    lengths = [len(arrays["input_ids"]) for arrays in plain.values()]
+    starts = np.repeat(np.cumsum([0, *lengths[:-1]]), lengths)
     values = {
-        "input_ids": arrays["input_ids"],
-        "loss_mask": arrays["loss_mask"],
-        "inference_logprobs": arrays["inference_logprobs"],
-        "position_ids": np.arange(tokens, dtype=np.int64),
+        "input_ids": np.concatenate([a["input_ids"] for a in plain.values()]).astype(np.int64),
+        "loss_mask": np.concatenate([a["loss_mask"] for a in plain.values()]).astype(np.bool_),
+        "inference_logprobs": np.concatenate([a["inference_logprobs"] for a in plain.values()]).astype(
+            np.float64
+        ),
+        "position_ids": np.arange(sum(lengths), dtype=np.int64) - starts,
     }
-    return SampleWire(tokens, {name: array_elements(name, values[name]) for name in SAMPLE_WIRE_FIELDS})
+    parts = {name: split_elements(name, values[name], lengths) for name in SAMPLE_WIRE_FIELDS}
+    return {
+        rid: SampleWire(tokens, {name: parts[name][i] for name in SAMPLE_WIRE_FIELDS})
+        for i, (rid, tokens) in enumerate(zip(plain, lengths, strict=True))
+    }
 
 
 def _float_elements(value: float, count: int) -> bytes:
     return (b"\xcb" + struct.pack(">d", value)) * count
+
+
+# The elements 0.0 and 1.0, indexed by a loss-mask bit.
+_RL_WEIGHT_TABLE = np.frombuffer(_float_elements(0.0, 1) + _float_elements(1.0, 1), np.uint8).reshape(2, 9)
 
 
 def _rl_weight_elements(wire: SampleWire, advantage: float) -> bytes:
@@ -192,15 +205,19 @@ def _rl_weight_elements(wire: SampleWire, advantage: float) -> bytes:
     advantage is zero."""
     if advantage == 0.0:
         return _float_elements(0.0, wire.tokens)
-    table = np.frombuffer(_float_elements(0.0, 1) + _float_elements(1.0, 1), np.uint8).reshape(2, 9)
-    return table[wire.loss_mask().view(np.uint8)].tobytes()
+    return _RL_WEIGHT_TABLE[wire.loss_mask().view(np.uint8)].tobytes()
+
+
+@functools.lru_cache(maxsize=256)
+def _encoded_env(env: str) -> bytes:
+    return msgpack.packb(env)
 
 
 def _padding_parts(pad: int) -> dict[str, bytes]:
     """The padding tokens' elements of every token field, from a padding-only micro-batch."""
     batch = _microbatch([], pad)
     parts = {name: array_elements(name, getattr(batch, name)) for name in TOKEN_FIELDS if name != "env_names"}
-    parts["env_names"] = msgpack.packb(PADDING_ENV) * pad
+    parts["env_names"] = _encoded_env(PADDING_ENV) * pad
     return parts
 
 
@@ -235,5 +252,5 @@ def _sample_part(name: str, wire: SampleWire, samples: Cohort, index: int) -> by
     if name == "temperatures":
         return _float_elements(float(samples.numeric["temperature"][index]), wire.tokens)
     if name == "env_names":
-        return msgpack.packb(samples.labels["env"][index]) * wire.tokens
+        return _encoded_env(samples.labels["env"][index]) * wire.tokens
     return _rl_weight_elements(wire, float(samples.numeric["advantage"][index]))

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tasks.cohort import NUMERIC_COLUMNS, CohortBuilder
-from tasks.stages.encode import SampleWire, assemble_rank, encode_rank, prepare_sample
+from tasks.stages.encode import SampleWire, assemble_rank, encode_rank, prepare_samples
 from tasks.stages.pack import MicroBatchPlan
 from transport.codec import array_elements, array_header
 
@@ -53,7 +53,7 @@ def test_joined_payload_equals_the_encoded_one(
         MicroBatchPlan([int(i) for i in order[cut:]], sum(lengths[i] for i in order[cut:]), paddings[1]),
         MicroBatchPlan([], 0, 0),
     ]
-    wires = {rid: SampleWire.from_bytes(prepare_sample(a).to_bytes()) for rid, a in arrays.items()}
+    wires = {rid: SampleWire.from_bytes(wire.to_bytes()) for rid, wire in prepare_samples(arrays).items()}
     assert assemble_rank(plans, samples, wires) == bytes(encode_rank(plans, samples, arrays))
 
 
@@ -68,14 +68,17 @@ def test_the_elements_are_msgpacks_own() -> None:
 
 def test_a_rollout_with_more_than_the_required_arrays_is_not_prepared() -> None:
     arrays = _sample(np.random.default_rng(0), 5, False)
-    assert prepare_sample(arrays) is not None
-    assert prepare_sample(arrays | {"ref_logprobs": np.zeros(5, np.float32)}) is None
-    assert prepare_sample(arrays | {"routed_experts": np.zeros((5, 2, 2), np.uint8)}) is None
+    prepared = prepare_samples({
+        "plain": arrays,
+        "ref": arrays | {"ref_logprobs": np.zeros(5, np.float32)},
+        "moe": arrays | {"routed_experts": np.zeros((5, 2, 2), np.uint8)},
+    })  # fmt: skip
+    assert list(prepared) == ["plain"]
 
 
 @pytest.mark.parametrize("tokens", [0, 1, 200])
 def test_the_wire_reads_back_its_tokens(tokens: int) -> None:
     arrays = _sample(np.random.default_rng(tokens), tokens, False)
-    back = SampleWire.from_bytes(prepare_sample(arrays).to_bytes()).token_arrays()
+    back = SampleWire.from_bytes(prepare_samples({"r": arrays})["r"].to_bytes()).token_arrays()
     assert back["input_ids"].tolist() == arrays["input_ids"].tolist()
     assert back["loss_mask"].tolist() == arrays["loss_mask"].tolist()

@@ -94,6 +94,13 @@ def _int_keys(values: np.ndarray, lo: int, hi: int) -> np.ndarray:
     return keys
 
 
+def int_element_sizes(values: np.ndarray) -> np.ndarray:
+    """The encoded size of each element of an int64 array."""
+    if not len(values):
+        return np.zeros(0, np.intp)
+    return _SIZE.take(_int_keys(values, int(values.min()), int(values.max())))
+
+
 def int_body_size(values: np.ndarray) -> int:
     """Bytes of the elements of an int64 array (without the array header): one byte each,
     plus what each width bound that an element crosses adds."""

@@ -46,6 +46,12 @@ TRAINER_DRAIN_SECONDS = 120.0
 FEED_CALL_ROLLOUTS = 128
 
 
+def fill_seconds(args: argparse.Namespace) -> float:
+    """How long a step's rollouts take to arrive: `--fill-seconds`, by default half a
+    millisecond a rollout (inference is the slower side: the trainer waits for the batch)."""
+    return args.fill_seconds if args.fill_seconds is not None else 0.0005 * args.rollouts
+
+
 class StepsDecoded:
     """When each step was decoded by its last rank: the trainer rank completing a step raises
     the policy version and publishes it on the run's channel (transport.trainer), heard here
@@ -148,7 +154,9 @@ def _run_placement(
         sampler = CpuSampler(process_kinds(group, client))
         sampler.start()
         decoded = StepsDecoded(client, settings)
-        arrivals = feed(settings, batches, group, deadline) if placement.startswith("celery") else {}
+        arrivals = {}
+        if placement.startswith("celery"):
+            arrivals = feed(settings, batches, group, deadline, fill_seconds(args))
         try:
             child.wait(max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -198,13 +206,13 @@ def process_kinds(group: ProcessGroup, client: redis.Redis) -> dict[str, list[in
 
 
 def feed(
-    settings: RunSettings, batches: list[StepBatch], group: ProcessGroup, deadline: float
+    settings: RunSettings, batches: list[StepBatch], group: ProcessGroup, deadline: float, fill_seconds: float
 ) -> dict[int, float]:
     """The producer of the celery placement. Step k's rollouts come once the trainer ranks
     have decoded step k - 1 and its record is published (the trainers wait for them, the
-    gate is open: what follows is the ship path's alone), in calls of FEED_CALL_ROLLOUTS;
-    returns when each step's last call returned (its last rollout arrived), on the
-    monotonic clock."""
+    gate is open: what follows is the ship path's alone), in calls of FEED_CALL_ROLLOUTS
+    spread over `fill_seconds`, as inference returns them; returns when each step's last
+    call returned (its last rollout arrived), on the monotonic clock."""
     client = connect_redis(settings.redis_url)
     producer = RolloutProducer.for_run(client, settings, admitted=False)
     keys = RunKeys(settings.run_id)
@@ -218,7 +226,10 @@ def feed(
             if group.failed() or time.monotonic() > deadline:
                 return arrivals
             time.sleep(0.005)
-        for start in range(0, len(batch.rollouts), FEED_CALL_ROLLOUTS):
+        starts = range(0, len(batch.rollouts), FEED_CALL_ROLLOUTS)
+        began = time.monotonic()
+        for call, start in enumerate(starts):
+            time.sleep(max(0.0, began + fill_seconds * call / len(starts) - time.monotonic()))
             producer.produce(batch.rollouts[start : start + FEED_CALL_ROLLOUTS])
         arrivals[batch.step] = time.monotonic()
     return arrivals

@@ -57,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(DEFAULT_PLACEMENTS),
         help=f"comma-separated, run in this order, of {', '.join(PLACEMENTS)}",
     )
+    parser.add_argument(
+        "--fill-seconds",
+        type=float,
+        default=None,
+        help="seconds over which a step's rollouts arrive (celery); default 0.5 ms a rollout",
+    )
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpu-workers", type=int, default=2, help="processes of the Celery cpu worker")
