@@ -162,6 +162,9 @@ def encode(ctx: StepContext, rank: int) -> None:
         payload = encode_rank(plans, samples, arrays)
     ctx.store.put_payload(ctx.step, rank, payload)
     ctx.client.hset(ctx.keys.sent_checksums, f"{ctx.step}:{rank}", payload_checksum(payload))
+    # Their work is in the payload now: Redis holds them no longer than that (a redelivered
+    # encode builds the rank from the arrays, which stay until the step's release).
+    ctx.store.release_sample_wires(ids)
     # The step's sample lines of this rank's rollouts, from what was just read (the one
     # read of them); publish writes the file.
     chosen = choose_samples(len(samples), ctx.manifest.config.samples_per_step, ctx.step)

@@ -163,6 +163,11 @@ class PayloadStore:
             self.client.register_script(_PUT_SAMPLE_WIRES_LUA)(keys=keys, args=[self.ttl, *wires.values()])
         )
 
+    def release_sample_wires(self, rollout_ids: Iterable[str]) -> None:
+        keys = [self.keys.sample_wire(r) for r in rollout_ids]
+        if keys:
+            self.client.unlink(*keys)
+
     def put_step_value(self, step: int, name: str, value: bytes | memoryview) -> str:
         """Write a step-scoped value and register it with the step; returns its key."""
         key = self.keys.step(step, name)
