@@ -32,7 +32,7 @@ from orchestrator.settings import RunSettings
 from tasks.manifest import StepManifest
 from tasks.ship import finalize
 from tasks.stages.finalize import StepVerdict
-from transport.keys import StepValue
+from transport.keys import StepValue, with_wire_siblings
 from transport.replication import Durability
 from transport.store import AsyncPayloadStore
 
@@ -228,8 +228,7 @@ class Dispatcher:
         def write() -> None:
             pipe = client.pipeline(transaction=True)
             pipe.set(manifest_key, manifest.to_bytes(), ex=self.store.ttl)
-            rollout_keys = (key for r in batch_ids for key in self.keys.rollout_keys(r))
-            pipe.sadd(self.keys.step_keys(step), manifest_key, *rollout_keys)
+            pipe.sadd(self.keys.step_keys(step), manifest_key, *(self.keys.rollout(r) for r in batch_ids))
             pipe.expire(self.keys.step_keys(step), self.store.ttl)
             pipe.set(self.keys.next_step, step + 1)
             pipe.set(self.keys.checkpoint, checkpoint.to_bytes())
@@ -255,7 +254,7 @@ class Dispatcher:
         self.next_step = step
         step_keys = await self.client.smembers(self.keys.step_keys(step))
         pipe = self.client.pipeline(transaction=True)
-        pipe.unlink(self.keys.step_keys(step), *step_keys)
+        pipe.unlink(self.keys.step_keys(step), *step_keys, *with_wire_siblings(step_keys))
         pipe.set(self.keys.next_step, step)
         pipe.set(self.keys.checkpoint, self.ingest.checkpoint().to_bytes())
         await pipe.execute()

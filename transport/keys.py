@@ -7,11 +7,17 @@ for a key and never spells one, so the layout can be read (and changed) here alo
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
 RUN_PREFIX = "rlship:"
 RUN_MARKER = "started_at"  # the one key every run that ever started has (`RunKeys.run_marker`)
+
+
+# A rollout key's sibling holding its wire parts (`RunKeys.sample_wire`): wherever a
+# rollout's key is deleted, this one goes with it.
+WIRE_SUFFIX = ":wire"
 
 
 class StepValue(StrEnum):
@@ -47,7 +53,7 @@ class RunKeys:
         """A trainable rollout's token fields as they will be on the wire, made before the
         cut (`tasks.stages.encode.SampleWire`); under `rollout:` so that what finds or
         deletes every rollout key of the run finds these too."""
-        return f"{self.rollout(rollout_id)}:wire"
+        return self.rollout(rollout_id) + WIRE_SUFFIX
 
     def rollout_keys(self, rollout_id: str) -> tuple[str, str]:
         """Every key a rollout may have: its arrays and its wire parts (deleted together)."""
@@ -351,3 +357,8 @@ def stage_field(stage: str, rank: int | None = None) -> str:
 def stage_of_field(field: str) -> str:
     """The stage a `stage_field` names."""
     return field.split(":")[0]
+
+
+def with_wire_siblings(keys: Iterable[bytes]) -> list[bytes]:
+    """The wire-parts keys of the rollout keys among `keys` (a step's registered keys)."""
+    return [key + WIRE_SUFFIX.encode() for key in keys if b":rollout:" in key]

@@ -22,7 +22,7 @@ import numpy as np
 import redis
 import redis.asyncio as aioredis
 
-from transport.keys import PAYLOAD, RunKeys
+from transport.keys import PAYLOAD, WIRE_SUFFIX, RunKeys
 from transport.schema import MM_KWARGS_PREFIX, EncodedTensor, SchemaError, as_encoded_tensors
 
 DEFAULT_TTL_SECONDS = 24 * 3600
@@ -287,11 +287,22 @@ end
 return written
 """
 
+# KEYS: the step's key set; ARGV: the wire suffix. A rollout key's wire sibling goes with it
+# (not counted).
 _DELETE_STEP_LUA = """
 local members = redis.call('SMEMBERS', KEYS[1])
 local deleted = 0
 for i = 1, #members, 1000 do
   deleted = deleted + redis.call('UNLINK', unpack(members, i, math.min(i + 999, #members)))
+end
+local wires = {}
+for _, key in ipairs(members) do
+  if string.find(key, ':rollout:', 1, true) then
+    table.insert(wires, key .. ARGV[1])
+  end
+end
+for i = 1, #wires, 1000 do
+  redis.call('UNLINK', unpack(wires, i, math.min(i + 999, #wires)))
 end
 redis.call('UNLINK', KEYS[1])
 return deleted
@@ -346,4 +357,4 @@ def _release_payloads(client: Any, keys: RunKeys, ranks: int, through_step: int,
 
 def _unlink_step_keys(client: Any, keys: RunKeys, step: int) -> Any:
     """Run the release script on a sync or async client (the async one returns an awaitable)."""
-    return client.register_script(_DELETE_STEP_LUA)(keys=[keys.step_keys(step)])
+    return client.register_script(_DELETE_STEP_LUA)(keys=[keys.step_keys(step)], args=[WIRE_SUFFIX])

@@ -41,13 +41,13 @@ def token_rl_weights(loss_mask: np.ndarray, advantage: float) -> np.ndarray:
     return loss_mask.astype(np.float64)
 
 
-def trainable_tokens(loss_tokens: int, advantage: float) -> int:
-    """The tokens that train: the loss tokens, unless the advantage is zero."""
-    return 0 if advantage == 0.0 else loss_tokens
+def trainable_tokens(loss_tokens: np.ndarray, advantage: np.ndarray) -> np.ndarray:
+    """The tokens that train, per rollout: its loss tokens, unless its advantage is zero."""
+    return np.where(advantage == 0.0, 0.0, loss_tokens)
 
 
 def count_trainable_tokens(loss_mask: np.ndarray, advantage: float) -> int:
-    return trainable_tokens(int(np.count_nonzero(loss_mask)), advantage)
+    return int(trainable_tokens(np.count_nonzero(loss_mask), advantage))
 
 
 def prune_samples(samples: Cohort) -> tuple[Cohort, list[str]]:
