@@ -123,6 +123,7 @@ def _run_placement(
     spec, result = log_dir / "spec.json", log_dir / "result.json"
     deadline = time.monotonic() + args.timeout
     client = connect_redis(settings.redis_url)
+    decoded = StepsDecoded(client, settings)  # until the trainer ranks are done
     try:
         for rank in range(settings.ranks):
             trainer = rlship_command(
@@ -153,7 +154,6 @@ def _run_placement(
         )
         sampler = CpuSampler(process_kinds(group, client))
         sampler.start()
-        decoded = StepsDecoded(client, settings)
         arrivals = {}
         if placement.startswith("celery"):
             arrivals = feed(settings, batches, group, deadline, fill_seconds(args))
@@ -165,7 +165,6 @@ def _run_placement(
             raise RuntimeError(f"{placement}: not done within {args.timeout:.0f} s; see {log_dir}") from None
         finally:
             sampler.stop()
-            decoded.stop()
         if child.returncode != 0 or not result.exists():
             raise RuntimeError(
                 f"{placement}: the orchestrator process exited with {child.returncode}; see {log_dir}"
@@ -178,6 +177,7 @@ def _run_placement(
         stream = client.xrange(RunKeys(settings.run_id).metrics_stream)
         records = [json.loads(fields[b"record"]) for _, fields in stream]
     finally:
+        decoded.stop()
         group.stop_all()
         delete_run_keys(settings)
     raw = json.loads(result.read_text())
