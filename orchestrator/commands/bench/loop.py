@@ -8,7 +8,8 @@ its own run id, ZMQ ports and trainer ranks, so peaks and timelines never mix; `
 starts and watches those processes, `summary` makes the figures, goals and report.
 
 Per placement: loop lag (10 ms probe) and heartbeat delay (50 ms) over the ship windows
-(cut to published record) of the measured steps, ship seconds per step, the orchestrator
+(cut to published record) of the measured steps, ship seconds per step, the trainer's idle
+time per step (its last rollout arriving to its last rank having decoded it), the orchestrator
 process's peak RSS, tokens shipped, and whether every rank received byte-identical
 payloads (by checksum, against a reference computed here with a plain call of the
 stages). The first `--warmup-steps` steps bind sockets and warm the workers; they are
@@ -156,7 +157,7 @@ def command_line(args: argparse.Namespace) -> str:
     options = " ".join(
         f"--{name.replace('_', '-')}" + ("" if value is True else f" {value}")
         for name, value in vars(args).items()
-        if value is not False
+        if value is not False and value is not None
     )
     return f"rlship bench loop {options}"
 
