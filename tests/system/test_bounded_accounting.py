@@ -18,7 +18,7 @@ from orchestrator.producer import AdmissionRefused, RolloutProducer
 from orchestrator.settings import RunSettings
 from tests.support.factories import group
 from tests.support.shiprun import open_policy_gate, run_orchestrator, ship_settings
-from transport.keys import RunKeys
+from transport.keys import WIRE_SUFFIX, RunKeys
 from transport.store import PayloadStore
 
 STEPS = 80
@@ -60,17 +60,20 @@ def test_memory_stays_flat_while_most_groups_are_discarded(client, redis_url, ru
     )  # fmt: skip
     open_policy_gate(settings)  # no trainer reads the files, nor announces a policy
     store = PayloadStore(client, run_id)
-    samples: list[tuple[int, int, int, int, int]] = []  # arrived, rollout keys, redis bytes, traced, rss
+    # arrived, rollout keys, their wire parts, redis bytes, traced, rss
+    samples: list[tuple[int, int, int, int, int, int]] = []
 
     async def observe(orchestrator) -> None:
         seen = -1
         while True:
             if orchestrator.follower.records_published != seen:
                 seen = orchestrator.follower.records_published
-                keys = sum(1 for _ in client.scan_iter(match=store.keys.rollout("*"), count=1000))
+                found = [k for k in client.scan_iter(match=store.keys.rollout("*"), count=1000)]
+                wires = sum(1 for k in found if k.endswith(WIRE_SUFFIX.encode()))
+                keys = len(found) - wires
                 redis_bytes = run_bytes(client, store.keys)
                 samples.append((
-                    orchestrator.ingest.accounting.arrived, keys, redis_bytes,
+                    orchestrator.ingest.accounting.arrived, keys, wires, redis_bytes,
                     tracemalloc.get_traced_memory()[0], psutil.Process().memory_info().rss,
                 ))  # fmt: skip
             await asyncio.sleep(0.005)
@@ -110,7 +113,7 @@ def test_memory_stays_flat_while_most_groups_are_discarded(client, redis_url, ru
             producer.kill()
         store.delete_all_rollouts()
 
-    arrived, keys, redis_bytes, traced, rss = (np.array(column) for column in zip(*samples, strict=True))
+    arrived, keys, wires, redis_bytes, traced, rss = (np.array(c) for c in zip(*samples, strict=True))
     quarter = len(samples) // 4
     assert arrived[-1] > 3 * arrived[quarter] > 0, "most rollouts arrive after the first quarter"
     # Payloads held: what the producer may have outstanding, plus the cut steps: up to
@@ -118,6 +121,8 @@ def test_memory_stays_flat_while_most_groups_are_discarded(client, redis_url, ru
     # (a release is awaited before the next is enqueued); not the thousands of rollouts seen.
     in_flight = (settings.max_async_level + 3) * settings.batch_size
     assert keys.max() <= settings.outstanding_limit + in_flight < arrived[-1] / 50
+    # Wire parts only of trainable rollouts, made before the cut and let go at encode.
+    assert wires.max() <= settings.outstanding_limit + in_flight
     # Flat after warm-up: growth over the last three quarters does not follow the rollouts seen.
     assert redis_bytes[quarter:].max() - redis_bytes[quarter] < 2 << 20
     assert traced[quarter:].max() - traced[quarter] < 1 << 20

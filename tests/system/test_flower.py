@@ -38,6 +38,7 @@ STEPS = 2
 RANKS = 2
 # Per step: one task per stage, one encode and one send per rank.
 PER_RANK = ("rlship.encode", "rlship.send")
+PREPARE = "rlship.prepare"
 ONCE = tuple(f"rlship.{stage}" for stage in ("finalize", "prune", "metrics", "pack", "publish"))
 # release also carries what it needs once the step's manifest is gone: ranks, replay_steps.
 REPLAY_STEPS = RunSettings.model_fields["replay_steps"].default
@@ -126,8 +127,13 @@ def expected_tasks(run_id: str) -> set[tuple[str, tuple]]:
 
 
 def shown_tasks(tasks: list[dict[str, Any]]) -> set[tuple[str, tuple]]:
-    """(name, args) of the tasks Flower saw succeed (publish may be enqueued more than once)."""
-    return {(t["name"], tuple(ast.literal_eval(t["args"]))) for t in tasks if t["state"] == "SUCCESS"}
+    """(name, args) of the stage tasks Flower saw succeed (publish may be enqueued more than
+    once); the tasks before the cut (`rlship.prepare`) apart."""
+    return {
+        (t["name"], tuple(ast.literal_eval(t["args"])))
+        for t in tasks
+        if t["state"] == "SUCCESS" and t["name"] != PREPARE
+    }
 
 
 def chromium(*args: str, profile: Path) -> subprocess.CompletedProcess:
@@ -204,7 +210,12 @@ def test_flower_shows_stage_tasks(
     except pytest.fail.Exception:
         pytest.fail(f"Flower never showed as succeeded: {sorted(expected - shown_tasks(seen))}")
     assert shown_tasks(tasks) == expected
+    # Before the cut, the rollout ids of the groups an ingest turn completed (ids, no bytes).
+    assert any(t["name"] == PREPARE and t["state"] == "SUCCESS" for t in tasks)
     for task in tasks:
+        if task["name"] == PREPARE:
+            assert task["args"].startswith(f"('{run_id}', ['"), task["args"][:200]
+            continue
         assert len(task["args"]) < 100, task["args"]
         assert task["kwargs"] in ("{}", None), task
         if task["state"] == "SUCCESS":
