@@ -32,9 +32,9 @@ from orchestrator.settings import RunSettings
 from tasks.manifest import StepManifest
 from tasks.ship import finalize
 from tasks.stages.finalize import StepVerdict
-from transport.keys import StepValue, with_wire_siblings
+from transport.keys import StepValue
 from transport.replication import Durability
-from transport.store import AsyncPayloadStore
+from transport.store import AsyncPayloadStore, unlink_step_keys
 
 log = logging.getLogger("rlship.orchestrator")
 
@@ -252,9 +252,8 @@ class Dispatcher:
         # The rollout log knows the rollouts this process cut (not a predecessor's).
         self.rollout_log.dropped_at_cut(self.cut_rollouts.pop(step, []), step, EMPTY_STEP)
         self.next_step = step
-        step_keys = await self.client.smembers(self.keys.step_keys(step))
         pipe = self.client.pipeline(transaction=True)
-        pipe.unlink(self.keys.step_keys(step), *step_keys, *with_wire_siblings(step_keys))
+        await unlink_step_keys(pipe, self.keys, step)
         pipe.set(self.keys.next_step, step)
         pipe.set(self.keys.checkpoint, self.ingest.checkpoint().to_bytes())
         await pipe.execute()

@@ -28,7 +28,6 @@ from tasks.manifest import ShipConfig
 from tasks.stages.encode import SampleWire, assemble_rank, encode_rank, prepare_samples, rank_rollout_ids
 from tasks.stages.finalize import (
     StepVerdict,
-    check_rollout_arrays,
     finalize_step,
     rollouts_to_read,
     rollouts_with_facts,
@@ -78,23 +77,16 @@ def _finalized(ctx: StepContext) -> dict[str, Any]:
     }
 
 
-def _inconsistent(arrays: dict[str, Any]) -> bool:
-    """Whether arrays fail a check of their own (the run's limits are finalize's to apply)."""
-    return check_rollout_arrays(arrays, len(arrays.get("input_ids", ())), 2**62, 2**62) is not None
-
-
 @app.task(name="rlship.prepare", ignore_result=True)
 def prepare(run_id: str, rollout_ids: list[str]) -> None:
     """Before the cut: the wire parts of rollouts whose groups just completed trainable, so
     that at the cut their ranks' payloads are joined rather than encoded. Their arrays are
-    read here, once; a rollout that is malformed, has optional streams or is gone is left
-    for the encoder to build from its arrays."""
+    read here, once (their values were checked by the producer, or are checked at the cut);
+    a rollout malformed in shape, with optional streams or gone is left for the encoder to
+    build from its arrays."""
     store = PayloadStore(redis_client(), run_id)
-    arrays = {
-        rollout_id: found
-        for rollout_id, found in store.fetch_rollouts(rollout_ids).items()
-        if not isinstance(found, Exception) and not _inconsistent(found)
-    }
+    found = store.fetch_rollouts(rollout_ids)
+    arrays = {rollout_id: a for rollout_id, a in found.items() if not isinstance(a, Exception)}
     wires = {rollout_id: wire.to_bytes() for rollout_id, wire in prepare_samples(arrays).items()}
     store.put_sample_wires(wires)
 

@@ -13,8 +13,9 @@ payloads from any canonical encoder (msgpack, msgspec) decode the same.
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgpack
@@ -181,6 +182,35 @@ def array_elements(name: str, values: np.ndarray) -> bytes:
     if end != size:
         raise AssertionError(f"{name}: wrote {end} bytes of elements, planned {size}")
     return out[:size].tobytes()
+
+
+def repeated_elements(name: str, value: Any, count: int) -> bytes:
+    """`count` copies of one value's element of a field (a sample's advantage, temperature,
+    env name over its tokens)."""
+    return _one_element(name, value) * count
+
+
+@functools.lru_cache(maxsize=4096)
+def _one_element(name: str, value: Any) -> bytes:
+    """One value's element (a step repeats its few advantages, temperatures and env names)."""
+    return writers.encode_str(value) if _KIND[name] == "str" else array_elements(name, np.array([value]))
+
+
+def join_microbatch(parts: Mapping[str, Sequence[bytes]], lengths: Sequence[int]) -> list[bytes]:
+    """One micro-batch's encoding, in pieces, from the element parts of its per-token fields
+    (`array_elements`, `repeated_elements`) and its sample lengths; every other field is
+    absent. Joined with its micro-batches after `array_header(n)`, the bytes
+    `encode_microbatches` writes for the same values."""
+    tokens = sum(lengths)
+    out = [_MICROBATCH_HEADER]
+    for name in MICROBATCH_FIELDS:
+        if name in parts:
+            out += [array_header(tokens), *parts[name]]
+        elif name in ("sequence_lengths", "seq_lens"):
+            out += [array_header(len(lengths)), array_elements(name, np.asarray(lengths, np.int64))]
+        else:
+            out.append(b"\xc0")
+    return out
 
 
 def split_elements(name: str, values: np.ndarray, lengths: Sequence[int]) -> list[bytes]:

@@ -7,7 +7,6 @@ for a key and never spells one, so the layout can be read (and changed) here alo
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -357,8 +356,3 @@ def stage_field(stage: str, rank: int | None = None) -> str:
 def stage_of_field(field: str) -> str:
     """The stage a `stage_field` names."""
     return field.split(":")[0]
-
-
-def with_wire_siblings(keys: Iterable[bytes]) -> list[bytes]:
-    """The wire-parts keys of the rollout keys among `keys` (a step's registered keys)."""
-    return [key + WIRE_SUFFIX.encode() for key in keys if b":rollout:" in key]

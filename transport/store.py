@@ -164,6 +164,7 @@ class PayloadStore:
         )
 
     def release_sample_wires(self, rollout_ids: Iterable[str]) -> None:
+        """Unlink those rollouts' wire parts (their rank's payload is written)."""
         keys = [self.keys.sample_wire(r) for r in rollout_ids]
         if keys:
             self.client.unlink(*keys)
@@ -205,7 +206,7 @@ class PayloadStore:
 
     def delete_step(self, step: int) -> int:
         """Unlink every key registered with the step (and the registry); returns how many."""
-        return int(_unlink_step_keys(self.client, self.keys, step))
+        return int(unlink_step_keys(self.client, self.keys, step))
 
     def held_keys(self) -> list[str]:
         """The run's keys that releasing must remove: rollout payloads, step keys, retained
@@ -355,6 +356,7 @@ def _release_payloads(client: Any, keys: RunKeys, ranks: int, through_step: int,
     )
 
 
-def _unlink_step_keys(client: Any, keys: RunKeys, step: int) -> Any:
-    """Run the release script on a sync or async client (the async one returns an awaitable)."""
+def unlink_step_keys(client: Any, keys: RunKeys, step: int) -> Any:
+    """Run the release script on a sync or async client or pipeline (async: an awaitable; a
+    pipeline: queued, so a transaction can take a step back with the rest of it)."""
     return client.register_script(_DELETE_STEP_LUA)(keys=[keys.step_keys(step)], args=[WIRE_SUFFIX])

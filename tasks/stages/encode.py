@@ -15,7 +15,6 @@ bytes as `encode_rank`, since canonical MessagePack writes each element on its o
 from __future__ import annotations
 
 import functools
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,11 +23,17 @@ import msgpack
 import numpy as np
 
 from tasks.cohort import Cohort
-from tasks.stages.finalize import REQUIRED_ARRAYS
 from tasks.stages.pack import MicroBatchPlan
 from tasks.stages.prune import token_rl_weights
-from transport.codec import array_elements, array_header, encode_microbatches, split_elements
-from transport.schema import MICROBATCH_FIELDS, MM_KWARGS_PREFIX, EncodedTensor, MicroBatch, RoutedExperts
+from transport.codec import (
+    array_elements,
+    array_header,
+    encode_microbatches,
+    join_microbatch,
+    repeated_elements,
+    split_elements,
+)
+from transport.schema import MM_KWARGS_PREFIX, EncodedTensor, MicroBatch, RoutedExperts
 
 PADDING_ENV = "padding"
 
@@ -138,10 +143,9 @@ def rank_rollout_ids(plans: list[MicroBatchPlan], samples: Cohort) -> list[str]:
 # (advantages, temperatures, env_names, rl_weights) follow from its cohort row at the cut.
 SAMPLE_WIRE_FIELDS: tuple[str, ...] = ("input_ids", "loss_mask", "inference_logprobs", "position_ids")
 TOKEN_FIELDS: tuple[str, ...] = (*SAMPLE_WIRE_FIELDS, "advantages", "temperatures", "env_names", "rl_weights")
-_LENGTH_FIELDS = ("sequence_lengths", "seq_lens")
-_MICROBATCH_HEADER = array_header(len(MICROBATCH_FIELDS))
-_NIL = b"\xc0"
-_TRUE = 0xC3
+_TRUE = array_elements("loss_mask", np.array([True]))[0]
+# The rl-weight elements 0.0 and 1.0, indexed by a loss-mask bit.
+_RL_WEIGHT_TABLE = np.frombuffer(array_elements("rl_weights", np.array([0.0, 1.0])), np.uint8).reshape(2, 9)
 
 
 @dataclass(frozen=True)
@@ -168,11 +172,26 @@ class SampleWire:
         return {"input_ids": np.asarray(ids, np.int64), "loss_mask": self.loss_mask()}
 
 
+# The dtype kinds each required array may have on its way to the wire (its values are
+# finalize's to check: a prepared rollout it drops is never joined).
+_PLAIN_KINDS = {"input_ids": "iu", "loss_mask": "b", "inference_logprobs": "f"}
+
+
+def _plain(arrays: Mapping[str, Any]) -> bool:
+    """Whether a rollout holds the required arrays only, one-dimensional, of one length."""
+    if set(arrays) != set(_PLAIN_KINDS):
+        return False
+    length = len(arrays["input_ids"])
+    return all(
+        a.ndim == 1 and len(a) == length and a.dtype.kind in _PLAIN_KINDS[name] for name, a in arrays.items()
+    )
+
+
 def prepare_samples(rollouts: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, SampleWire]:
     """The wire parts of those rollouts that hold the required arrays only, encoded in one
     pass per field. A rollout with an optional stream is left out: whether and how such a
     stream is carried is decided per micro-batch, so its rank is built from the arrays."""
-    plain = {rid: arrays for rid, arrays in rollouts.items() if set(arrays) == set(REQUIRED_ARRAYS)}
+    plain = {rid: arrays for rid, arrays in rollouts.items() if _plain(arrays)}
     if not plain:
         return {}
     lengths = [len(arrays["input_ids"]) for arrays in plain.values()]
@@ -192,32 +211,21 @@ def prepare_samples(rollouts: Mapping[str, Mapping[str, np.ndarray]]) -> dict[st
     }
 
 
-def _float_elements(value: float, count: int) -> bytes:
-    return (b"\xcb" + struct.pack(">d", value)) * count
-
-
-# The elements 0.0 and 1.0, indexed by a loss-mask bit.
-_RL_WEIGHT_TABLE = np.frombuffer(_float_elements(0.0, 1) + _float_elements(1.0, 1), np.uint8).reshape(2, 9)
-
-
 def _rl_weight_elements(wire: SampleWire, advantage: float) -> bytes:
     """`token_rl_weights` over the wire's loss mask: 1.0 on loss tokens, unless the
     advantage is zero."""
     if advantage == 0.0:
-        return _float_elements(0.0, wire.tokens)
+        return repeated_elements("rl_weights", 0.0, wire.tokens)
     return _RL_WEIGHT_TABLE[wire.loss_mask().view(np.uint8)].tobytes()
 
 
-@functools.lru_cache(maxsize=256)
-def _encoded_env(env: str) -> bytes:
-    return msgpack.packb(env)
-
-
+@functools.lru_cache(maxsize=8)
 def _padding_parts(pad: int) -> dict[str, bytes]:
-    """The padding tokens' elements of every token field, from a padding-only micro-batch."""
+    """The padding tokens' elements of every token field, from a padding-only micro-batch
+    (the same few sizes recur across a step's micro-batches)."""
     batch = _microbatch([], pad)
     parts = {name: array_elements(name, getattr(batch, name)) for name in TOKEN_FIELDS if name != "env_names"}
-    parts["env_names"] = _encoded_env(PADDING_ENV) * pad
+    parts["env_names"] = repeated_elements("env_names", PADDING_ENV, pad)
     return parts
 
 
@@ -228,18 +236,13 @@ def assemble_rank(plans: list[MicroBatchPlan], samples: Cohort, wires: Mapping[s
     out = [array_header(len(plans))]
     for plan in plans:
         rows = [(wires[ids[i]], i) for i in plan.samples]
-        lengths = [wire.tokens for wire, _ in rows] + ([plan.padding] if plan.padding else [])
         padding = _padding_parts(plan.padding) if plan.padding else {}
-        out.append(_MICROBATCH_HEADER)
-        for name in MICROBATCH_FIELDS:
-            if name in _LENGTH_FIELDS:
-                out += [array_header(len(lengths)), array_elements(name, np.asarray(lengths, np.int64))]
-            elif name in TOKEN_FIELDS:
-                out.append(array_header(sum(lengths)))
-                out += [_sample_part(name, wire, samples, i) for wire, i in rows]
-                out.append(padding.get(name, b""))
-            else:
-                out.append(_NIL)  # an optional field no plain sample carries
+        parts = {
+            name: [*(_sample_part(name, wire, samples, i) for wire, i in rows), padding.get(name, b"")]
+            for name in TOKEN_FIELDS
+        }
+        lengths = [wire.tokens for wire, _ in rows] + ([plan.padding] if plan.padding else [])
+        out += join_microbatch(parts, lengths)
     return b"".join(out)
 
 
@@ -248,9 +251,9 @@ def _sample_part(name: str, wire: SampleWire, samples: Cohort, index: int) -> by
     if name in wire.fields:
         return wire.fields[name]
     if name == "advantages":
-        return _float_elements(float(samples.numeric["advantage"][index]), wire.tokens)
+        return repeated_elements(name, float(samples.numeric["advantage"][index]), wire.tokens)
     if name == "temperatures":
-        return _float_elements(float(samples.numeric["temperature"][index]), wire.tokens)
+        return repeated_elements(name, float(samples.numeric["temperature"][index]), wire.tokens)
     if name == "env_names":
-        return _encoded_env(samples.labels["env"][index]) * wire.tokens
+        return repeated_elements(name, samples.labels["env"][index], wire.tokens)
     return _rl_weight_elements(wire, float(samples.numeric["advantage"][index]))

@@ -145,7 +145,7 @@ def check_rollout_arrays(
     if num_tokens != expected_tokens:
         return f"input_ids: length {num_tokens}, the record says {expected_tokens} tokens"
     if num_tokens > seq_len:
-        return f"input_ids: length {num_tokens} exceeds seq_len {seq_len}"
+        return too_long(num_tokens, seq_len)
     for name in ("loss_mask", "inference_logprobs", *OPTIONAL_TOKEN_ARRAYS):
         if name in arrays and len(arrays[name]) != num_tokens:
             return f"{name}: length {len(arrays[name])}, expected {num_tokens} (len(input_ids))"
@@ -160,8 +160,7 @@ def check_rollout_arrays(
     if ids.dtype.kind not in "iu":
         return f"input_ids: dtype {ids.dtype}, expected integers"
     if num_tokens and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-        return f"input_ids: token id {bad} outside [0, {vocab_size})"
+        return out_of_vocabulary(int(ids.min()) if int(ids.min()) < 0 else int(ids.max()), vocab_size)
     if arrays["loss_mask"].dtype.kind != "b":
         return f"loss_mask: dtype {arrays['loss_mask'].dtype}, expected bool"
     for name in FLOAT_ARRAYS:
@@ -171,38 +170,32 @@ def check_rollout_arrays(
     return None
 
 
-def check_facts(facts: PayloadFacts, num_tokens: int, seq_len: int, vocab_size: int) -> str | None:
-    """`check_rollout_arrays`'s limit checks over a producer's facts, with its words."""
-    if num_tokens > seq_len:
-        return f"input_ids: length {num_tokens} exceeds seq_len {seq_len}"
-    if facts.max_token_id >= vocab_size:
-        return f"input_ids: token id {facts.max_token_id} outside [0, {vocab_size})"
-    return None
+def too_long(num_tokens: int, seq_len: int) -> str:
+    return f"input_ids: length {num_tokens} exceeds seq_len {seq_len}"
 
 
-def cohort_facts(cohort: Cohort) -> list[PayloadFacts | None]:
-    """Each row's producer facts, None for a row without."""
-    if FACT_COLUMNS[0] not in cohort.numeric:
-        return [None] * len(cohort)
-    columns = zip(*(cohort.numeric[name] for name in FACT_COLUMNS), strict=True)
-    return [None if np.isnan(row[0]) else PayloadFacts(*map(int, row)) for row in columns]
+def out_of_vocabulary(token_id: int, vocab_size: int) -> str:
+    return f"input_ids: token id {token_id} outside [0, {vocab_size})"
+
+
+def _fact_column(cohort: Cohort, name: str) -> np.ndarray:
+    """A fact column of the cohort; NaN throughout for a cohort from before the facts."""
+    return cohort.numeric.get(name, np.full(len(cohort), np.nan))
 
 
 def rollouts_with_facts(cohort: Cohort) -> list[str]:
     """The cut rollouts finalize need not read if their blobs are as the producer wrote them."""
-    rows = zip(cohort.labels["rollout_id"], cohort_facts(cohort), strict=True)
-    return [rollout_id for rollout_id, facts in rows if facts is not None]
+    has_facts = ~np.isnan(_fact_column(cohort, FACT_COLUMNS[0]))
+    return [cohort.labels["rollout_id"][i] for i in np.flatnonzero(has_facts).tolist()]
 
 
 def rollouts_to_read(cohort: Cohort, stored_bytes: Mapping[str, int]) -> list[str]:
     """The cut rollouts whose arrays finalize reads and checks whole: those without facts and
     those whose stored blob (`stored_bytes`, 0 if gone) is not the size their producer wrote."""
-    rows = zip(cohort.labels["rollout_id"], cohort_facts(cohort), strict=True)
-    return [
-        rollout_id
-        for rollout_id, facts in rows
-        if facts is None or stored_bytes.get(rollout_id, 0) != facts.payload_bytes
-    ]
+    ids = cohort.labels["rollout_id"]
+    stored = np.array([stored_bytes.get(rollout_id, 0) for rollout_id in ids], dtype=np.float64)
+    written = _fact_column(cohort, FACT_COLUMNS[2])
+    return [ids[i] for i in np.flatnonzero(np.isnan(written) | (stored != written)).tolist()]
 
 
 def finalize_step(
@@ -217,18 +210,16 @@ def finalize_step(
     config = manifest.config
     ids = cohort.labels["rollout_id"]
     expected = cohort.numeric["num_input_tokens"] + cohort.numeric["num_output_tokens"]
-    missing = np.full(len(cohort), np.nan)
-    loss, max_id = (cohort.numeric.get(name, missing) for name in FACT_COLUMNS[:2])
+    loss, max_id = (_fact_column(cohort, name) for name in FACT_COLUMNS[:2])
     # Rows checked by their facts, all at once (a cut of thousands at the cut's pace).
     by_facts = ~np.isnan(loss) & np.array([rid not in payloads for rid in ids], dtype=bool)
-    too_long = by_facts & (expected > config.seq_len)
-    out_of_vocabulary = by_facts & ~too_long & (max_id >= config.vocab_size)
-    keep = by_facts & ~too_long & ~out_of_vocabulary
+    long_rows = by_facts & (expected > config.seq_len)
+    unknown_ids = by_facts & ~long_rows & (max_id >= config.vocab_size)
+    keep = by_facts & ~long_rows & ~unknown_ids
     loss_tokens = np.where(keep, loss, 0.0)
-    problems: dict[int, str] = {}
-    for i in np.flatnonzero(too_long | out_of_vocabulary).tolist():
-        facts = PayloadFacts(int(loss[i]), int(max_id[i]), 0)
-        problems[i] = check_facts(facts, int(expected[i]), config.seq_len, config.vocab_size) or ""
+    problems = {i: too_long(int(expected[i]), config.seq_len) for i in np.flatnonzero(long_rows).tolist()}
+    for i in np.flatnonzero(unknown_ids).tolist():
+        problems[i] = out_of_vocabulary(int(max_id[i]), config.vocab_size)
     # Rows read: checked by their arrays.
     for i in np.flatnonzero(~by_facts).tolist():
         arrays = payloads.get(ids[i])
