@@ -26,6 +26,7 @@ from orchestrator.settings import RunSettings
 from tasks.stages.finalize import PayloadFacts, check_rollout_arrays
 from transport.keys import RunKeys
 from transport.numbering import required_version, version_after
+from transport.payload_segments import ANYWHERE, PAYLOAD_FIELD, SideArrays
 from transport.replication import Durability
 from transport.schema import EncodedTensor, SchemaError
 from transport.store import DEFAULT_TTL_SECONDS, flat_arrays, pack_arrays
@@ -157,7 +158,9 @@ class _Gate:
     next_step_read: str  # as read ('' if unset): the script admits only while it stands
 
 
-def check_rollouts(rollouts: Rollouts, max_tokens: int, vocab_size: int) -> list[Mapping[str, Any]]:
+def check_rollouts(
+    rollouts: Rollouts, max_tokens: int, vocab_size: int, side_arrays: SideArrays = ANYWHERE
+) -> list[Mapping[str, Any]]:
     """The workers' own payload checks, run where the bad data is made (the producer), and
     one id given twice in the same call; returns each rollout's checked arrays."""
     problems = {}
@@ -174,7 +177,7 @@ def check_rollouts(rollouts: Rollouts, max_tokens: int, vocab_size: int) -> list
             problems[record.rollout_id] = str(exc)
             continue
         arrays = {k: v if isinstance(v, EncodedTensor) else np.asarray(v) for k, v in flat.items()}
-        problem = check_rollout_arrays(arrays, record.num_tokens, max_tokens, vocab_size)
+        problem = check_rollout_arrays(arrays, record.num_tokens, max_tokens, vocab_size, side_arrays)
         if problem is not None:
             problems[record.rollout_id] = problem
         checked.append(arrays)
@@ -200,6 +203,7 @@ class _Producer:
         vocab_size: int = RunSettings.model_fields["vocab_size"].default,
         admission: Admission | None = None,
         durability: Durability | None = None,
+        side_arrays: SideArrays = ANYWHERE,
     ) -> None:
         self.client = client
         self.keys = RunKeys(run_id)
@@ -209,6 +213,7 @@ class _Producer:
         self.max_tokens = max_tokens
         self.vocab_size = vocab_size
         self.admission = admission
+        self.side_arrays = side_arrays
         self._produce = client.register_script(_PRODUCE_LUA)
         self._gate_keys = [self.keys.known_policy_version, self.keys.next_step]
 
@@ -223,6 +228,7 @@ class _Producer:
             vocab_size=settings.vocab_size,
             admission=Admission.for_run(settings) if admitted else None,
             durability=Durability.of(settings, RunKeys(settings.run_id).replication_probe),
+            side_arrays=settings.ship_config().side_arrays,
         )
 
     def _stored(self, keys: list[str]) -> tuple[Any, Any]:
@@ -234,7 +240,7 @@ class _Producer:
         """Check every rollout (RolloutRejected, nothing written, if any is bad), then the
         script's keys and per-rollout arguments: arrays before records, so a record never
         points at a payload not there yet."""
-        checked = check_rollouts(rollouts, self.max_tokens, self.vocab_size)
+        checked = check_rollouts(rollouts, self.max_tokens, self.vocab_size, self.side_arrays)
         keys = [
             self.keys.rollout_stream,
             self.keys.produced,
@@ -246,7 +252,9 @@ class _Producer:
         for (record, arrays), flat in zip(rollouts, checked, strict=True):
             keys.append(self.keys.rollout(record.rollout_id))
             blob = pack_arrays(arrays)
-            args += [blob, record.model_dump_json(), PayloadFacts.of(flat, len(blob)).to_wire()]
+            # Segments are checked again at the cut, against the files as they are then.
+            facts = "" if PAYLOAD_FIELD in flat else PayloadFacts.of(flat, len(blob)).to_wire()
+            args += [blob, record.model_dump_json(), facts]
         return keys, args
 
     def _gate(self, rollouts: Rollouts, known: bytes | None, next_step: bytes | None) -> _Gate:

@@ -27,7 +27,7 @@ SECRET_SETTINGS = frozenset({"redis_url"})
 # Settings that, left unset, follow others (`RunSettings._resolve_derived`).
 DERIVED_SETTINGS = (
     "first_step", "start_step", "policy_source", "broadcast_dir", "cpu_queue", "ship_queue",
-    "redis_wait_replicas",
+    "redis_wait_replicas", "wire", "payload_root",
 )  # fmt: skip
 
 
@@ -109,6 +109,21 @@ class RunSettings(BaseSettings):
     )
     broadcast_dir: Path | None = Field(
         default=None, description="prime-rl's weight-broadcast directory; unset: output_dir/broadcasts"
+    )
+    workload: Literal["dense", "moe"] = Field(
+        default="dense",
+        description="what the synthetic producer makes: dense rollouts, or moe (each also with routed "
+        "experts of a 48-layer top-8 model, uint8, written to files under payload_root and passed by handle)",
+    )
+    wire: Literal["prime-rl-559b447", "prime-rl-0f59b24"] | None = Field(
+        default=None,
+        description="the trainers' MicroBatch layout: prime-rl's at commit 559b447 (16 fields) or 0f59b24 "
+        "(20: side arrays by handle, trace ids); unset: 0f59b24 for the moe workload, else 559b447",
+    )
+    payload_root: Path | None = Field(
+        default=None,
+        description="the shared directory side arrays passed by handle live under (producers write "
+        "there, trainer ranks read there); unset: output_dir/payloads",
     )
     cpu_workers: int = Field(default=2, ge=1, description="processes of the cpu worker (compute stages)")
     cpu_worker_max_memory_mib: int = Field(
@@ -202,6 +217,8 @@ class RunSettings(BaseSettings):
         "cpu_queue",
         "ship_queue",
         "redis_wait_replicas",
+        "wire",
+        "payload_root",
         mode="before",
     )
     @classmethod
@@ -252,6 +269,10 @@ class RunSettings(BaseSettings):
             self.policy_source = "redis" if self.trainers == "builtin" else "broadcasts"
         if self.broadcast_dir is None:
             self.broadcast_dir = Path(self.output_dir) / "broadcasts"
+        if self.payload_root is None:
+            self.payload_root = Path(self.output_dir) / "payloads"
+        if self.wire is None:
+            self.wire = "prime-rl-0f59b24" if self.workload == "moe" else "prime-rl-559b447"
         if self.cpu_queue is None:
             self.cpu_queue = run_queue(self.run_id, "cpu")
         if self.ship_queue is None:
@@ -263,6 +284,17 @@ class RunSettings(BaseSettings):
             raise ValueError(
                 f"start_step: {self.start_step} must be >= first_step ({self.first_step}): "
                 "the run cannot start before its first step"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _wire_carries_the_workload(self) -> RunSettings:
+        """A workload whose fields the trainers' wire has no place for fails at start-up, not
+        at its first step."""
+        if self.workload == "moe" and self.wire == "prime-rl-559b447":
+            raise ValueError(
+                "wire: prime-rl-559b447 cannot carry the field payload (the moe workload passes "
+                "routed experts by handle); use --wire prime-rl-0f59b24"
             )
         return self
 
@@ -297,7 +329,11 @@ class RunSettings(BaseSettings):
     def ship_config(self) -> ShipConfig:
         """What the workers need of the settings. `output_dir` travels as text: the manifest
         is msgpack, which has no paths."""
-        return ShipConfig(**self.values_for(ShipConfig, output_dir=str(self.output_dir)))
+        return ShipConfig(
+            **self.values_for(
+                ShipConfig, output_dir=str(self.output_dir), payload_root=str(self.payload_root)
+            )
+        )
 
     @property
     def step_numbers(self) -> range:

@@ -13,6 +13,8 @@ import numpy as np
 
 from tasks.cohort import Cohort
 from transport.keys import RunKeys
+from transport.payload_segments import PAYLOAD_FIELD, SideArrays
+from transport.schema import WIRE_559B447, WIRE_PROFILES, WireProfile
 
 # Elements of a long list packed in one call by `packb_in_pieces`: about a millisecond of labels.
 PIECE_ITEMS = 2048
@@ -67,10 +69,21 @@ class ShipConfig:
     bind_wait_seconds: float = 5.0  # a ZMQ port held by another process: wait, then stop the run
     redis_wait_replicas: int = 0  # replicas that acknowledge the marks exactly-once depends on
     redis_wait_timeout_ms: int = 1000
+    wire: str = WIRE_559B447.name  # the trainers' MicroBatch layout (`WIRE_PROFILES`)
+    payload_root: str = ""  # where side arrays by handle may be ("": anywhere)
 
     @property
     def output_path(self) -> Path:
         return Path(self.output_dir)
+
+    @property
+    def wire_profile(self) -> WireProfile:
+        return WIRE_PROFILES[self.wire]
+
+    @property
+    def side_arrays(self) -> SideArrays:
+        carried = self.wire_profile.carries(PAYLOAD_FIELD)
+        return SideArrays(self.payload_root or None, None if carried else self.wire)
 
 
 @dataclass

@@ -25,7 +25,14 @@ from tasks.app import app
 from tasks.cohort import Cohort
 from tasks.context import StepContext, redis_client, stage_task
 from tasks.manifest import ShipConfig
-from tasks.stages.encode import SampleWire, assemble_rank, encode_rank, prepare_samples, rank_rollout_ids
+from tasks.stages.encode import (
+    SampleWire,
+    assemble_rank,
+    encode_rank,
+    prepare_samples,
+    rank_rollout_ids,
+    rank_segments,
+)
 from tasks.stages.finalize import (
     StepVerdict,
     finalize_step,
@@ -43,6 +50,7 @@ from transport.base import StepSender
 from transport.checksum import payload_checksum
 from transport.filesystem import ForeignLayout
 from transport.keys import StepValue, stage_field, stage_of_field
+from transport.payload_segments import PAYLOAD_FIELD, digests_checksum
 from transport.port_claims import other_claimants, port_holder
 from transport.store import DEFAULT_TTL_SECONDS, PayloadMissingError, PayloadStore
 
@@ -143,17 +151,25 @@ def encode(ctx: StepContext, rank: int) -> None:
     rank holding a sample of optional streams is built from the arrays."""
     plans = PackPlan.from_wire(ctx.get(StepValue.PLAN)).ranks[rank]
     samples = Cohort.from_wire(ctx.get(StepValue.PRUNED)["samples"])
+    wire = ctx.manifest.config.wire_profile
     ids = rank_rollout_ids(plans, samples)
     wires = {rid: SampleWire.from_bytes(data) for rid, data in ctx.store.get_sample_wires(ids).items()}
     arrays = ctx.store.get_rollouts([rid for rid in ids if rid not in wires])
     wires |= prepare_samples(arrays)
     if len(wires) == len(ids):
-        payload: bytes | memoryview = assemble_rank(plans, samples, wires)
+        payload: bytes | memoryview = assemble_rank(plans, samples, wires, wire)
+        segments = rank_segments(plans, samples, {rid: w.segments for rid, w in wires.items()})
     else:
         arrays |= ctx.store.get_rollouts([rid for rid in ids if rid not in arrays])
-        payload = encode_rank(plans, samples, arrays)
+        payload = encode_rank(plans, samples, arrays, wire)
+        segments = rank_segments(plans, samples, {rid: a.get(PAYLOAD_FIELD, []) for rid, a in arrays.items()})
     ctx.store.put_payload(ctx.step, rank, payload)
-    ctx.client.hset(ctx.keys.sent_checksums, f"{ctx.step}:{rank}", payload_checksum(payload))
+    pipe = ctx.client.pipeline(transaction=False)
+    pipe.hset(ctx.keys.sent_checksums, f"{ctx.step}:{rank}", payload_checksum(payload))
+    if segments and all(segment.digest for segment in segments):
+        rows = digests_checksum(segment.digest for segment in segments)
+        pipe.hset(ctx.keys.sent_rows_checksums, f"{ctx.step}:{rank}", rows)
+    pipe.execute()
     # Their work is in the payload now: Redis holds them no longer than that (a redelivered
     # encode builds the rank from the arrays, which stay until the step's release).
     ctx.store.release_sample_wires(ids)

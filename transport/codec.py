@@ -6,6 +6,9 @@ computed from the numpy arrays without Python lists of tokens: `wire_size` first
 buffer of exactly that size, filled in place (`encode_microbatches_into`). Peak memory is
 the payload plus a few MiB of chunked temporaries, whatever the payload size.
 
+The layout is a wire profile's (`transport.schema.WireProfile`: prime-rl 559b447 by default,
+or 0f59b24); every function takes one.
+
 Decoding reads homogeneous arrays (all floats, all bools, all ints, runs of equal strings)
 straight into numpy, and any other shape of a field through msgpack's general reader, so
 payloads from any canonical encoder (msgpack, msgspec) decode the same.
@@ -25,11 +28,12 @@ from transport._msgpack_arrays import readers, writers
 from transport._msgpack_arrays.writers import array_header
 from transport.schema import (
     ARRAY_DTYPES,
-    MICROBATCH_FIELDS,
+    WIRE_559B447,
     EncodedTensor,
     MicroBatch,
     RoutedExperts,
     SchemaError,
+    WireProfile,
     as_encoded_tensors,
 )
 
@@ -50,7 +54,6 @@ class CodecError(ValueError):
     """A payload that is not a well-formed MessagePack list of MicroBatch."""
 
 
-_MICROBATCH_HEADER = array_header(len(MICROBATCH_FIELDS))
 _KIND = {name: dtype.kind for name, dtype in ARRAY_DTYPES.items()} | {"env_names": "str"}
 
 # One micro-batch's env_names as runs of (encoded str, count): packers repeat one env name
@@ -102,9 +105,19 @@ def _mm_kwargs_parts(mm_kwargs: dict[str, EncodedTensor]) -> list[bytes]:
     return parts
 
 
+def _packed(value: Any) -> list[bytes]:
+    """A small field (a few values per sequence or segment) as msgpack writes it."""
+    return [msgpack.packb(value, use_bin_type=True)]
+
+
 _PARTS: dict[str, Callable[[Any], list[bytes]]] = {
     "routed_experts": _experts_parts,
     "mm_kwargs": _mm_kwargs_parts,
+    "mm_refs": _packed,
+    "sampling_mask": lambda mask: _packed(list(mask)),
+    "trace_ids": _packed,
+    "branch_indices": _packed,
+    "payload": lambda segments: _packed([segment.to_wire() for segment in segments]),
 }
 
 
@@ -125,18 +138,19 @@ def _field_size(batch: MicroBatch, name: str, runs: _Runs) -> int:
     return size + writers.int_body_size(value)
 
 
-def _plan(batches: Sequence[MicroBatch]) -> tuple[int, list[_Runs]]:
+def _plan(batches: Sequence[MicroBatch], wire: WireProfile) -> tuple[int, list[_Runs]]:
     runs = [_env_name_runs(b.env_names, b.sequence_lengths) for b in batches]
     size = len(array_header(len(batches)))
     for batch, batch_runs in zip(batches, runs, strict=True):
-        size += len(_MICROBATCH_HEADER)
-        size += sum(_field_size(batch, name, batch_runs) for name in MICROBATCH_FIELDS)
+        wire.refuse_uncarried(batch)
+        size += len(array_header(len(wire.fields)))
+        size += sum(_field_size(batch, name, batch_runs) for name in wire.fields)
     return size, runs
 
 
-def wire_size(batches: Sequence[MicroBatch]) -> int:
-    """The exact number of bytes `encode_microbatches(batches)` produces."""
-    return _plan(batches)[0]
+def wire_size(batches: Sequence[MicroBatch], wire: WireProfile = WIRE_559B447) -> int:
+    """The exact number of bytes `encode_microbatches(batches, wire)` produces."""
+    return _plan(batches, wire)[0]
 
 
 _WRITERS: dict[str, Callable[[np.ndarray, np.ndarray, int], int]] = {
@@ -146,11 +160,11 @@ _WRITERS: dict[str, Callable[[np.ndarray, np.ndarray, int], int]] = {
 }
 
 
-def _write_microbatch(batch: MicroBatch, runs: _Runs, out: np.ndarray, pos: int) -> int:
+def _write_microbatch(batch: MicroBatch, runs: _Runs, out: np.ndarray, pos: int, wire: WireProfile) -> int:
     """Fields strictly in wire order: an int field's last word store may spill up to 7
     bytes into the next field, which is then written over it."""
-    pos = writers.put(out, pos, _MICROBATCH_HEADER)
-    for name in MICROBATCH_FIELDS:
+    pos = writers.put(out, pos, array_header(len(wire.fields)))
+    for name in wire.fields:
         value = getattr(batch, name)
         if value is None:
             out[pos] = 0xC0
@@ -196,18 +210,30 @@ def _one_element(name: str, value: Any) -> bytes:
     return writers.encode_str(value) if _KIND[name] == "str" else array_elements(name, np.array([value]))
 
 
-def join_microbatch(parts: Mapping[str, Sequence[bytes]], lengths: Sequence[int]) -> list[bytes]:
+def join_microbatch(
+    parts: Mapping[str, Sequence[bytes]],
+    lengths: Sequence[int],
+    wire: WireProfile = WIRE_559B447,
+    values: Mapping[str, Any] | None = None,
+) -> list[bytes]:
     """One micro-batch's encoding, in pieces, from the element parts of its per-token fields
-    (`array_elements`, `repeated_elements`) and its sample lengths; every other field is
-    absent. Joined with its micro-batches after `array_header(n)`, the bytes
-    `encode_microbatches` writes for the same values."""
+    (`array_elements`, `repeated_elements`), its sample lengths, and the `values` of its
+    small fields (trace ids, segments); every other field is absent. Joined with its
+    micro-batches after `array_header(n)`, the bytes `encode_microbatches` writes for the
+    same values."""
+    values = values or {}
+    for name in values:
+        if not wire.carries(name):
+            raise SchemaError(f"{name}: wire {wire.name} cannot carry it")
     tokens = sum(lengths)
-    out = [_MICROBATCH_HEADER]
-    for name in MICROBATCH_FIELDS:
+    out = [array_header(len(wire.fields))]
+    for name in wire.fields:
         if name in parts:
             out += [array_header(tokens), *parts[name]]
         elif name in ("sequence_lengths", "seq_lens"):
             out += [array_header(len(lengths)), array_elements(name, np.asarray(lengths, np.int64))]
+        elif name in values:
+            out += _PARTS[name](values[name])
         else:
             out.append(b"\xc0")
     return out
@@ -228,38 +254,40 @@ def split_elements(name: str, values: np.ndarray, lengths: Sequence[int]) -> lis
     return [data[int(a) : int(b)] for a, b in zip(starts, ends, strict=True)]
 
 
-def encode_microbatches_into(batches: Sequence[MicroBatch], out: Any, size: int | None = None) -> int:
+def encode_microbatches_into(
+    batches: Sequence[MicroBatch], out: Any, size: int | None = None, wire: WireProfile = WIRE_559B447
+) -> int:
     """Write the payload into the writable buffer `out` (at least `wire_size(batches)` bytes,
     or `size` when the caller has computed it); return the number of bytes written."""
-    total, runs = _plan(batches)
+    total, runs = _plan(batches, wire)
     if size is not None and size != total:
         raise ValueError(f"size {size} does not match the payload's wire size {total}")
     target = np.frombuffer(out, np.uint8, count=total)  # writes never pass `total`
     pos = writers.put(target, 0, array_header(len(batches)))
     for batch, batch_runs in zip(batches, runs, strict=True):
-        pos = _write_microbatch(batch, batch_runs, target, pos)
+        pos = _write_microbatch(batch, batch_runs, target, pos, wire)
     if pos != total:
         raise AssertionError(f"wrote {pos} bytes, planned {total}")
     return total
 
 
-def encode_microbatches(batches: Sequence[MicroBatch]) -> memoryview:
+def encode_microbatches(batches: Sequence[MicroBatch], wire: WireProfile = WIRE_559B447) -> memoryview:
     """A rank's payload in one buffer of exactly its wire size, as a read-write memoryview
     (hand it to Redis, ZMQ or a file without another copy; `bytes(...)` if you need bytes)."""
-    total, runs = _plan(batches)
+    total, runs = _plan(batches, wire)
     out = np.empty(total, np.uint8)
     pos = writers.put(out, 0, array_header(len(batches)))
     for batch, batch_runs in zip(batches, runs, strict=True):
-        pos = _write_microbatch(batch, batch_runs, out, pos)
+        pos = _write_microbatch(batch, batch_runs, out, pos, wire)
     return memoryview(out)
 
 
-def encode_microbatch(batch: MicroBatch) -> memoryview:
-    """One micro-batch as a 16-element MessagePack array: `array_header(n)` followed by
+def encode_microbatch(batch: MicroBatch, wire: WireProfile = WIRE_559B447) -> memoryview:
+    """One micro-batch as a MessagePack array of its fields: `array_header(n)` followed by
     each micro-batch's encoding equals `encode_microbatches` of all n."""
-    total, (runs,) = _plan([batch])
+    total, (runs,) = _plan([batch], wire)
     out = np.empty(total - 1, np.uint8)  # less the one-byte list header `_plan` counts
-    _write_microbatch(batch, runs, out, 0)
+    _write_microbatch(batch, runs, out, 0, wire)
     return memoryview(out)
 
 
@@ -319,10 +347,14 @@ def _read_field(buffer: np.ndarray, pos: int, name: str) -> tuple[Any, int]:
         value = RoutedExperts(data=value[0], shape=value[1], dtype=value[2])
     elif name == "mm_kwargs":
         value = as_encoded_tensors(value)
+    elif name == "payload" and not isinstance(value, list):
+        raise SchemaError(f"payload: expected an array of segments, got {value!r:.80}")
     return value, end
 
 
-def decode_microbatches(data: bytes | bytearray | memoryview) -> list[MicroBatch]:
+def decode_microbatches(
+    data: bytes | bytearray | memoryview, wire: WireProfile = WIRE_559B447
+) -> list[MicroBatch]:
     """Decode and validate a rank's payload; errors name the micro-batch and the field."""
     buffer = np.frombuffer(data, np.uint8)
     header = _read_array_header(buffer, 0)
@@ -332,15 +364,14 @@ def decode_microbatches(data: bytes | bytearray | memoryview) -> list[MicroBatch
     batches = []
     for index in range(count):
         fields = _read_array_header(buffer, pos)
-        if fields is None or fields[0] != len(MICROBATCH_FIELDS):
+        if fields is None or fields[0] != len(wire.fields):
             got = _describe(buffer, pos) if fields is None else f"{fields[0]} elements"
-            raise CodecError(
-                f"micro-batch {index}: expected an array of {len(MICROBATCH_FIELDS)} fields, got {got}"
-            )
+            expected = f"{len(wire.fields)} fields ({wire.name})"
+            raise CodecError(f"micro-batch {index}: expected an array of {expected}, got {got}")
         pos = fields[1]
         values = {}
         try:
-            for name in MICROBATCH_FIELDS:
+            for name in wire.fields:
                 values[name], pos = _read_field(buffer, pos, name)
             batches.append(MicroBatch(**values))
         except (CodecError, SchemaError) as exc:

@@ -141,6 +141,10 @@ class RunKeys:
         """A trainer rank's log of received steps: step -> checksum."""
         return f"{self.prefix}received:{rank}"
 
+    def received_rows(self, rank: int) -> str:
+        """A trainer rank's checksums of the side-array rows it read by handle: step -> checksum."""
+        return f"{self.prefix}received_rows:{rank}"
+
     def deliveries(self, rank: int) -> str:
         """How many times each step reached a rank's trainer (exactly once, or a bug)."""
         return f"{self.prefix}deliveries:{rank}"
@@ -254,6 +258,11 @@ class RunKeys:
     @property
     def sent_checksums(self) -> str:
         return self.run_key("sent_checksums")
+
+    @property
+    def sent_rows_checksums(self) -> str:
+        """`{step}:{rank}` -> the checksum of the side-array rows the rank's payload points at."""
+        return self.run_key("sent_rows_checksums")
 
     @property
     def stage_calls(self) -> str:

@@ -17,11 +17,14 @@ acknowledged in the run's Redis, as rlship's own trainer does (the ship path the
 releases its retained payloads, and the policy version moves when every rank has it).
 
 The run is named by arguments or by the environment rlship's processes share:
-`RLSHIP_RUN_ID`, `REDIS_URL`, `RLSHIP_RANKS`, and `RLSHIP_FIRST_STEP` (default 1: prime-rl
-numbers its steps from 1, and the policy version acknowledged after step s is s).
-`receive()` returns what `decode` makes of the payload: prime-rl's own `MicroBatch`
-structs when prime-rl is installed (its msgspec decoder, as its receivers do), rlship's
-`MicroBatch` list otherwise.
+`RLSHIP_RUN_ID`, `REDIS_URL`, `RLSHIP_RANKS`, `RLSHIP_FIRST_STEP` (default 1: prime-rl
+numbers its steps from 1, and the policy version acknowledged after step s is s) and
+`RLSHIP_WIRE` (default prime-rl-559b447). `receive()` returns what `decode` makes of the
+payload: prime-rl's own `MicroBatch` structs when prime-rl is installed (its msgspec
+decoder, as its receivers do), rlship's `MicroBatch` list otherwise. Side arrays the step
+points at by handle (wire prime-rl-0f59b24) are read once on receipt, as the trainer will read
+them, so a missing or short file fails `receive()` naming it, and the rows' checksum is
+recorded beside the payload's.
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ from transport.connection import connect_redis
 from transport.filesystem import FileReceiver
 from transport.keys import RunKeys
 from transport.numbering import PRIME_RL_FIRST_STEP
+from transport.payload_segments import read_side_arrays
 from transport.replay import RetainedPayloads
+from transport.schema import WIRE_559B447, WIRE_PROFILES, WireProfile
 from transport.trainer import Acknowledgements
 from transport.zmq_receiver import ZMQReceiver
 
@@ -48,13 +53,18 @@ Decode = Callable[[bytes | memoryview], Any]
 FOREIGN_REPORT_SECONDS = 0.5  # a waiting rank puts its count of foreign steps in Redis this often
 
 
-def default_decode() -> Decode:
-    """prime-rl's msgspec decoder of `list[MicroBatch]` if prime-rl is importable, else ours."""
+def default_decode(wire: WireProfile = WIRE_559B447) -> Decode:
+    """prime-rl's msgspec decoder of `list[MicroBatch]` if prime-rl is importable (where its
+    MicroBatch lives at the wire's commit), else ours."""
     try:
         import msgspec
-        from prime_rl.transport.types import MicroBatch  # type: ignore[import-not-found]
+
+        if wire is WIRE_559B447:
+            from prime_rl.transport.types import MicroBatch  # type: ignore[import-not-found]
+        else:
+            from prime_rl.transports.batch.types import MicroBatch  # type: ignore[import-not-found]
     except ImportError:
-        return decode_microbatches
+        return lambda payload: decode_microbatches(payload, wire)
     return msgspec.msgpack.Decoder(type=list[MicroBatch]).decode
 
 
@@ -82,6 +92,7 @@ class ReceiverRunSettings(TypedDict, total=False):
     ranks: int | None
     decode: Decode | None
     first_step: int | None
+    wire: str | None
 
 
 class ExactlyOnceReceiver:
@@ -95,7 +106,10 @@ class ExactlyOnceReceiver:
             unexpected = sorted(run.keys() - ReceiverRunSettings.__annotations__.keys())
             if unexpected:  # **run would otherwise take a misspelt setting silently
                 raise TypeError(f"{type(self).__name__}() got unexpected keyword arguments {unexpected}")
-            self._decode = run.get("decode") or default_decode()
+            wire = str(_setting(run.get("wire"), "RLSHIP_WIRE", WIRE_559B447.name))
+            if wire not in WIRE_PROFILES:
+                raise ValueError(f"wire: {wire!r} is not one of {', '.join(WIRE_PROFILES)}")
+            self._decode = run.get("decode") or default_decode(WIRE_PROFILES[wire])
             self.client = connect_redis(
                 _setting(run.get("redis_url"), "REDIS_URL", "redis://127.0.0.1:6379/0")
             )
@@ -147,6 +161,7 @@ class ExactlyOnceReceiver:
         assert self._pending is not None
         message, self._pending = self._pending, None
         micro_batches = self._decode(message.payload)
+        self._acknowledgements.record_rows(message, read_side_arrays(micro_batches))
         self._acknowledgements.acknowledge(message)
         return micro_batches
 

@@ -1,7 +1,9 @@
 """The wire schema: what one trainer rank receives for one step.
 
-A step's payload for a rank is a list of `MicroBatch`. The 16 fields and their order are
-fixed by the prime-rl trainer wire format (docs/wire-format.md). Fields are held as
+A step's payload for a rank is a list of `MicroBatch`. Which fields travel, and in which
+order, is the wire profile's (`WireProfile`): prime-rl's trainer MicroBatch at commit 559b447
+(16 fields) or at 0f59b24 (20: `mm_refs` where `mm_kwargs` was, sampling masks, trace ids,
+side arrays by handle); docs/wire-format.md. Fields are held as
 numpy arrays so the packer and encoder never build Python lists of tokens; validation
 runs at construction, so a malformed batch fails where it is built, naming the field.
 """
@@ -13,6 +15,8 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Self
 
 import numpy as np
+
+from transport.payload_segments import PayloadSegment
 
 
 class SchemaError(ValueError):
@@ -214,8 +218,8 @@ def _as_strings(name: str, value: Sequence[str]) -> list[str]:
 @dataclass(slots=True, eq=False)
 class MicroBatch:
     """One packed micro-batch: several samples concatenated along the token axis. Its fields
-    are the wire's 16 in their wire order (`MICROBATCH_FIELDS`); the optional ones default
-    to None (`OPTIONAL_FIELDS`)."""
+    are every profile's (the 16 of prime-rl 559b447 in their wire order, then those 0f59b24
+    added); the optional ones default to None (`OPTIONAL_FIELDS`)."""
 
     input_ids: np.ndarray
     loss_mask: np.ndarray
@@ -233,6 +237,11 @@ class MicroBatch:
     rl_weights: np.ndarray | None = None
     ce_weights: np.ndarray | None = None
     ref_kl_weights: np.ndarray | None = None
+    mm_refs: list[Any] | None = None  # [[url, offset, length], ...] per image, as decoded
+    sampling_mask: tuple[bytes, bytes] | None = None  # (int32 ids, int32 count per token)
+    trace_ids: list[str] | None = None  # per sequence: the rollout it holds ("" for padding)
+    branch_indices: list[int] | None = None  # per sequence (-1 for padding)
+    payload: list[PayloadSegment] | None = None  # side arrays by handle, positions on input_ids
 
     def __post_init__(self) -> None:
         for name in ARRAY_DTYPES:
@@ -247,6 +256,13 @@ class MicroBatch:
             self.mm_kwargs = as_encoded_tensors(self.mm_kwargs)
         if isinstance(self.routed_experts, dict):
             self.routed_experts = RoutedExperts(**self.routed_experts)
+        if self.payload is not None:
+            self.payload = [
+                s if isinstance(s, PayloadSegment) else _segment(f"payload[{i}]", s)
+                for i, s in enumerate(self.payload)
+            ]
+        if self.sampling_mask is not None:
+            self.sampling_mask = _sampling_mask(self.sampling_mask)
         self.validate()
 
     def validate(self) -> None:
@@ -267,16 +283,28 @@ class MicroBatch:
                 raise SchemaError(f"{name}: sums to {total}, expected {num_tokens} (len(input_ids))")
         if self.routed_experts is not None:
             check_routed_experts_shape(self.routed_experts.shape, num_tokens)
+        for name in ("trace_ids", "branch_indices"):
+            value = getattr(self, name)
+            if value is not None and len(value) != len(self.sequence_lengths):
+                expected = f"{len(self.sequence_lengths)} (len(sequence_lengths))"
+                raise SchemaError(f"{name}: length {len(value)}, expected {expected}")
+        for index, segment in enumerate(self.payload or ()):
+            if segment.end > num_tokens:
+                raise SchemaError(
+                    f"payload[{index}]: rows [{segment.pos}, {segment.end}) of {segment.field} run past "
+                    f"the micro-batch's {num_tokens} tokens"
+                )
 
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
-    def as_wire_values(self) -> list[Any]:
-        """The 16 positional values as plain Python objects: what `msgpack.packb` would be
-        given by a straightforward encoder (the reference for byte-identity)."""
+    def as_wire_values(self, wire: WireProfile | None = None) -> list[Any]:
+        """The profile's positional values as plain Python objects: what `msgpack.packb` would
+        be given by a straightforward encoder (the reference for byte-identity)."""
+        wire = wire or WIRE_559B447
         values: list[Any] = []
-        for name in MICROBATCH_FIELDS:
+        for name in wire.fields:
             value = getattr(self, name)
             if value is None:
                 values.append(None)
@@ -286,6 +314,8 @@ class MicroBatch:
                 values.append([value.data, list(value.shape), value.dtype])
             elif name == "mm_kwargs":
                 values.append({k: [t.dtype, list(t.shape), t.data] for k, t in value.items()})
+            elif name == "payload":
+                values.append([segment.to_wire() for segment in value])
             else:
                 values.append(list(value))
         return values
@@ -306,9 +336,65 @@ class MicroBatch:
         return True
 
 
-MICROBATCH_FIELDS: tuple[str, ...] = tuple(field.name for field in fields(MicroBatch))
-"""The wire order of the 16 MicroBatch fields."""
+def _segment(what: str, value: Any) -> PayloadSegment:
+    try:
+        return PayloadSegment.from_values(value, what)
+    except ValueError as exc:
+        raise SchemaError(str(exc)) from None
+
+
+def _sampling_mask(value: Any) -> tuple[bytes, bytes]:
+    """prime-rl's SamplingMask: int32 token ids and an int32 count per token position."""
+    if not isinstance(value, list | tuple) or len(value) != 2 or not all(isinstance(v, bytes) for v in value):
+        raise SchemaError(f"sampling_mask: expected [ids: bin, counts: bin], got {value!r:.80}")
+    ids, counts = value
+    if len(ids) % 4 or len(counts) % 4:
+        raise SchemaError(f"sampling_mask: {len(ids)} id bytes, {len(counts)} count bytes: not int32s")
+    expected = 4 * int(np.frombuffer(counts, "<i4").sum())
+    if len(ids) != expected:
+        raise SchemaError(f"sampling_mask.ids: {len(ids)} bytes, the counts say {expected}")
+    return (ids, counts)
+
+
+MICROBATCH_FIELDS: tuple[str, ...] = tuple(field.name for field in fields(MicroBatch))[:16]
+"""The wire order of prime-rl 559b447's 16 MicroBatch fields."""
 OPTIONAL_FIELDS: frozenset[str] = frozenset(
     field.name for field in fields(MicroBatch) if field.default is None
 )
 """The fields a micro-batch may leave out (None)."""
+
+
+@dataclass(frozen=True)
+class WireProfile:
+    """One trainer's MicroBatch layout: its fields in wire order. Every field is written, an
+    unset one as nil: prime-rl's structs are msgspec `array_like`, which writes every field
+    even with `omit_defaults` (msgspec issue #720), so this is what its own sender writes."""
+
+    name: str
+    fields: tuple[str, ...]
+
+    def carries(self, name: str) -> bool:
+        return name in self.fields
+
+    def refuse_uncarried(self, batch: MicroBatch) -> None:
+        """A micro-batch holding a field this profile has no place for is not written at all."""
+        for field in fields(batch):
+            if getattr(batch, field.name) is not None and not self.carries(field.name):
+                raise SchemaError(f"{field.name}: wire {self.name} cannot carry it")
+
+
+WIRE_559B447 = WireProfile("prime-rl-559b447", MICROBATCH_FIELDS)
+WIRE_0F59B24 = WireProfile(
+    "prime-rl-0f59b24",
+    (
+        *MICROBATCH_FIELDS[:11],
+        "mm_refs",
+        *MICROBATCH_FIELDS[12:],
+        "sampling_mask",
+        "trace_ids",
+        "branch_indices",
+        "payload",
+    ),
+)
+WIRE_PROFILES: dict[str, WireProfile] = {profile.name: profile for profile in (WIRE_559B447, WIRE_0F59B24)}
+"""The profiles by the name `--wire` takes."""

@@ -23,6 +23,7 @@ import redis
 import redis.asyncio as aioredis
 
 from transport.keys import PAYLOAD, WIRE_SUFFIX, RunKeys
+from transport.payload_segments import PAYLOAD_FIELD, PayloadSegment
 from transport.schema import MM_KWARGS_PREFIX, EncodedTensor, SchemaError, as_encoded_tensors
 
 DEFAULT_TTL_SECONDS = 24 * 3600
@@ -45,11 +46,14 @@ class PayloadCorruptError(ValueError):
 
 def flat_arrays(arrays: Mapping[str, Any]) -> dict[str, Any]:
     """A rollout's arrays with its `mm_kwargs` (a map of name -> tensor: an EncodedTensor or
-    a numpy array) stored flat, as `mm_kwargs.{name}` -> EncodedTensor. SchemaError names
-    a malformed tensor."""
+    a numpy array) stored flat, as `mm_kwargs.{name}` -> EncodedTensor, and its side arrays
+    by handle (`payload`) as a list of `PayloadSegment`. SchemaError names a malformed
+    tensor or segment."""
     out: dict[str, Any] = {}
     for name, value in arrays.items():
-        if name == "mm_kwargs":
+        if name == PAYLOAD_FIELD:
+            out[name] = _segments(value)
+        elif name == "mm_kwargs":
             if not isinstance(value, Mapping):
                 raise SchemaError(f"mm_kwargs: expected a map of name to tensor, got {type(value).__name__}")
             tensors = as_encoded_tensors(dict(value))
@@ -61,11 +65,31 @@ def flat_arrays(arrays: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _segments(value: Any) -> list[PayloadSegment]:
+    if not isinstance(value, list | tuple):
+        raise SchemaError(f"{PAYLOAD_FIELD}: expected a list of segments, got {type(value).__name__}")
+    try:
+        return [
+            s if isinstance(s, PayloadSegment) else PayloadSegment.from_values(s, f"{PAYLOAD_FIELD}[{i}]")
+            for i, s in enumerate(value)
+        ]
+    except ValueError as exc:
+        raise SchemaError(str(exc)) from None
+
+
+# How a rollout's segments are held in its blob, beside its arrays' [dtype, shape, data].
+_SEGMENTS_DTYPE = "segments"
+
+
 def pack_arrays(arrays: Mapping[str, Any]) -> bytes:
     """Arrays to one compact blob: no JSON lists, one copy of each array's bytes. An
     mm_kwargs tensor keeps the producer's dtype name (it may be one numpy lacks)."""
     entries: dict[str, list[Any]] = {}
     for name, value in flat_arrays(arrays).items():
+        if name == PAYLOAD_FIELD:
+            stored = msgpack.packb([segment.to_stored() for segment in value], use_bin_type=True)
+            entries[name] = [_SEGMENTS_DTYPE, [len(value)], stored]
+            continue
         if isinstance(value, EncodedTensor):
             entries[name] = [value.dtype, list(value.shape), value.data]
             continue
@@ -82,13 +106,18 @@ def unpack_arrays(blob: bytes, key: str = "<blob>") -> dict[str, Any]:
         if not isinstance(entries, dict):
             raise TypeError(f"expected a map, got {type(entries).__name__}")
         return {
-            name: EncodedTensor(dtype, shape, data)
-            if name.startswith(MM_KWARGS_PREFIX)
-            else np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
-            for name, (dtype, shape, data) in entries.items()
+            name: _unpack_entry(name, dtype, shape, data) for name, (dtype, shape, data) in entries.items()
         }
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise PayloadCorruptError(f"{key}: stored arrays do not decode ({exc})") from exc
+
+
+def _unpack_entry(name: str, dtype: str, shape: list[int], data: bytes) -> Any:
+    if name.startswith(MM_KWARGS_PREFIX):
+        return EncodedTensor(dtype, shape, data)
+    if dtype == _SEGMENTS_DTYPE:
+        return [PayloadSegment.from_values(values) for values in msgpack.unpackb(data, raw=False)]
+    return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
 
 
 def _decode_rollouts(keys: list[str], values: list[bytes | None]) -> dict[str, dict[str, np.ndarray]]:

@@ -1,8 +1,9 @@
 """The reference trainer rank: receives each step, checks it, and advances the policy.
 
 It stands in for a real (prime-rl) trainer rank in local runs and tests: it decodes every
-payload, checks every invariant of the wire format, records a checksum of what it
-received (so tests compare what was sent with what arrived), and once every rank has
+payload, checks every invariant of the wire format, reads the side arrays its micro-batches
+point at by handle (as prime-rl's ranks `pread` their windows), records checksums of what
+it received and read (so tests compare what was sent with what arrived), and once every rank has
 received a step it publishes the new policy version that the orchestrator's gate reads.
 """
 
@@ -20,6 +21,8 @@ from transport.checksum import payload_checksum
 from transport.codec import decode_microbatches
 from transport.keys import RunKeys
 from transport.numbering import version_after
+from transport.payload_segments import read_side_arrays
+from transport.schema import WIRE_559B447, WireProfile
 
 log = logging.getLogger("rlship.trainer")
 
@@ -68,6 +71,12 @@ class Acknowledgements:
             self.client.hset(self.keys.foreign_dropped, str(receiver.rank), dropped)
             self._foreign_reported = dropped
 
+    def record_rows(self, message: ReceivedStep, rows_checksum: str | None) -> None:
+        """Put the checksum of the side-array rows the rank read for `message` in Redis,
+        before acknowledging it (a step acknowledged has been read whole)."""
+        if rows_checksum is not None:
+            self.client.hset(self.keys.received_rows(message.rank), message.step, rows_checksum)
+
     def acknowledge(self, message: ReceivedStep) -> str:
         """Record that `message` reached its rank; returns the payload's checksum."""
         checksum = payload_checksum(message.payload)
@@ -100,6 +109,7 @@ class TrainerRank:
     run_id: str
     ranks: int
     first_step: int
+    wire: WireProfile = WIRE_559B447
     received: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -107,9 +117,10 @@ class TrainerRank:
 
     def handle(self, message: ReceivedStep) -> None:
         """Decode and check one step (raises on any violation), then acknowledge it."""
-        micro_batches = decode_microbatches(message.payload)
+        micro_batches = decode_microbatches(message.payload, self.wire)
         for micro_batch in micro_batches:
             micro_batch.validate()
+        self.acknowledgements.record_rows(message, read_side_arrays(micro_batches))
         checksum = self.acknowledgements.acknowledge(message)
         self.received[message.step] = checksum
         tokens = sum(mb.num_tokens for mb in micro_batches)

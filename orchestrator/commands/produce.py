@@ -14,6 +14,8 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -24,8 +26,12 @@ from orchestrator.records import RolloutRecord
 from orchestrator.settings import RunSettings
 from orchestrator.settings_resolution import add_settings_arguments, settings_from_args
 from transport.connection import connect_redis
+from transport.payload_segments import PAYLOAD_FIELD, rollout_rows_path, write_segment_file
 
 WAIT_REPORT_SECONDS = 5.0  # how often a waiting producer says why
+# The moe workload's routed experts: Qwen3-30B-A3B's 48 layers, top-8 of 128 experts, one
+# uint8 expert id per layer and slot: 384 bytes a token.
+MOE_LAYERS, MOE_TOPK, MOE_EXPERTS = 48, 8, 128
 log = logging.getLogger("rlship.producer")
 
 
@@ -42,6 +48,10 @@ class SyntheticWorkload:
     cancel_rate: float = 0.01
     policy_version: int = 0
     routed_experts: bool = False
+    # moe: routed experts of a 48-layer top-8 model, written to a file per rollout in
+    # `{payload_root}/{run_id}/` and passed by handle (or inline, if `moe_inline`).
+    moe_rows: tuple[Path, str] | None = None
+    moe_inline: bool = False
     _rng: np.random.Generator = field(init=False, repr=False)
     _groups: int = field(default=0, init=False)
 
@@ -71,8 +81,22 @@ class SyntheticWorkload:
             arrays["routed_experts"] = rng.integers(0, 64, size=(total, 2, 4), dtype=np.uint8)
         return arrays
 
-    def group(self) -> list[tuple[RolloutRecord, dict[str, np.ndarray]]]:
-        """One group: `group_size` rollouts of one task of one env."""
+    def _moe_experts(self, total: int) -> np.ndarray:
+        return self._rng.integers(0, MOE_EXPERTS, size=(total, MOE_LAYERS, MOE_TOPK), dtype=np.uint8)
+
+    def _with_moe(self, rollout_id: str, arrays: dict[str, Any], write: bool) -> dict[str, Any]:
+        """The rollout's routed experts: inline, or in its own file under the payload root."""
+        experts = self._moe_experts(len(arrays["input_ids"]))
+        if self.moe_inline or not write:
+            return arrays | {"routed_experts": experts}
+        assert self.moe_rows is not None
+        path = rollout_rows_path(*self.moe_rows, rollout_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return arrays | {PAYLOAD_FIELD: write_segment_file(path, {"routed_experts": experts})}
+
+    def group(self, write: bool = True) -> list[tuple[RolloutRecord, dict[str, Any]]]:
+        """One group: `group_size` rollouts of one task of one env (`write` False: made only to
+        be skipped, so no file of side-array rows is written)."""
         rng = self._rng
         index = self._groups
         self._groups += 1
@@ -104,10 +128,13 @@ class SyntheticWorkload:
                 stop_condition="length" if truncated else "stop",
                 metrics={"solve_time": float(rng.exponential(2.0))} if env == "math" else {},
             )
-            out.append((record, self._arrays(prompt, completion, turns)))
+            arrays = self._arrays(prompt, completion, turns)
+            if self.moe_rows is not None or self.moe_inline:
+                arrays = self._with_moe(record.rollout_id, arrays, write)
+            out.append((record, arrays))
         return out
 
-    def groups(self) -> Iterator[list[tuple[RolloutRecord, dict[str, np.ndarray]]]]:
+    def groups(self) -> Iterator[list[tuple[RolloutRecord, dict[str, Any]]]]:
         while True:
             yield self.group()
 
@@ -129,10 +156,11 @@ def run_producer(
         group_size=settings.group_size,
         seq_len=settings.seq_len,
         vocab_size=settings.vocab_size,
+        moe_rows=(Path(str(settings.payload_root)), settings.run_id) if settings.workload == "moe" else None,
     )
     # A resumed run: the groups its earlier start wrote are made again (same seed) and skipped.
     for _ in range(int(client.get(producer.keys.produced) or 0) // settings.group_size):
-        workload.group()
+        workload.group(write=False)
     stopped = stop.is_set if stop is not None else lambda: False
     written = 0
     reported = 0.0

@@ -62,18 +62,21 @@ PORT_PAIR_TRIES = 20
 
 
 def received_by_rank(client: redis.Redis, run_id: str, ranks: int) -> dict[str, dict[str, Any]]:
-    """What each trainer rank recorded as received: its steps in order and their checksums."""
+    """What each trainer rank recorded as received: its steps in order, their checksums, and
+    the checksums of the side-array rows it read by handle (by step)."""
     keys = RunKeys(run_id)
     out = {}
     for rank in range(ranks):
         received = {int(k): v.decode() for k, v in client.hgetall(keys.received(rank)).items()}
         steps = sorted(received)
-        out[str(rank)] = {"steps": steps, "checksums": [received[s] for s in steps]}
+        rows = {k.decode(): v.decode() for k, v in client.hgetall(keys.received_rows(rank)).items()}
+        out[str(rank)] = {"steps": steps, "checksums": [received[s] for s in steps], "rows_checksums": rows}
     return out
 
 
-def sent_checksums(client: redis.Redis, run_id: str) -> dict[str, str]:
-    return {k.decode(): v.decode() for k, v in client.hgetall(RunKeys(run_id).sent_checksums).items()}
+def sent_checksums(client: redis.Redis, run_id: str, key: str | None = None) -> dict[str, str]:
+    """`{step}:{rank}` to the checksum encode wrote: of the payload, or of another hash (`key`)."""
+    return {k.decode(): v.decode() for k, v in client.hgetall(key or RunKeys(run_id).sent_checksums).items()}
 
 
 def _wait_for_trainers(group: ProcessGroup, ranks: int, timeout: float) -> None:
@@ -305,6 +308,9 @@ def _summarize(
             "stopped": stopped,
             "ranks": received_by_rank(client, settings.run_id, settings.ranks),
             "sent_checksums": sent_checksums(client, settings.run_id),
+            "sent_rows_checksums": sent_checksums(
+                client, settings.run_id, RunKeys(settings.run_id).sent_rows_checksums
+            ),
             "tasks_dropped": _counts(client, RunKeys(settings.run_id).tasks_dropped),
             "served_by": _counts(client, RunKeys(settings.run_id).served_by),
             "foreign_dropped": _counts(client, RunKeys(settings.run_id).foreign_dropped),

@@ -15,6 +15,7 @@ from orchestrator.settings_resolution import add_settings_arguments, settings_fr
 from transport.connection import connect_redis
 from transport.keys import RunKeys
 from transport.replay import RetainedPayloads
+from transport.schema import WIRE_PROFILES
 from transport.trainer import TrainerRank, open_receiver
 
 
@@ -46,9 +47,15 @@ def main(args: argparse.Namespace) -> int:
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        TrainerRank(receiver, client, settings.run_id, settings.ranks, settings.first_step).run(
-            steps=settings.step_numbers.stop - next_step, idle_timeout=args.idle_timeout
+        rank = TrainerRank(
+            receiver,
+            client,
+            settings.run_id,
+            settings.ranks,
+            settings.first_step,
+            WIRE_PROFILES[settings.wire],
         )
+        rank.run(steps=settings.step_numbers.stop - next_step, idle_timeout=args.idle_timeout)
     finally:
         receiver.close()
     return 0

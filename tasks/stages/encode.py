@@ -6,6 +6,10 @@ sample's tokens; zero-advantage tokens get zero rl weight (the prune stage's rul
 Optional streams (ce and ref-kl weights, token types, mm_kwargs) are carried when any
 sample of the micro-batch has them.
 
+Under a wire that carries them (prime-rl 0f59b24), each sequence is named by its rollout id
+(`trace_ids`) and a sample's side arrays by handle travel as its segments shifted to its
+place in the micro-batch (`payload`): their rows are never read here.
+
 Before the cut, a sample of the plain kind (the required arrays only) is prepared as it
 completes: its token fields encoded once, as they will be on the wire (`SampleWire`). At
 the cut the rank's payload is then joined from those parts (`assemble_rank`): the same
@@ -33,9 +37,18 @@ from transport.codec import (
     repeated_elements,
     split_elements,
 )
-from transport.schema import MM_KWARGS_PREFIX, EncodedTensor, MicroBatch, RoutedExperts
+from transport.payload_segments import PAYLOAD_FIELD, PayloadSegment, clip_segments, shift_segments
+from transport.schema import (
+    MM_KWARGS_PREFIX,
+    WIRE_559B447,
+    EncodedTensor,
+    MicroBatch,
+    RoutedExperts,
+    WireProfile,
+)
 
 PADDING_ENV = "padding"
+PADDING_BRANCH = -1  # prime-rl's branch index of a sequence that is no rollout's
 
 
 def _segments(plan: MicroBatchPlan, samples: Cohort, arrays: Mapping[str, Mapping[str, np.ndarray]]):
@@ -51,10 +64,43 @@ def _segments(plan: MicroBatchPlan, samples: Cohort, arrays: Mapping[str, Mappin
 
 
 def build_microbatch(
-    plan: MicroBatchPlan, samples: Cohort, arrays: Mapping[str, Mapping[str, np.ndarray]]
+    plan: MicroBatchPlan,
+    samples: Cohort,
+    arrays: Mapping[str, Mapping[str, np.ndarray]],
+    wire: WireProfile = WIRE_559B447,
 ) -> MicroBatch:
     """One micro-batch: its samples concatenated, then `plan.padding` padding tokens."""
-    return _microbatch(list(_segments(plan, samples, arrays)), plan.padding)
+    batch = _microbatch(list(_segments(plan, samples, arrays)), plan.padding)
+    ids = [samples.labels["rollout_id"][i] for i in plan.samples]
+    if wire.carries("trace_ids"):
+        for name, value in _sequence_values(ids, plan.padding).items():
+            setattr(batch, name, value)
+    lengths = [len(arrays[rid]["input_ids"]) for rid in ids]
+    batch.payload = _placed_segments([arrays[rid].get(PAYLOAD_FIELD, []) for rid in ids], lengths)
+    batch.validate()
+    return batch
+
+
+def _sequence_values(rollout_ids: list[str], pad: int) -> dict[str, list[Any]]:
+    """trace_ids and branch_indices, one per sequence: rlship trains a rollout whole, as one
+    branch; the padding sequence is no rollout's."""
+    return {
+        "trace_ids": [*rollout_ids, *([""] if pad else [])],
+        "branch_indices": [0] * len(rollout_ids) + ([PADDING_BRANCH] if pad else []),
+    }
+
+
+def _placed_segments(
+    per_sample: list[list[PayloadSegment]], lengths: list[int]
+) -> list[PayloadSegment] | None:
+    """The samples' segments clipped to their tokens and shifted to their places in the
+    micro-batch, in sample order; None when no sample has any."""
+    placed: list[PayloadSegment] = []
+    offset = 0
+    for segments, length in zip(per_sample, lengths, strict=True):
+        placed += shift_segments(clip_segments(segments, 0, length), offset)
+        offset += length
+    return placed or None
 
 
 def _microbatch(segments: list[tuple[Mapping[str, Any], float, float, str]], pad: int) -> MicroBatch:
@@ -125,10 +171,13 @@ def _stacked_mm_kwargs(samples: list[Mapping[str, Any]]) -> dict[str, EncodedTen
 
 
 def encode_rank(
-    plans: list[MicroBatchPlan], samples: Cohort, arrays: Mapping[str, Mapping[str, np.ndarray]]
+    plans: list[MicroBatchPlan],
+    samples: Cohort,
+    arrays: Mapping[str, Mapping[str, np.ndarray]],
+    wire: WireProfile = WIRE_559B447,
 ) -> bytes | bytearray | memoryview:
     """A rank's whole payload for one step."""
-    return encode_microbatches([build_microbatch(plan, samples, arrays) for plan in plans])
+    return encode_microbatches([build_microbatch(plan, samples, arrays, wire) for plan in plans], wire)
 
 
 def rank_rollout_ids(plans: list[MicroBatchPlan], samples: Cohort) -> list[str]:
@@ -150,18 +199,21 @@ _RL_WEIGHT_TABLE = np.frombuffer(array_elements("rl_weights", np.array([0.0, 1.0
 
 @dataclass(frozen=True)
 class SampleWire:
-    """A sample's token fields as they will be on the wire (elements, no array header)."""
+    """A sample's token fields as they will be on the wire (elements, no array header), and
+    its side arrays' segments."""
 
     tokens: int
     fields: dict[str, bytes]
+    segments: tuple[PayloadSegment, ...] = ()
 
     def to_bytes(self) -> bytes:
-        return msgpack.packb([self.tokens, self.fields], use_bin_type=True)
+        stored = [segment.to_stored() for segment in self.segments]
+        return msgpack.packb([self.tokens, self.fields, stored], use_bin_type=True)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> SampleWire:
-        tokens, fields = msgpack.unpackb(data, raw=False)
-        return cls(int(tokens), dict(fields))
+        tokens, fields, stored = msgpack.unpackb(data, raw=False)
+        return cls(int(tokens), dict(fields), tuple(PayloadSegment.from_values(v) for v in stored))
 
     def loss_mask(self) -> np.ndarray:
         return np.frombuffer(self.fields["loss_mask"], np.uint8) == _TRUE
@@ -178,12 +230,14 @@ _PLAIN_KINDS = {"input_ids": "iu", "loss_mask": "b", "inference_logprobs": "f"}
 
 
 def _plain(arrays: Mapping[str, Any]) -> bool:
-    """Whether a rollout holds the required arrays only, one-dimensional, of one length."""
-    if set(arrays) != set(_PLAIN_KINDS):
+    """Whether a rollout holds the required arrays only (and perhaps segments),
+    one-dimensional, of one length."""
+    if set(arrays) - {PAYLOAD_FIELD} != set(_PLAIN_KINDS):
         return False
     length = len(arrays["input_ids"])
     return all(
-        a.ndim == 1 and len(a) == length and a.dtype.kind in _PLAIN_KINDS[name] for name, a in arrays.items()
+        arrays[name].ndim == 1 and len(arrays[name]) == length and arrays[name].dtype.kind in kinds
+        for name, kinds in _PLAIN_KINDS.items()
     )
 
 
@@ -206,7 +260,11 @@ def prepare_samples(rollouts: Mapping[str, Mapping[str, np.ndarray]]) -> dict[st
     }
     parts = {name: split_elements(name, values[name], lengths) for name in SAMPLE_WIRE_FIELDS}
     return {
-        rid: SampleWire(tokens, {name: parts[name][i] for name in SAMPLE_WIRE_FIELDS})
+        rid: SampleWire(
+            tokens,
+            {name: parts[name][i] for name in SAMPLE_WIRE_FIELDS},
+            tuple(plain[rid].get(PAYLOAD_FIELD, ())),
+        )
         for i, (rid, tokens) in enumerate(zip(plain, lengths, strict=True))
     }
 
@@ -229,7 +287,12 @@ def _padding_parts(pad: int) -> dict[str, bytes]:
     return parts
 
 
-def assemble_rank(plans: list[MicroBatchPlan], samples: Cohort, wires: Mapping[str, SampleWire]) -> bytes:
+def assemble_rank(
+    plans: list[MicroBatchPlan],
+    samples: Cohort,
+    wires: Mapping[str, SampleWire],
+    wire: WireProfile = WIRE_559B447,
+) -> bytes:
     """The rank's payload joined from its samples' wire parts: `encode_rank`'s bytes for
     samples of the plain kind, without building a micro-batch."""
     ids = samples.labels["rollout_id"]
@@ -238,12 +301,26 @@ def assemble_rank(plans: list[MicroBatchPlan], samples: Cohort, wires: Mapping[s
         rows = [(wires[ids[i]], i) for i in plan.samples]
         padding = _padding_parts(plan.padding) if plan.padding else {}
         parts = {
-            name: [*(_sample_part(name, wire, samples, i) for wire, i in rows), padding.get(name, b"")]
+            name: [*(_sample_part(name, sample, samples, i) for sample, i in rows), padding.get(name, b"")]
             for name in TOKEN_FIELDS
         }
-        lengths = [wire.tokens for wire, _ in rows] + ([plan.padding] if plan.padding else [])
-        out += join_microbatch(parts, lengths)
+        lengths = [sample.tokens for sample, _ in rows] + ([plan.padding] if plan.padding else [])
+        values: dict[str, Any] = {}
+        if wire.carries("trace_ids"):
+            values = _sequence_values([ids[i] for i in plan.samples], plan.padding)
+        placed = _placed_segments([list(sample.segments) for sample, _ in rows], lengths[: len(rows)])
+        if placed:
+            values[PAYLOAD_FIELD] = placed
+        out += join_microbatch(parts, lengths, wire, values)
     return b"".join(out)
+
+
+def rank_segments(
+    plans: list[MicroBatchPlan], samples: Cohort, segments_of: Mapping[str, Any]
+) -> list[PayloadSegment]:
+    """Every segment of the rank's payload, in payload order (micro-batch, then sample)."""
+    ids = samples.labels["rollout_id"]
+    return [segment for plan in plans for i in plan.samples for segment in segments_of[ids[i]]]
 
 
 def _sample_part(name: str, wire: SampleWire, samples: Cohort, index: int) -> bytes:

@@ -10,6 +10,10 @@ cohort columns. For those, finalize reads no array: it asks Redis each stored bl
 over since: read and checked whole) costs a read. The encoder's read is then the one read of
 each byte. A rollout without facts (written by other code, or cut from a checkpoint older
 than them) has its arrays read and checked here, as before.
+
+A rollout with side arrays by handle (`payload` segments) comes without facts: its blob
+(tokens and segments, the rows stay in their files) is read, and its segments checked
+against the files as they are at the cut.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from tasks.cohort import Cohort
 from tasks.manifest import StepManifest
 from tasks.stages.prune import drop_field, trainable_tokens, worker_drops
 from transport.numbering import staleness
+from transport.payload_segments import ANYWHERE, PAYLOAD_FIELD, SideArrays, segment_fields, segments_problem
 from transport.schema import MM_KWARGS_PREFIX, EncodedTensor
 
 REQUIRED_ARRAYS: tuple[str, ...] = ("input_ids", "loss_mask", "inference_logprobs")
@@ -127,14 +132,20 @@ def step_verdict(result: FinalizedStep) -> StepVerdict:
 
 
 def check_rollout_arrays(
-    arrays: Mapping[str, Any], expected_tokens: int, seq_len: int, vocab_size: int
+    arrays: Mapping[str, Any],
+    expected_tokens: int,
+    seq_len: int,
+    vocab_size: int,
+    side_arrays: SideArrays = ANYWHERE,
 ) -> str | None:
-    """Why a rollout's arrays cannot train (naming the array and the value), or None."""
-    unknown = sorted(n for n in arrays if n not in KNOWN_ARRAYS and not n.startswith(MM_KWARGS_PREFIX))
+    """Why a rollout's arrays (and segments) cannot train (naming the array and the value),
+    or None."""
+    known = (*KNOWN_ARRAYS, PAYLOAD_FIELD)
+    unknown = sorted(n for n in arrays if n not in known and not n.startswith(MM_KWARGS_PREFIX))
     if unknown:
         return (
-            f"{unknown[0]}: not an array rlship carries (it carries {', '.join(KNOWN_ARRAYS)} and "
-            f"{MM_KWARGS_PREFIX}*)"
+            f"{unknown[0]}: not an array rlship carries (it carries {', '.join(KNOWN_ARRAYS)}, "
+            f"{MM_KWARGS_PREFIX}* and {PAYLOAD_FIELD} segments)"
         )
     for name in REQUIRED_ARRAYS:
         if name not in arrays:
@@ -167,7 +178,23 @@ def check_rollout_arrays(
         if name in arrays and not np.isfinite(arrays[name]).all():
             bad = arrays[name][~np.isfinite(arrays[name])][0]
             return f"{name}: non-finite value {bad}"
+    if PAYLOAD_FIELD in arrays:
+        return _segments_problem(arrays, num_tokens, side_arrays)
     return None
+
+
+def _segments_problem(arrays: Mapping[str, Any], num_tokens: int, side_arrays: SideArrays) -> str | None:
+    segments = arrays[PAYLOAD_FIELD]
+    fields = segment_fields(segments)
+    if side_arrays.refused_by is not None and fields:
+        return (
+            f"{PAYLOAD_FIELD}: wire {side_arrays.refused_by} cannot carry side arrays by handle "
+            f"({', '.join(fields)}); send them inline or run with --wire prime-rl-0f59b24"
+        )
+    inline = [field for field in fields if field in arrays]
+    if inline:
+        return f"{PAYLOAD_FIELD}.{inline[0]}: given both inline and by handle (one way or the other)"
+    return segments_problem(segments, num_tokens, side_arrays.root)
 
 
 def too_long(num_tokens: int, seq_len: int) -> str:
@@ -226,7 +253,9 @@ def finalize_step(
         if arrays is None or isinstance(arrays, Exception):
             problems[i] = f"payload: {arrays or 'not found'}"
             continue
-        problem = check_rollout_arrays(arrays, int(expected[i]), config.seq_len, config.vocab_size)
+        problem = check_rollout_arrays(
+            arrays, int(expected[i]), config.seq_len, config.vocab_size, config.side_arrays
+        )
         if problem is not None:
             problems[i] = problem
             continue

@@ -19,8 +19,23 @@ the test double of that behaviour, run as real processes (killable) by the tests
 
 Each received step is appended to the `--record` file as one JSON line: the peer's own
 step count, the topic and its step (ZMQ), the sha256 of the raw payload, its size and the
-number of micro-batches msgspec decoded from it (a payload that does not decode as a list
-of 16-field micro-batches stops the peer with an error).
+number of micro-batches msgspec decoded from it (a payload that does not decode stops the
+peer with an error).
+
+`--wire` names the prime-rl trainer the peer decodes as:
+
+- `prime-rl-559b447` (the default): a list of 16-field micro-batches (as msgspec decodes an
+  array_like struct: a longer array decodes too, its extra trailing elements ignored).
+- `prime-rl-0f59b24`: a list of 20-field micro-batches (tests/support/prime_0f59b24.py,
+  written from prime-rl's source independently of rlship's codec), whose side arrays may
+  come by handle (`payload` segments in files). As that trainer's ranks do, the peer reads
+  them with `os.pread`: for every micro-batch whose `payload` is set, every payload field's
+  rows of every sequence (named by its trace id; padding skipped). The line gets
+  `"rows": {trace_id: {field: sha256 hex of the rows' bytes}}` over the step's micro-batches
+  (`{}` when none carries a payload). A read that fails (missing file, short read), a
+  micro-batch carrying a field both inline and by handle (prime-rl's trainer asserts), or
+  sequences that cannot be named uniquely stop the peer with an error, before the line is
+  written.
 """
 
 from __future__ import annotations
@@ -40,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from orchestrator.commands.bench.encode import WireMicroBatch
+from tests.support import prime_0f59b24
 
 if TYPE_CHECKING:  # the peers run as `python -m tests.support.stock_peers` and need no settings
     from orchestrator.settings import RunSettings
@@ -48,8 +64,13 @@ REPO = Path(__file__).resolve().parents[2]
 POLL_SECONDS = 1.0  # prime-rl's filesystem receiver waits for a path about once a second
 
 
-# What a stock trainer decodes a payload into (prime-rl's msgspec MicroBatch, 16 fields).
+# What a 559b447 trainer decodes a payload into (prime-rl's msgspec MicroBatch, 16 fields).
 _DECODER = msgspec.msgpack.Decoder(type=list[WireMicroBatch])
+
+WIRE_559B447 = "prime-rl-559b447"
+WIRE_0F59B24 = prime_0f59b24.WIRE  # "prime-rl-0f59b24"
+WIRES = (WIRE_559B447, WIRE_0F59B24)
+DEFAULT_WIRE = WIRE_559B447
 
 
 def zmq_messages(host: str, port: int, rank: int) -> Iterator[tuple[bytes, bytes]]:
@@ -113,6 +134,24 @@ class Announcer:
             self.flush()
 
 
+def payload_row_hashes(micro_batches: Sequence[prime_0f59b24.MicroBatch]) -> dict[str, dict[str, str]]:
+    """{trace_id: {field: sha256 hex of its rows' bytes}} over the micro-batches that carry a
+    payload, read as a 0f59b24 trainer rank reads them (raises on a failed read)."""
+    rows: dict[str, dict[str, str]] = {}
+    for index, batch in enumerate(micro_batches):
+        if not batch.payload:  # as the trainer: an empty list is no payload
+            continue
+        if batch.routed_experts is not None or batch.sampling_mask is not None:
+            raise ValueError(f"micro-batch {index} carries side arrays both inline and by handle")
+        for field in prime_0f59b24.payload_fields(batch):
+            for trace_id, data in prime_0f59b24.sequence_rows(batch, field).items():
+                fields = rows.setdefault(trace_id, {})
+                if field in fields:
+                    raise ValueError(f"trace id {trace_id!r} has {field!r} rows in two micro-batches")
+                fields[field] = hashlib.sha256(data).hexdigest()
+    return rows
+
+
 def run(args: argparse.Namespace) -> None:
     record = Path(args.record)
     record.parent.mkdir(parents=True, exist_ok=True)
@@ -128,7 +167,12 @@ def run(args: argparse.Namespace) -> None:
     step = args.start_step
     with open(record, "a") as out:
         for topic, payload in messages:
-            micro_batches = _DECODER.decode(payload)
+            rows = None
+            if args.wire == WIRE_0F59B24:
+                decoded = prime_0f59b24.decode_payload(payload)
+                rows = payload_row_hashes(decoded)
+            else:
+                decoded = _DECODER.decode(payload)
             parts = topic.split(b"|")
             line = {
                 "rank": args.rank,
@@ -137,8 +181,10 @@ def run(args: argparse.Namespace) -> None:
                 "topic_step": int(parts[2]) if len(parts) >= 3 and parts[2].isdigit() else None,
                 "sha256": hashlib.sha256(payload).hexdigest(),
                 "bytes": len(payload),
-                "micro_batches": len(micro_batches),
+                "micro_batches": len(decoded),
             }
+            if rows is not None:
+                line["rows"] = rows
             out.write(json.dumps(line) + "\n")
             out.flush()
             if args.train_seconds:
@@ -187,6 +233,7 @@ def stock_peer_command(
     announce: bool = True,
     poll: float = POLL_SECONDS,
     train_seconds: float = 0.0,
+    wire: str = DEFAULT_WIRE,
 ) -> list[str]:
     command = [
         sys.executable, "-m", "tests.support.stock_peers", transport,
@@ -198,6 +245,8 @@ def stock_peer_command(
         command += ["--steps", str(steps)]
     if not announce:
         command.append("--no-announce")
+    if wire != DEFAULT_WIRE:
+        command += ["--wire", wire]
     return command
 
 
@@ -214,16 +263,16 @@ def start_stock_peer(transport: str, rank: int, record: str | Path, **options: A
 
 
 def start_stock_ranks(
-    settings: RunSettings, steps: Sequence[int | None]
+    settings: RunSettings, steps: Sequence[int | None], *, wire: str = DEFAULT_WIRE
 ) -> tuple[list[Path], list[subprocess.Popen]]:
     """A peer for every rank of the run, over its transport and from its start step, that
-    exits after `steps[rank]` steps (None: reads until killed); their record files
-    (`stock-rank-{rank}.jsonl` in the run's output directory) and their processes."""
+    exits after `steps[rank]` steps (None: reads until killed) and decodes as `wire`; their
+    record files (`stock-rank-{rank}.jsonl` in the run's output directory) and processes."""
     records = [Path(settings.output_dir) / f"stock-rank-{rank}.jsonl" for rank in range(settings.ranks)]
     peers = [
         start_stock_peer(
             settings.transport, rank, record, output_dir=settings.output_dir, port=settings.zmq_port,
-            start_step=settings.start_step, steps=steps[rank],
+            start_step=settings.start_step, steps=steps[rank], wire=wire,
         )
         for rank, record in enumerate(records)
     ]  # fmt: skip
@@ -262,6 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-announce", dest="announce", action="store_false")
     parser.add_argument("--poll", type=float, default=POLL_SECONDS)
     parser.add_argument("--train-seconds", type=float, default=0.0)
+    parser.add_argument("--wire", choices=WIRES, default=DEFAULT_WIRE, help="the prime-rl trainer decoded as")
     run(parser.parse_args(argv))
 
 

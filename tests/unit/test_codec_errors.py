@@ -77,7 +77,8 @@ def test_wrong_field_count(count: int) -> None:
     values = values[:count] if count < 16 else [*values, None]
     data = msgpack.packb([values], use_bin_type=True)
     with pytest.raises(
-        CodecError, match=rf"^micro-batch 0: expected an array of 16 fields, got {count} elements$"
+        CodecError,
+        match=rf"^micro-batch 0: expected an array of 16 fields \(prime-rl-559b447\), got {count} elements$",
     ):
         decode_microbatches(data)
 
@@ -85,7 +86,8 @@ def test_wrong_field_count(count: int) -> None:
 def test_not_an_array() -> None:
     with pytest.raises(CodecError, match=r"^payload: expected an array of micro-batches, got dict$"):
         decode_microbatches(msgpack.packb({"a": 1}))
-    with pytest.raises(CodecError, match=r"^micro-batch 1: expected an array of 16 fields, got str$"):
+    expected = r"^micro-batch 1: expected an array of 16 fields \(prime-rl-559b447\), got str$"
+    with pytest.raises(CodecError, match=expected):
         decode_microbatches(msgpack.packb([MicroBatch(**fields()).as_wire_values(), "x"], use_bin_type=True))
 
 

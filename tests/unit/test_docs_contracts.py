@@ -12,8 +12,10 @@ import inspect
 import re
 from pathlib import Path
 
+import pytest
+
 from transport.keys import RunKeys, StepValue
-from transport.schema import MICROBATCH_FIELDS, OPTIONAL_FIELDS
+from transport.schema import OPTIONAL_FIELDS, WIRE_0F59B24, WIRE_559B447, WireProfile
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 # A row of the wire-format field table: | 3 | `inference_logprobs` | wire type | yes/no | ... |
@@ -50,15 +52,24 @@ def test_redis_keys_md_names_no_key_the_code_does_not_have():
     assert named_in("redis-keys.md", "StepValue") - step_values() == set()
 
 
-def test_wire_format_md_lists_the_16_fields_in_schema_order():
-    rows = WIRE_FIELD_ROW.findall((DOCS / "wire-format.md").read_text())
-    assert [int(index) for index, _, _ in rows] == list(range(16))
-    assert tuple(name for _, name, _ in rows) == MICROBATCH_FIELDS
+def wire_tables() -> list[list[tuple[str, str, str]]]:
+    """The field tables of wire-format.md, in order: 559b447's, then 0f59b24's."""
+    text = (DOCS / "wire-format.md").read_text()
+    sections = text.split("## Wire profiles")
+    return [WIRE_FIELD_ROW.findall(section) for section in sections]
 
 
-def test_wire_format_md_marks_exactly_the_optional_fields():
-    rows = WIRE_FIELD_ROW.findall((DOCS / "wire-format.md").read_text())
-    assert {name for _, name, required in rows if required == "no"} == OPTIONAL_FIELDS
+@pytest.mark.parametrize(("table", "wire"), [(0, WIRE_559B447), (1, WIRE_0F59B24)])
+def test_wire_format_md_lists_each_profiles_fields_in_order(table: int, wire: WireProfile):
+    rows = wire_tables()[table]
+    assert [int(index) for index, _, _ in rows] == list(range(len(wire.fields)))
+    assert tuple(name for _, name, _ in rows) == wire.fields
+
+
+@pytest.mark.parametrize(("table", "wire"), [(0, WIRE_559B447), (1, WIRE_0F59B24)])
+def test_wire_format_md_marks_exactly_the_optional_fields(table: int, wire: WireProfile):
+    rows = wire_tables()[table]
+    assert {name for _, name, required in rows if required == "no"} == OPTIONAL_FIELDS & set(wire.fields)
 
 
 def test_the_task_arguments_redis_keys_md_names_are_the_tasks():

@@ -1,0 +1,298 @@
+"""Per-token side arrays passed by handle: rows in files under a shared payload root.
+
+A mixture-of-experts rollout's routed experts (one expert id per layer and top-k slot, per
+token: 384 bytes a token for 48 layers x top-8) and sampling masks outweigh its tokens many
+times over. A producer writes such rows to a file under the run's payload root and hands
+rlship `PayloadSegment`s instead of arrays; Redis, the orchestrator and the cpu workers move
+only the segments (about a hundred bytes each). finalize checks them against the files'
+sizes, encode shifts them into micro-batch positions, and each trainer rank `pread`s the rows
+of its micro-batches (`read_windows`). The layout is prime-rl's (`transports/payload.py` at its
+commit 0f59b241): a segment is `rows` rows of `field` from token position `pos`, stored
+C-contiguous as `[rows, *shape]` of `dtype` at byte `offset` of `file`.
+
+Each segment also carries the checksum of its rows as the producer wrote them (`digest`, not
+on the wire): a rank's checksum of the rows it read (`read_side_arrays`) is compared with the one
+the encoder derives from the producers' (`digests_checksum`), as payload checksums are.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from transport.checksum import payload_checksum
+
+PAYLOAD_FIELD = "payload"
+"""The name a rollout's segments travel under: beside its arrays, and as the micro-batch field."""
+
+
+class SegmentReadError(OSError):
+    """A segment whose rows cannot be read whole: its file is gone or shorter than it says."""
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadSegment:
+    """`rows` rows of `field` from token position `pos` (relative to the sequence that holds
+    the segment: rollout, sample or micro-batch), at byte `offset` of `file`."""
+
+    field: str
+    file: str
+    offset: int
+    pos: int
+    rows: int
+    dtype: str
+    shape: tuple[int, ...]
+    digest: str = ""  # `payload_checksum` of the rows as written; "" once clipped
+
+    @property
+    def end(self) -> int:
+        return self.pos + self.rows
+
+    @property
+    def row_bytes(self) -> int:
+        return np.dtype(self.dtype).itemsize * math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+    def to_wire(self) -> list[Any]:
+        """prime-rl's seven positional values (the digest stays with rlship)."""
+        return [self.field, self.file, self.offset, self.pos, self.rows, self.dtype, list(self.shape)]
+
+    def to_stored(self) -> list[Any]:
+        return [*self.to_wire(), self.digest]
+
+    @classmethod
+    def from_values(cls, values: Any, what: str = PAYLOAD_FIELD) -> PayloadSegment:
+        """A segment from its wire (seven values) or stored (eight) form; SchemaError-style
+        ValueError naming `what` on anything else."""
+        if not isinstance(values, list | tuple) or len(values) not in (7, 8):
+            raise ValueError(
+                f"{what}: expected [field, file, offset, pos, rows, dtype, shape], got {values!r:.80}"
+            )
+        field, file, offset, pos, rows, dtype, shape, *digest = values
+        ints = {"offset": offset, "pos": pos, "rows": rows}
+        for name, value in ints.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{what}.{name}: {value!r} is not a non-negative int")
+        if not isinstance(field, str) or not field or not isinstance(file, str) or not isinstance(dtype, str):
+            raise ValueError(f"{what}: field, file and dtype must be non-empty strings, got {values!r:.80}")
+        if not isinstance(shape, list | tuple) or not all(isinstance(d, int) and d > 0 for d in shape):
+            raise ValueError(f"{what}.shape: {shape!r} is not a list of positive ints")
+        try:
+            np.dtype(dtype)
+        except TypeError:
+            raise ValueError(f"{what}.dtype: {dtype!r} is not a dtype numpy knows") from None
+        return cls(field, file, offset, pos, rows, dtype, tuple(shape), str(digest[0]) if digest else "")
+
+
+@dataclass(frozen=True)
+class SideArrays:
+    """Where a run's side arrays by handle may be: under `root` (any absolute path if
+    None), and not at all if its wire cannot carry them (`refused_by` names that wire)."""
+
+    root: str | None = None
+    refused_by: str | None = None
+
+
+ANYWHERE = SideArrays()
+"""Side arrays by handle carried, from files anywhere (a producer or test without a run)."""
+
+
+def clip_segments(segments: Iterable[PayloadSegment], lo: int, hi: int) -> list[PayloadSegment]:
+    """The parts of `segments` inside positions [lo, hi), positions unchanged; a segment cut
+    short loses its digest (its rows are no longer the ones the producer summed)."""
+    out = []
+    for segment in segments:
+        start, end = max(segment.pos, lo), min(segment.end, hi)
+        if start >= end:
+            continue
+        if (start, end) != (segment.pos, segment.end):
+            offset = segment.offset + (start - segment.pos) * segment.row_bytes
+            segment = replace(segment, offset=offset, pos=start, rows=end - start, digest="")
+        out.append(segment)
+    return out
+
+
+def shift_segments(segments: Iterable[PayloadSegment], delta: int) -> list[PayloadSegment]:
+    return [replace(segment, pos=segment.pos + delta) for segment in segments]
+
+
+def segment_fields(segments: Iterable[PayloadSegment]) -> list[str]:
+    return list(dict.fromkeys(segment.field for segment in segments))
+
+
+def segments_problem(segments: Sequence[PayloadSegment], num_tokens: int, root: str | None) -> str | None:
+    """Why a rollout's segments cannot train (naming the field and the value), or None: each
+    field's segments agree in dtype and row shape and cover every token exactly once, and
+    each file is under the payload root (if the run has one) and long enough."""
+    by_field: dict[str, list[PayloadSegment]] = {}
+    for segment in segments:
+        by_field.setdefault(segment.field, []).append(segment)
+    for field, field_segments in by_field.items():
+        what = f"{PAYLOAD_FIELD}.{field}"
+        first = field_segments[0]
+        for segment in field_segments[1:]:
+            if (segment.dtype, segment.shape) != (first.dtype, first.shape):
+                return (
+                    f"{what}: segments disagree on rows ({segment.dtype}{list(segment.shape)} after "
+                    f"{first.dtype}{list(first.shape)})"
+                )
+        covered = np.zeros(num_tokens + 1, np.int32)
+        for segment in field_segments:
+            if segment.end > num_tokens:
+                return (
+                    f"{what}: rows [{segment.pos}, {segment.end}) run past the rollout's {num_tokens} tokens"
+                )
+            covered[segment.pos] += 1
+            covered[segment.end] -= 1
+        depth = np.cumsum(covered[:num_tokens])
+        if num_tokens and (depth != 1).any():
+            token = int(np.flatnonzero(depth != 1)[0])
+            how = "no segment" if depth[token] == 0 else f"{int(depth[token])} segments"
+            return f"{what}: token {token} is covered by {how} (each token needs exactly one row)"
+    return _files_problem(segments, root)
+
+
+def _files_problem(segments: Sequence[PayloadSegment], root: str | None) -> str | None:
+    sizes: dict[str, int] = {}
+    base = os.path.realpath(root) if root else None
+    for segment in segments:
+        what = f"{PAYLOAD_FIELD}.{segment.field}"
+        if segment.file not in sizes:
+            if not os.path.isabs(segment.file):
+                return f"{what}: file {segment.file!r} is not an absolute path"
+            if base is not None and os.path.commonpath([base, os.path.realpath(segment.file)]) != base:
+                return f"{what}: file {segment.file} is outside the payload root {root}"
+            try:
+                sizes[segment.file] = os.stat(segment.file).st_size
+            except OSError as exc:
+                return f"{what}: file {segment.file} cannot be read ({exc.strerror})"
+        if segment.offset + segment.nbytes > sizes[segment.file]:
+            return (
+                f"{what}: file {segment.file} holds {sizes[segment.file]} bytes, the rows need "
+                f"{segment.offset + segment.nbytes} (offset {segment.offset} + {segment.rows} rows "
+                f"of {segment.row_bytes})"
+            )
+    return None
+
+
+class SegmentReader:
+    """Reads segments' rows with `pread`, one descriptor per file for the reader's life."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+
+    def __enter__(self) -> SegmentReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def read(self, segment: PayloadSegment) -> bytes:
+        try:
+            fd = self._fds.get(segment.file)
+            if fd is None:
+                fd = self._fds[segment.file] = os.open(segment.file, os.O_RDONLY)
+            data = os.pread(fd, segment.nbytes, segment.offset)
+        except OSError as exc:
+            raise SegmentReadError(
+                f"{PAYLOAD_FIELD}.{segment.field}: {segment.file}: {exc.strerror}"
+            ) from exc
+        if len(data) != segment.nbytes:
+            raise SegmentReadError(
+                f"{PAYLOAD_FIELD}.{segment.field}: short read from {segment.file} at byte {segment.offset}: "
+                f"{len(data)} of {segment.nbytes} bytes"
+            )
+        return data
+
+
+def read_windows(
+    segments: Sequence[PayloadSegment], num_tokens: int, reader: SegmentReader
+) -> tuple[dict[str, np.ndarray], list[str]]:
+    """What a trainer rank reads of a micro-batch's side arrays: each field's rows over its
+    `num_tokens` positions (`[num_tokens, *shape]`, zeros where no segment covers a token),
+    and each segment's checksum of the rows read, in payload order (`digests_checksum`)."""
+    windows: dict[str, np.ndarray] = {}
+    digests = []
+    for segment in segments:
+        data = reader.read(segment)
+        digests.append(payload_checksum(data))
+        window = windows.get(segment.field)
+        if window is None:
+            window = windows[segment.field] = np.zeros((num_tokens, *segment.shape), segment.dtype)
+        elif (window.dtype, window.shape[1:]) != (np.dtype(segment.dtype), segment.shape):
+            raise SegmentReadError(
+                f"{PAYLOAD_FIELD}.{segment.field}: rows of {segment.dtype}{list(segment.shape)} after "
+                f"{window.dtype}{list(window.shape[1:])}"
+            )
+        window[segment.pos : segment.end] = np.frombuffer(data, segment.dtype).reshape(
+            segment.rows, *segment.shape
+        )
+    return windows, digests
+
+
+def read_side_arrays(batches: Sequence[Any]) -> str | None:
+    """Read every side array a rank's micro-batches (rlship's or prime-rl's structs) point
+    at, as a trainer rank does (each micro-batch's windows, with `pread`): SegmentReadError if
+    a file is gone or short. Returns
+    the checksum of the rows read (`digests_checksum`), None when there are no segments."""
+    digests: list[str] = []
+    with SegmentReader() as reader:
+        for batch in batches:
+            if getattr(batch, PAYLOAD_FIELD, None):
+                segments = [_as_segment(segment) for segment in batch.payload]
+                digests += read_windows(segments, len(batch.input_ids), reader)[1]
+    return digests_checksum(digests) if digests else None
+
+
+def _as_segment(segment: Any) -> PayloadSegment:
+    """Ours, or prime-rl's struct of the same seven fields (what its decoder makes)."""
+    if isinstance(segment, PayloadSegment):
+        return segment
+    names = ("field", "file", "offset", "pos", "rows", "dtype", "shape")
+    return PayloadSegment.from_values([getattr(segment, name) for name in names])
+
+
+def digests_checksum(digests: Iterable[str]) -> str:
+    """One checksum of a payload's side-array rows, from its segments' own in payload order:
+    what the encoder derives from the producers' digests, and a rank from what it read."""
+    return payload_checksum("\n".join(digests).encode())
+
+
+def rollout_rows_path(root: str | Path, run_id: str, rollout_id: str) -> Path:
+    """Where a rollout's side-array rows live when rlship is to delete them with the
+    rollout: one file per rollout in the run's own directory under the payload root (a file
+    elsewhere is its producer's to delete)."""
+    return Path(root) / run_id / f"{rollout_id}.rows"
+
+
+def write_segment_file(path: Path, arrays: Mapping[str, np.ndarray]) -> list[PayloadSegment]:
+    """Write a rollout's side arrays one after another to a new file at `path` (written
+    under a temporary name and renamed, so a reader never sees it half written) and return
+    their segments, each covering every token from position 0, with its digest."""
+    segments = []
+    offset = 0
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(temporary, "wb") as out:
+        for field, array in arrays.items():
+            data = np.ascontiguousarray(array)
+            out.write(data)
+            shape = tuple(int(d) for d in data.shape[1:])
+            segments.append(
+                PayloadSegment(
+                    field, str(path), offset, 0, len(data), data.dtype.name, shape, payload_checksum(data)
+                )
+            )
+            offset += data.nbytes
+    os.replace(temporary, path)
+    return segments
