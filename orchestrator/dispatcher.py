@@ -180,6 +180,9 @@ class Dispatcher:
         if stale_ids:
             self.rollout_log.dropped_at_cut(stale_ids, step, "stale")
             await self.store.delete_rollouts(stale_ids)
+            rows = self.settings.run_rows()
+            if rows.exists():
+                await asyncio.to_thread(rows.unlink, stale_ids)
         if not len(ingest.pending):
             return None
         async with ingest.cutting():

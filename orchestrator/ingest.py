@@ -53,6 +53,7 @@ class Ingest:
         self.settings = settings
         self.client = client
         self.keys = RunKeys(settings.run_id)
+        self.rows = settings.run_rows()
         self.rollout_log = rollout_log
         self.stopping = stopping
         self.work = work  # set once there are rollouts enough for a cut
@@ -103,6 +104,8 @@ class Ingest:
                 pipe.set(self.keys.accounted, self.accounting.accounted)
             pipe.hset(self.keys.status, mapping=self.status())
             await pipe.execute()
+            if release_ids and self.rows.exists():
+                await asyncio.to_thread(self.rows.unlink, release_ids)
             if self.completed_trainable:
                 completed, self.completed_trainable = self.completed_trainable, []
                 if self.prepare is not None:

@@ -1,9 +1,11 @@
 """Release bookkeeping: each shipped step's release task, and what is left at the end.
 
-A shipped step's per-rank payloads and rollouts are released by its `release` task. At
+A shipped step's per-rank payloads and rollouts (and their files of side-array rows) are
+released by its `release` task. At
 most one release is pending: the next waits for it, and its message is enqueued again if
 it is not done after `stall_seconds` (a Redis that dies can lose it; release is
-idempotent). At the end of the run the retained payloads and every rollout still held go.
+idempotent). At the end of the run the retained payloads and every rollout still held go,
+with the run's directory of rows files.
 """
 
 from __future__ import annotations
@@ -79,10 +81,12 @@ class Releases:
         builtin = self.settings.trainers == "builtin"
         deadline = time.monotonic() + (self.settings.ack_timeout if builtin else 0.0)
         while await self.store.unacknowledged_steps() and time.monotonic() < deadline:
-            await self.store.release_payloads(self.settings.ranks, last_published, evict_through=-1)
+            await self.store.release_payloads(
+                self.settings.ranks, last_published, evict_through=-1, rows=self.settings.run_rows()
+            )
             await asyncio.sleep(POLL_SECONDS * 10)
         released = await self.store.release_payloads(
-            self.settings.ranks, last_published, evict_through=last_published
+            self.settings.ranks, last_published, evict_through=last_published, rows=self.settings.run_rows()
         )
         if released.evicted_unacknowledged and builtin:
             log.error(
@@ -96,6 +100,7 @@ class Releases:
         """At the end of the run every rollout still held (pending, in open groups, or not
         yet read from the stream) will never ship: release the payloads and the stream."""
         deleted = await self.store.delete_all_rollouts()
+        await asyncio.to_thread(self.settings.run_rows().remove_all)
         await self.client.unlink(self.keys.rollout_stream, self.keys.checkpoint)
         if deleted:
             log.info("released %d unshipped rollouts at shutdown", deleted)

@@ -19,6 +19,7 @@ from tasks.logs import mask_secrets
 from tasks.manifest import ShipConfig
 from transport.connection import SENTINEL_SCHEME, RedisAddress
 from transport.numbering import PRIME_RL_FIRST_STEP
+from transport.payload_segments import RunRows
 
 CONFIG_ENV = "RLSHIP_CONFIG"
 REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel")
@@ -325,6 +326,10 @@ class RunSettings(BaseSettings):
         `computed` gives the fields whose value is not a plain copy."""
         names = record.model_fields if issubclass(record, BaseModel) else [f.name for f in fields(record)]
         return {**{name: getattr(self, name) for name in names if name not in computed}, **computed}
+
+    def run_rows(self) -> RunRows:
+        """The run's own files of side-array rows (under `payload_root`)."""
+        return RunRows(Path(str(self.payload_root)), self.run_id)
 
     def ship_config(self) -> ShipConfig:
         """What the workers need of the settings. `output_dir` travels as text: the manifest

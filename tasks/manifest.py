@@ -13,7 +13,7 @@ import numpy as np
 
 from tasks.cohort import Cohort
 from transport.keys import RunKeys
-from transport.payload_segments import PAYLOAD_FIELD, SideArrays
+from transport.payload_segments import PAYLOAD_FIELD, RunRows, SideArrays
 from transport.schema import WIRE_559B447, WIRE_PROFILES, WireProfile
 
 # Elements of a long list packed in one call by `packb_in_pieces`: about a millisecond of labels.
@@ -79,6 +79,9 @@ class ShipConfig:
     @property
     def wire_profile(self) -> WireProfile:
         return WIRE_PROFILES[self.wire]
+
+    def run_rows(self, run_id: str) -> RunRows | None:
+        return RunRows(Path(self.payload_root), run_id) if self.payload_root else None
 
     @property
     def side_arrays(self) -> SideArrays:

@@ -50,7 +50,7 @@ from transport.base import StepSender
 from transport.checksum import payload_checksum
 from transport.filesystem import ForeignLayout
 from transport.keys import StepValue, stage_field, stage_of_field
-from transport.payload_segments import PAYLOAD_FIELD, digests_checksum
+from transport.payload_segments import PAYLOAD_FIELD, RunRows, digests_checksum
 from transport.port_claims import other_claimants, port_holder
 from transport.store import DEFAULT_TTL_SECONDS, PayloadMissingError, PayloadStore
 
@@ -481,14 +481,33 @@ def _report_evicted(ctx: StepContext, steps: list[int]) -> None:
     )
 
 
+def _release_dropped_rows(ctx: StepContext) -> RunRows | None:
+    """The run's rows files of the step's rollouts that did not ship go now; those that
+    shipped stay with the step's retained payloads (a rank may replay the step). None: the
+    run has no rows files, or this is a redelivered release that found the step's keys gone
+    (the first delivery did this; the run's end removes what a crash left)."""
+    try:
+        rows = ctx.manifest.config.run_rows(ctx.run_id)
+        if rows is None or not rows.exists():
+            return None
+        shipped = Cohort.from_wire(ctx.get(StepValue.PRUNED)["samples"]).labels["rollout_id"]
+    except PayloadMissingError:
+        return None
+    kept = set(shipped)
+    rows.unlink(rid for rid in ctx.manifest.effective.labels["rollout_id"] if rid not in kept)
+    ctx.store.hold_rows(ctx.step, list(shipped))
+    return rows
+
+
 @stage_task("release", computes=False, skip=_released_already)
 def release(ctx: StepContext, ranks: int, replay_steps: int) -> None:
     """Delete every key of a published step but its per-rank payloads; release the payloads
     of every step all ranks have acknowledged (and, past the retention bound, of older steps
     regardless); trim the heap; mark the step released."""
     step = ctx.step
+    rows = _release_dropped_rows(ctx)
     deleted = ctx.store.delete_step(step)
-    payloads = ctx.store.release_payloads(ranks, step, evict_through=step - replay_steps)
+    payloads = ctx.store.release_payloads(ranks, step, evict_through=step - replay_steps, rows=rows)
     if payloads.evicted_unacknowledged:
         _report_evicted(ctx, payloads.evicted_unacknowledged)
     ctx.crash_if_armed("release")

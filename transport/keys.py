@@ -141,6 +141,11 @@ class RunKeys:
         """A trainer rank's log of received steps: step -> checksum."""
         return f"{self.prefix}received:{rank}"
 
+    def rows_held(self, step: int) -> str:
+        """The rollouts a step shipped with side-array rows in the run's own files: deleted
+        with the step's retained payloads (`RunRows`)."""
+        return f"{self.prefix}rows_held:{step}"
+
     def received_rows(self, rank: int) -> str:
         """A trainer rank's checksums of the side-array rows it read by handle: step -> checksum."""
         return f"{self.prefix}received_rows:{rank}"

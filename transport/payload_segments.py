@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -274,6 +275,40 @@ def rollout_rows_path(root: str | Path, run_id: str, rollout_id: str) -> Path:
     rollout: one file per rollout in the run's own directory under the payload root (a file
     elsewhere is its producer's to delete)."""
     return Path(root) / run_id / f"{rollout_id}.rows"
+
+
+@dataclass(frozen=True)
+class RunRows:
+    """A run's own files of side-array rows, one per rollout (`rollout_rows_path`). rlship
+    deletes a rollout's file when nothing can read it any more: discarded before a cut, or
+    dropped at one, at once; shipped, when its step's payloads are released (a rank may
+    replay them until then); whatever is left, when the run ends."""
+
+    root: Path
+    run_id: str
+
+    @property
+    def directory(self) -> Path:
+        return Path(self.root) / self.run_id
+
+    def exists(self) -> bool:
+        return self.directory.is_dir()
+
+    def unlink(self, rollout_ids: Iterable[str]) -> int:
+        """Delete those rollouts' files (one that is gone already is no error); how many went."""
+        if not self.exists():
+            return 0
+        deleted = 0
+        for rollout_id in rollout_ids:
+            try:
+                os.unlink(rollout_rows_path(self.root, self.run_id, rollout_id))
+                deleted += 1
+            except FileNotFoundError:
+                continue
+        return deleted
+
+    def remove_all(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def write_segment_file(path: Path, arrays: Mapping[str, np.ndarray]) -> list[PayloadSegment]:

@@ -13,6 +13,7 @@ bound on retained steps evicts them), so a rank that lost a message can replay i
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,7 @@ import redis
 import redis.asyncio as aioredis
 
 from transport.keys import PAYLOAD, WIRE_SUFFIX, RunKeys
-from transport.payload_segments import PAYLOAD_FIELD, PayloadSegment
+from transport.payload_segments import PAYLOAD_FIELD, PayloadSegment, RunRows
 from transport.schema import MM_KWARGS_PREFIX, EncodedTensor, SchemaError, as_encoded_tensors
 
 DEFAULT_TTL_SECONDS = 24 * 3600
@@ -226,12 +227,25 @@ class PayloadStore:
     def get_payload(self, step: int, rank: int) -> bytes:
         return self._get(self.keys.payload(step, rank))
 
-    def release_payloads(self, ranks: int, through_step: int, evict_through: int) -> ReleasedPayloads:
+    def release_payloads(
+        self, ranks: int, through_step: int, evict_through: int, rows: RunRows | None = None
+    ) -> ReleasedPayloads:
         """Release the retained payloads of steps <= `through_step` that every rank has
-        acknowledged, and of steps <= `evict_through` whether acknowledged or not."""
-        return ReleasedPayloads.from_script(
+        acknowledged, and of steps <= `evict_through` whether acknowledged or not; with them
+        the files of side-array rows they point at (`hold_rows`)."""
+        released = ReleasedPayloads.from_script(
             _release_payloads(self.client, self.keys, ranks, through_step, evict_through)
         )
+        if rows is not None and released.released:
+            held = [self.keys.rows_held(step) for step in released.released]
+            rows.unlink(rollout_id for value in self.client.mget(held) for rollout_id in _held_ids(value))
+            self.client.unlink(*held)
+        return released
+
+    def hold_rows(self, step: int, rollout_ids: list[str]) -> None:
+        """The rollouts whose rows files stay with the step's retained payloads."""
+        if rollout_ids:
+            self.client.set(self.keys.rows_held(step), msgpack.packb(rollout_ids), ex=self.ttl)
 
     def delete_step(self, step: int) -> int:
         """Unlink every key registered with the step (and the registry); returns how many."""
@@ -281,11 +295,19 @@ class AsyncPayloadStore:
         keys = [key for r in rollout_ids for key in self.keys.rollout_keys(r)]
         return int(await self.client.unlink(*keys)) if keys else 0
 
-    async def release_payloads(self, ranks: int, through_step: int, evict_through: int) -> ReleasedPayloads:
-        """See `PayloadStore.release_payloads`."""
-        return ReleasedPayloads.from_script(
+    async def release_payloads(
+        self, ranks: int, through_step: int, evict_through: int, rows: RunRows | None = None
+    ) -> ReleasedPayloads:
+        """See `PayloadStore.release_payloads` (the files are deleted off the event loop)."""
+        released = ReleasedPayloads.from_script(
             await _release_payloads(self.client, self.keys, ranks, through_step, evict_through)
         )
+        if rows is not None and released.released:
+            held = [self.keys.rows_held(step) for step in released.released]
+            ids = [rollout_id for value in await self.client.mget(held) for rollout_id in _held_ids(value)]
+            await asyncio.to_thread(rows.unlink, ids)
+            await self.client.unlink(*held)
+        return released
 
     async def unacknowledged_steps(self) -> list[int]:
         """Steps whose payloads are still retained (some rank has not acknowledged them)."""
@@ -341,15 +363,19 @@ return deleted
 
 @dataclass(frozen=True)
 class ReleasedPayloads:
-    """What one release of retained payloads did: how many steps it freed, and which of
-    them were evicted by the retention bound before every rank acknowledged them."""
+    """What one release of retained payloads did: the steps it freed, and which of them were
+    evicted by the retention bound before every rank acknowledged them."""
 
-    steps: int
+    released: list[int]
     evicted_unacknowledged: list[int]
+
+    @property
+    def steps(self) -> int:
+        return len(self.released)
 
     @classmethod
     def from_script(cls, reply: list[Any]) -> ReleasedPayloads:
-        return cls(int(reply[0]), sorted(int(s) for s in reply[1]))
+        return cls(sorted(int(s) for s in reply[0]), sorted(int(s) for s in reply[1]))
 
 
 # KEYS[1]: the retained-steps set. ARGV: the step-key prefix ("...:step:"), the trained-set
@@ -359,7 +385,7 @@ class ReleasedPayloads:
 _RELEASE_PAYLOADS_LUA = """
 local ranks = tonumber(ARGV[3])
 local evict_through = tonumber(ARGV[5])
-local released, evicted = 0, {}
+local released, evicted = {}, {}
 for _, step in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[4])) do
   local acked = redis.call('SCARD', ARGV[2] .. step)
   if acked >= ranks or tonumber(step) <= evict_through then
@@ -371,11 +397,15 @@ for _, step in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[4])) do
       table.insert(evicted, step)
     end
     redis.call('ZREM', KEYS[1], step)
-    released = released + 1
+    table.insert(released, step)
   end
 end
 return {released, evicted}
 """
+
+
+def _held_ids(value: bytes | None) -> list[str]:
+    return msgpack.unpackb(value, raw=False) if value else []
 
 
 def _release_payloads(client: Any, keys: RunKeys, ranks: int, through_step: int, evict_through: int) -> Any:

@@ -233,7 +233,9 @@ def run_local(
         summary["run_seconds"] = run_seconds
         store = PayloadStore(client, settings.run_id)
         if stopped == "done":
+            # The producer stopped after the orchestrator: what it wrote since goes too.
             store.delete_all_rollouts()
+            settings.run_rows().remove_all()
         store.expire_run(KEYS_KEPT_SECONDS)
     finally:
         if client is not None:
