@@ -26,7 +26,14 @@ from orchestrator.settings import RunSettings
 from tasks.stages.finalize import PayloadFacts, check_rollout_arrays
 from transport.keys import RunKeys
 from transport.numbering import required_version, version_after
-from transport.payload_segments import ANYWHERE, PAYLOAD_FIELD, SideArrays
+from transport.payload_segments import (
+    ANYWHERE,
+    PAYLOAD_FIELD,
+    RunRows,
+    SideArrays,
+    rollout_rows_path,
+    write_segment_file,
+)
 from transport.replication import Durability
 from transport.schema import EncodedTensor, SchemaError
 from transport.store import DEFAULT_TTL_SECONDS, flat_arrays, pack_arrays
@@ -89,6 +96,8 @@ return reply
 """
 
 ADMISSION_POLL_SECONDS = 0.05
+# The inline side arrays a run that keeps payloads out of Redis keeps in files until the cut.
+ROWS_OUT_OF_REDIS = ("routed_experts",)
 
 
 class AdmissionRefused(RuntimeError):
@@ -204,6 +213,7 @@ class _Producer:
         admission: Admission | None = None,
         durability: Durability | None = None,
         side_arrays: SideArrays = ANYWHERE,
+        rows_out_of_redis: RunRows | None = None,
     ) -> None:
         self.client = client
         self.keys = RunKeys(run_id)
@@ -214,6 +224,7 @@ class _Producer:
         self.vocab_size = vocab_size
         self.admission = admission
         self.side_arrays = side_arrays
+        self.rows_out_of_redis = rows_out_of_redis
         self._produce = client.register_script(_PRODUCE_LUA)
         self._gate_keys = [self.keys.known_policy_version, self.keys.next_step]
 
@@ -229,6 +240,7 @@ class _Producer:
             admission=Admission.for_run(settings) if admitted else None,
             durability=Durability.of(settings, RunKeys(settings.run_id).replication_probe),
             side_arrays=settings.ship_config().side_arrays,
+            rows_out_of_redis=settings.run_rows() if settings.payload_store == "dir" else None,
         )
 
     def _stored(self, keys: list[str]) -> tuple[Any, Any]:
@@ -249,13 +261,26 @@ class _Producer:
             self.keys.next_step,
         ]
         args: list[Any] = []
-        for (record, arrays), flat in zip(rollouts, checked, strict=True):
+        for (record, _), flat in zip(rollouts, checked, strict=True):
             keys.append(self.keys.rollout(record.rollout_id))
-            blob = pack_arrays(arrays)
+            blob = pack_arrays(self._rows_to_files(record.rollout_id, flat))
             # Segments are checked again at the cut, against the files as they are then.
             facts = "" if PAYLOAD_FIELD in flat else PayloadFacts.of(flat, len(blob)).to_wire()
             args += [blob, record.model_dump_json(), facts]
         return keys, args
+
+    def _rows_to_files(self, rollout_id: str, arrays: Mapping[str, Any]) -> Mapping[str, Any]:
+        """With the run's payloads kept out of Redis, its inline side arrays wait for the cut
+        in the run's rows files too (the encoder reads them back into the micro-batch)."""
+        moved = {name: arrays[name] for name in ROWS_OUT_OF_REDIS if name in arrays}
+        if self.rows_out_of_redis is None or not moved:
+            return arrays
+        rows = self.rows_out_of_redis
+        path = rollout_rows_path(rows.root, rows.run_id, rollout_id, inline=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        segments = write_segment_file(path, moved, inline=True)
+        kept = {name: value for name, value in arrays.items() if name not in moved}
+        return kept | {PAYLOAD_FIELD: [*arrays.get(PAYLOAD_FIELD, []), *segments]}
 
     def _gate(self, rollouts: Rollouts, known: bytes | None, next_step: bytes | None) -> _Gate:
         """Admission's view of the run (the orchestrator's policy version and next step, both

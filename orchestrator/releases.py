@@ -82,11 +82,19 @@ class Releases:
         deadline = time.monotonic() + (self.settings.ack_timeout if builtin else 0.0)
         while await self.store.unacknowledged_steps() and time.monotonic() < deadline:
             await self.store.release_payloads(
-                self.settings.ranks, last_published, evict_through=-1, rows=self.settings.run_rows()
+                self.settings.ranks,
+                last_published,
+                evict_through=-1,
+                rows=self.settings.run_rows(),
+                directory=self.settings.payload_directory(),
             )
             await asyncio.sleep(POLL_SECONDS * 10)
         released = await self.store.release_payloads(
-            self.settings.ranks, last_published, evict_through=last_published, rows=self.settings.run_rows()
+            self.settings.ranks,
+            last_published,
+            evict_through=last_published,
+            rows=self.settings.run_rows(),
+            directory=self.settings.payload_directory(),
         )
         if released.evicted_unacknowledged and builtin:
             log.error(

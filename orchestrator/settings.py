@@ -19,6 +19,7 @@ from tasks.logs import mask_secrets
 from tasks.manifest import ShipConfig
 from transport.connection import SENTINEL_SCHEME, RedisAddress
 from transport.numbering import PRIME_RL_FIRST_STEP
+from transport.payload_dir import PayloadDirectory
 from transport.payload_segments import RunRows
 
 CONFIG_ENV = "RLSHIP_CONFIG"
@@ -111,10 +112,11 @@ class RunSettings(BaseSettings):
     broadcast_dir: Path | None = Field(
         default=None, description="prime-rl's weight-broadcast directory; unset: output_dir/broadcasts"
     )
-    workload: Literal["dense", "moe"] = Field(
+    workload: Literal["dense", "moe", "moe-inline"] = Field(
         default="dense",
         description="what the synthetic producer makes: dense rollouts, or moe (each also with routed "
-        "experts of a 48-layer top-8 model, uint8, written to files under payload_root and passed by handle)",
+        "experts of a 48-layer top-8 model, uint8, written to files under payload_root and passed by "
+        "handle), or moe-inline (the same routed experts inline, as trainers on wire 559b447 take them)",
     )
     wire: Literal["prime-rl-559b447", "prime-rl-0f59b24"] | None = Field(
         default=None,
@@ -125,6 +127,12 @@ class RunSettings(BaseSettings):
         default=None,
         description="the shared directory side arrays passed by handle live under (producers write "
         "there, trainer ranks read there); unset: output_dir/payloads",
+    )
+    payload_store: Literal["redis", "dir"] = Field(
+        default="redis",
+        description="where encoded per-rank payloads (the replay window) are kept: in Redis, or in files "
+        "under output_dir/step-payloads/{run_id} (shared with the ship worker and the trainer ranks; "
+        "Redis then holds pointers), and where producers' inline side arrays wait for the cut",
     )
     cpu_workers: int = Field(default=2, ge=1, description="processes of the cpu worker (compute stages)")
     cpu_worker_max_memory_mib: int = Field(
@@ -326,6 +334,9 @@ class RunSettings(BaseSettings):
         `computed` gives the fields whose value is not a plain copy."""
         names = record.model_fields if issubclass(record, BaseModel) else [f.name for f in fields(record)]
         return {**{name: getattr(self, name) for name in names if name not in computed}, **computed}
+
+    def payload_directory(self) -> PayloadDirectory | None:
+        return self.ship_config().payload_directory(self.run_id)
 
     def run_rows(self) -> RunRows:
         """The run's own files of side-array rows (under `payload_root`)."""

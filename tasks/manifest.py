@@ -13,6 +13,7 @@ import numpy as np
 
 from tasks.cohort import Cohort
 from transport.keys import RunKeys
+from transport.payload_dir import PayloadDirectory, payload_directory
 from transport.payload_segments import PAYLOAD_FIELD, RunRows, SideArrays
 from transport.schema import WIRE_559B447, WIRE_PROFILES, WireProfile
 
@@ -71,6 +72,7 @@ class ShipConfig:
     redis_wait_timeout_ms: int = 1000
     wire: str = WIRE_559B447.name  # the trainers' MicroBatch layout (`WIRE_PROFILES`)
     payload_root: str = ""  # where side arrays by handle may be ("": anywhere)
+    payload_store: Literal["redis", "dir"] = "redis"  # where per-rank payloads are retained
 
     @property
     def output_path(self) -> Path:
@@ -79,6 +81,10 @@ class ShipConfig:
     @property
     def wire_profile(self) -> WireProfile:
         return WIRE_PROFILES[self.wire]
+
+    def payload_directory(self, run_id: str) -> PayloadDirectory | None:
+        """Where the run's per-rank payloads are retained, if not in Redis."""
+        return payload_directory(self.output_path, run_id) if self.payload_store == "dir" else None
 
     def run_rows(self, run_id: str) -> RunRows | None:
         return RunRows(Path(self.payload_root), run_id) if self.payload_root else None

@@ -32,6 +32,7 @@ from tasks.stages.encode import (
     prepare_samples,
     rank_rollout_ids,
     rank_segments,
+    with_inline_rows,
 )
 from tasks.stages.finalize import (
     StepVerdict,
@@ -50,6 +51,7 @@ from transport.base import StepSender
 from transport.checksum import payload_checksum
 from transport.filesystem import ForeignLayout
 from transport.keys import StepValue, stage_field, stage_of_field
+from transport.payload_dir import PayloadDirectory
 from transport.payload_segments import PAYLOAD_FIELD, RunRows, digests_checksum
 from transport.port_claims import other_claimants, port_holder
 from transport.store import DEFAULT_TTL_SECONDS, PayloadMissingError, PayloadStore
@@ -161,11 +163,14 @@ def encode(ctx: StepContext, rank: int) -> None:
         segments = rank_segments(plans, samples, {rid: w.segments for rid, w in wires.items()})
     else:
         arrays |= ctx.store.get_rollouts([rid for rid in ids if rid not in arrays])
+        arrays = with_inline_rows(arrays)
         payload = encode_rank(plans, samples, arrays, wire)
         segments = rank_segments(plans, samples, {rid: a.get(PAYLOAD_FIELD, []) for rid, a in arrays.items()})
-    ctx.store.put_payload(ctx.step, rank, payload)
+    checksum = payload_checksum(payload)
+    config = ctx.manifest.config
+    ctx.store.put_payload(ctx.step, rank, payload, config.payload_directory(ctx.run_id), checksum)
     pipe = ctx.client.pipeline(transaction=False)
-    pipe.hset(ctx.keys.sent_checksums, f"{ctx.step}:{rank}", payload_checksum(payload))
+    pipe.hset(ctx.keys.sent_checksums, f"{ctx.step}:{rank}", checksum)
     if segments and all(segment.digest for segment in segments):
         rows = digests_checksum(segment.digest for segment in segments)
         pipe.hset(ctx.keys.sent_rows_checksums, f"{ctx.step}:{rank}", rows)
@@ -481,6 +486,15 @@ def _report_evicted(ctx: StepContext, steps: list[int]) -> None:
     )
 
 
+def _payload_directory(ctx: StepContext) -> PayloadDirectory | None:
+    """Where the run retains payloads, if in files; read before the step's keys go (a
+    redelivered release that finds them gone leaves the files to the run's end)."""
+    try:
+        return ctx.manifest.config.payload_directory(ctx.run_id)
+    except PayloadMissingError:
+        return None
+
+
 def _release_dropped_rows(ctx: StepContext) -> RunRows | None:
     """The run's rows files of the step's rollouts that did not ship go now; those that
     shipped stay with the step's retained payloads (a rank may replay the step). None: the
@@ -506,8 +520,11 @@ def release(ctx: StepContext, ranks: int, replay_steps: int) -> None:
     regardless); trim the heap; mark the step released."""
     step = ctx.step
     rows = _release_dropped_rows(ctx)
+    directory = _payload_directory(ctx)
     deleted = ctx.store.delete_step(step)
-    payloads = ctx.store.release_payloads(ranks, step, evict_through=step - replay_steps, rows=rows)
+    payloads = ctx.store.release_payloads(
+        ranks, step, evict_through=step - replay_steps, rows=rows, directory=directory
+    )
     if payloads.evicted_unacknowledged:
         _report_evicted(ctx, payloads.evicted_unacknowledged)
     ctx.crash_if_armed("release")

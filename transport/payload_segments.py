@@ -50,6 +50,9 @@ class PayloadSegment:
     dtype: str
     shape: tuple[int, ...]
     digest: str = ""  # `payload_checksum` of the rows as written; "" once clipped
+    # Rows rlship moved out of Redis for a field the trainers take inline: the encoder reads
+    # them into the micro-batch (`--payload-store dir`). Neither travels on the wire.
+    inline: bool = False
 
     @property
     def end(self) -> int:
@@ -68,17 +71,17 @@ class PayloadSegment:
         return [self.field, self.file, self.offset, self.pos, self.rows, self.dtype, list(self.shape)]
 
     def to_stored(self) -> list[Any]:
-        return [*self.to_wire(), self.digest]
+        return [*self.to_wire(), self.digest, self.inline]
 
     @classmethod
     def from_values(cls, values: Any, what: str = PAYLOAD_FIELD) -> PayloadSegment:
-        """A segment from its wire (seven values) or stored (eight) form; SchemaError-style
-        ValueError naming `what` on anything else."""
-        if not isinstance(values, list | tuple) or len(values) not in (7, 8):
+        """A segment from its wire (seven values) or stored (nine) form; ValueError naming
+        `what` on anything else."""
+        if not isinstance(values, list | tuple) or len(values) not in (7, 9):
             raise ValueError(
                 f"{what}: expected [field, file, offset, pos, rows, dtype, shape], got {values!r:.80}"
             )
-        field, file, offset, pos, rows, dtype, shape, *digest = values
+        field, file, offset, pos, rows, dtype, shape, *stored = values
         ints = {"offset": offset, "pos": pos, "rows": rows}
         for name, value in ints.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -91,7 +94,8 @@ class PayloadSegment:
             np.dtype(dtype)
         except TypeError:
             raise ValueError(f"{what}.dtype: {dtype!r} is not a dtype numpy knows") from None
-        return cls(field, file, offset, pos, rows, dtype, tuple(shape), str(digest[0]) if digest else "")
+        digest, inline = stored or ("", False)
+        return cls(field, file, offset, pos, rows, dtype, tuple(shape), str(digest), bool(inline))
 
 
 @dataclass(frozen=True)
@@ -270,11 +274,12 @@ def digests_checksum(digests: Iterable[str]) -> str:
     return payload_checksum("\n".join(digests).encode())
 
 
-def rollout_rows_path(root: str | Path, run_id: str, rollout_id: str) -> Path:
+def rollout_rows_path(root: str | Path, run_id: str, rollout_id: str, inline: bool = False) -> Path:
     """Where a rollout's side-array rows live when rlship is to delete them with the
     rollout: one file per rollout in the run's own directory under the payload root (a file
-    elsewhere is its producer's to delete)."""
-    return Path(root) / run_id / f"{rollout_id}.rows"
+    elsewhere is its producer's to delete), and one more for the rows rlship's producer kept
+    out of Redis for fields the trainers take inline."""
+    return Path(root) / run_id / (f"{rollout_id}.inline.rows" if inline else f"{rollout_id}.rows")
 
 
 @dataclass(frozen=True)
@@ -295,26 +300,32 @@ class RunRows:
         return self.directory.is_dir()
 
     def unlink(self, rollout_ids: Iterable[str]) -> int:
-        """Delete those rollouts' files (one that is gone already is no error); how many went."""
+        """Delete those rollouts' files (one that is gone already, or never was, is no error);
+        returns how many went."""
         if not self.exists():
             return 0
         deleted = 0
         for rollout_id in rollout_ids:
-            try:
-                os.unlink(rollout_rows_path(self.root, self.run_id, rollout_id))
-                deleted += 1
-            except FileNotFoundError:
-                continue
+            for inline in (False, True):
+                try:
+                    os.unlink(rollout_rows_path(self.root, self.run_id, rollout_id, inline))
+                    deleted += 1
+                except FileNotFoundError:
+                    continue
         return deleted
 
     def remove_all(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def write_segment_file(path: Path, arrays: Mapping[str, np.ndarray]) -> list[PayloadSegment]:
-    """Write a rollout's side arrays one after another to a new file at `path` (written
-    under a temporary name and renamed, so a reader never sees it half written) and return
-    their segments, each covering every token from position 0, with its digest."""
+def write_segment_file(
+    path: Path, arrays: Mapping[str, np.ndarray], inline: bool = False
+) -> list[PayloadSegment]:
+    """Write a rollout's side arrays one after another to a new file at `path` and return
+    their segments, each covering every token from position 0, with its digest. Written
+    under a temporary name and linked into place, so a reader never sees half a file, and a
+    file already there is kept: a rollout id given twice (which the run refuses) cannot
+    change the rows the first one's segments point at."""
     segments = []
     offset = 0
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -323,11 +334,15 @@ def write_segment_file(path: Path, arrays: Mapping[str, np.ndarray]) -> list[Pay
             data = np.ascontiguousarray(array)
             out.write(data)
             shape = tuple(int(d) for d in data.shape[1:])
+            digest = payload_checksum(data)
             segments.append(
-                PayloadSegment(
-                    field, str(path), offset, 0, len(data), data.dtype.name, shape, payload_checksum(data)
-                )
+                PayloadSegment(field, str(path), offset, 0, len(data), data.dtype.name, shape, digest, inline)
             )
             offset += data.nbytes
-    os.replace(temporary, path)
+    try:
+        os.link(temporary, path)
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(temporary)
     return segments

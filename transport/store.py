@@ -24,6 +24,7 @@ import redis
 import redis.asyncio as aioredis
 
 from transport.keys import PAYLOAD, WIRE_SUFFIX, RunKeys
+from transport.payload_dir import PayloadDirectory, PayloadFileError, is_pointer, read_pointed
 from transport.payload_segments import PAYLOAD_FIELD, PayloadSegment, RunRows
 from transport.schema import MM_KWARGS_PREFIX, EncodedTensor, SchemaError, as_encoded_tensors
 
@@ -215,27 +216,53 @@ class PayloadStore:
     def _get(self, key: str) -> bytes:
         return _check_found([key], [self.client.get(key)])[0]
 
-    def put_payload(self, step: int, rank: int, payload: bytes | memoryview) -> str:
-        """Write one rank's encoded step, retained past the step's release (module docstring)."""
+    def put_payload(
+        self,
+        step: int,
+        rank: int,
+        payload: bytes | memoryview,
+        directory: PayloadDirectory | None = None,
+        checksum: str = "",
+    ) -> str:
+        """Write one rank's encoded step, retained past the step's release (module docstring):
+        its bytes, or with a `directory` a pointer to the file they are written to (with
+        their `checksum`, which reads check)."""
         key = self.keys.payload(step, rank)
+        value = payload if directory is None else directory.write(step, rank, payload, checksum)
         pipe = self.client.pipeline(transaction=True)
-        pipe.set(key, payload, ex=self.ttl)
+        pipe.set(key, value, ex=self.ttl)
         pipe.zadd(self.keys.retained_payloads, {str(step): step})
         pipe.execute()
         return key
 
     def get_payload(self, step: int, rank: int) -> bytes:
-        return self._get(self.keys.payload(step, rank))
+        """A rank's retained payload, read through its pointer if it is kept in a directory."""
+        key = self.keys.payload(step, rank)
+        value = self._get(key)
+        if not is_pointer(value):
+            return value
+        try:
+            return read_pointed(value)
+        except PayloadFileError as exc:
+            raise PayloadCorruptError(f"{key}: {exc}") from exc
 
     def release_payloads(
-        self, ranks: int, through_step: int, evict_through: int, rows: RunRows | None = None
+        self,
+        ranks: int,
+        through_step: int,
+        evict_through: int,
+        rows: RunRows | None = None,
+        directory: PayloadDirectory | None = None,
     ) -> ReleasedPayloads:
         """Release the retained payloads of steps <= `through_step` that every rank has
         acknowledged, and of steps <= `evict_through` whether acknowledged or not; with them
-        the files of side-array rows they point at (`hold_rows`)."""
+        their files in `directory` and the files of side-array rows they point at
+        (`hold_rows`)."""
         released = ReleasedPayloads.from_script(
             _release_payloads(self.client, self.keys, ranks, through_step, evict_through)
         )
+        if directory is not None:
+            directory.remove_steps(released.released)
         if rows is not None and released.released:
             held = [self.keys.rows_held(step) for step in released.released]
             rows.unlink(rollout_id for value in self.client.mget(held) for rollout_id in _held_ids(value))
@@ -296,12 +323,19 @@ class AsyncPayloadStore:
         return int(await self.client.unlink(*keys)) if keys else 0
 
     async def release_payloads(
-        self, ranks: int, through_step: int, evict_through: int, rows: RunRows | None = None
+        self,
+        ranks: int,
+        through_step: int,
+        evict_through: int,
+        rows: RunRows | None = None,
+        directory: PayloadDirectory | None = None,
     ) -> ReleasedPayloads:
         """See `PayloadStore.release_payloads` (the files are deleted off the event loop)."""
         released = ReleasedPayloads.from_script(
             await _release_payloads(self.client, self.keys, ranks, through_step, evict_through)
         )
+        if directory is not None and released.released:
+            await asyncio.to_thread(directory.remove_steps, released.released)
         if rows is not None and released.released:
             held = [self.keys.rows_held(step) for step in released.released]
             ids = [rollout_id for value in await self.client.mget(held) for rollout_id in _held_ids(value)]

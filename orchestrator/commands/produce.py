@@ -157,6 +157,7 @@ def run_producer(
         seq_len=settings.seq_len,
         vocab_size=settings.vocab_size,
         moe_rows=(Path(str(settings.payload_root)), settings.run_id) if settings.workload == "moe" else None,
+        moe_inline=settings.workload == "moe-inline",
     )
     # A resumed run: the groups its earlier start wrote are made again (same seed) and skipped.
     for _ in range(int(client.get(producer.keys.produced) or 0) // settings.group_size):

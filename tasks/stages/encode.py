@@ -37,7 +37,14 @@ from transport.codec import (
     repeated_elements,
     split_elements,
 )
-from transport.payload_segments import PAYLOAD_FIELD, PayloadSegment, clip_segments, shift_segments
+from transport.payload_segments import (
+    PAYLOAD_FIELD,
+    PayloadSegment,
+    SegmentReader,
+    clip_segments,
+    read_windows,
+    shift_segments,
+)
 from transport.schema import (
     MM_KWARGS_PREFIX,
     WIRE_559B447,
@@ -180,6 +187,23 @@ def encode_rank(
     return encode_microbatches([build_microbatch(plan, samples, arrays, wire) for plan in plans], wire)
 
 
+def with_inline_rows(rollouts: Mapping[str, Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
+    """The rollouts with the rows rlship kept in files for fields the trainers take inline
+    read back into their arrays (what the encoder carries inline); their handles stay."""
+    out: dict[str, Mapping[str, Any]] = dict(rollouts)
+    with SegmentReader() as reader:
+        for rollout_id, arrays in rollouts.items():
+            segments = arrays.get(PAYLOAD_FIELD, [])
+            inline = [segment for segment in segments if segment.inline]
+            if not inline:
+                continue
+            windows, _ = read_windows(inline, len(arrays["input_ids"]), reader)
+            handles = [segment for segment in segments if not segment.inline]
+            rest = {name: value for name, value in arrays.items() if name != PAYLOAD_FIELD}
+            out[rollout_id] = rest | windows | ({PAYLOAD_FIELD: handles} if handles else {})
+    return out
+
+
 def rank_rollout_ids(plans: list[MicroBatchPlan], samples: Cohort) -> list[str]:
     """The rollouts whose arrays this rank's encoder needs."""
     ids = samples.labels["rollout_id"]
@@ -230,9 +254,11 @@ _PLAIN_KINDS = {"input_ids": "iu", "loss_mask": "b", "inference_logprobs": "f"}
 
 
 def _plain(arrays: Mapping[str, Any]) -> bool:
-    """Whether a rollout holds the required arrays only (and perhaps segments),
-    one-dimensional, of one length."""
+    """Whether a rollout holds the required arrays only (and perhaps handles), one-dimensional,
+    of one length."""
     if set(arrays) - {PAYLOAD_FIELD} != set(_PLAIN_KINDS):
+        return False
+    if any(segment.inline for segment in arrays.get(PAYLOAD_FIELD, ())):
         return False
     length = len(arrays["input_ids"])
     return all(

@@ -185,13 +185,13 @@ def check_rollout_arrays(
 
 def _segments_problem(arrays: Mapping[str, Any], num_tokens: int, side_arrays: SideArrays) -> str | None:
     segments = arrays[PAYLOAD_FIELD]
-    fields = segment_fields(segments)
+    fields = segment_fields(segment for segment in segments if not segment.inline)
     if side_arrays.refused_by is not None and fields:
         return (
             f"{PAYLOAD_FIELD}: wire {side_arrays.refused_by} cannot carry side arrays by handle "
             f"({', '.join(fields)}); send them inline or run with --wire prime-rl-0f59b24"
         )
-    inline = [field for field in fields if field in arrays]
+    inline = [field for field in segment_fields(segments) if field in arrays]
     if inline:
         return f"{PAYLOAD_FIELD}.{inline[0]}: given both inline and by handle (one way or the other)"
     return segments_problem(segments, num_tokens, side_arrays.root)
