@@ -50,13 +50,19 @@ class RolloutRejected(ValueError):
 
 
 # KEYS: the rollout stream, the produced and accounted counters, the refused-writes counter,
-# the run's next step, then one payload key per rollout. ARGV: the TTL, the backlog limit (-1:
-# not admitted), the room the policy gate leaves, the next step that room was worked out for
-# (as read, '' if unset), then per rollout its arrays blob, its record and its `PayloadFacts`.
-# The call is admitted whole or not at all, in the same step as the writes, so concurrent producers cannot
-# overshoot: the backlog (produced, not yet accounted by the orchestrator: in the stream, in
-# open groups or pending) plus this call must fit both bounds. A step cut since the room was
-# worked out (`moved`) shrinks both the backlog and the room: the caller works it out again.
+# the run's next step, the held-bytes hash and total, then one payload key per rollout. ARGV:
+# the TTL, the backlog limit (-1: not admitted), the room the policy gate leaves, the next
+# step that room was worked out for (as read, '' if unset), the byte budget (-1: none), the
+# batch size, the call's bytes, then per rollout its arrays blob, its record, its
+# `PayloadFacts` and its bytes (blob and rows files). The call is admitted whole or not at
+# all, in the same step as the writes, so concurrent producers cannot overshoot: the backlog
+# (produced, not yet accounted by the orchestrator: in the stream, in open groups or
+# pending) plus this call must fit both bounds, and the bytes the run holds plus the call's
+# its byte budget, unless the backlog is short of a batch: the next step's batch can always
+# be completed (the run ships it, and releasing it frees bytes; `refuse_oversize` sees that
+# one batch fits the budget). A step
+# cut since the room was worked out (`moved`) shrinks both the backlog and the room: the
+# caller works it out again.
 # A payload is written only if its key is new (a claim check is written once), and only then
 # is its record appended: a duplicate id can neither replace the original's arrays nor reach
 # the orchestrator. The stream and the counters it writes get the payloads' expiry too: a
@@ -66,7 +72,7 @@ class RolloutRejected(ValueError):
 _PRODUCE_LUA = """
 local limit = tonumber(ARGV[2])
 if limit >= 0 then
-  local calls = #KEYS - 5
+  local calls = #KEYS - 7
   local backlog = tonumber(redis.call('GET', KEYS[2]) or '0') - tonumber(redis.call('GET', KEYS[3]) or '0')
   if (redis.call('GET', KEYS[5]) or '') ~= ARGV[4] then
     return {'moved', backlog}
@@ -77,19 +83,26 @@ if limit >= 0 then
   if backlog + calls > tonumber(ARGV[3]) then
     return {'gate_held', backlog}
   end
+  local held = tonumber(redis.call('GET', KEYS[7]) or '0')
+  local budget = tonumber(ARGV[5])
+  if budget >= 0 and backlog >= tonumber(ARGV[6]) and held + tonumber(ARGV[7]) > budget then
+    return {'bytes', held}
+  end
 end
 local reply = {'ok', 0}
-for i = 6, #KEYS do
-  local at = 5 + (i - 6) * 3
+for i = 8, #KEYS do
+  local at = 8 + (i - 8) * 4
   if redis.call('SET', KEYS[i], ARGV[at], 'NX', 'EX', ARGV[1]) then
     redis.call('XADD', KEYS[1], '*', 'record', ARGV[at + 1], 'facts', ARGV[at + 2])
     redis.call('INCR', KEYS[2])
+    redis.call('HSET', KEYS[6], string.match(KEYS[i], ':rollout:(.*)$'), ARGV[at + 3])
+    redis.call('INCRBY', KEYS[7], ARGV[at + 3])
   else
     redis.call('INCR', KEYS[4])
-    table.insert(reply, i - 5)
+    table.insert(reply, i - 7)
   end
 end
-for _, key in ipairs({KEYS[1], KEYS[2], KEYS[4]}) do
+for _, key in ipairs({KEYS[1], KEYS[2], KEYS[4], KEYS[6], KEYS[7]}) do
   redis.call('EXPIRE', key, ARGV[1])
 end
 return reply
@@ -101,9 +114,9 @@ ROWS_OUT_OF_REDIS = ("routed_experts",)
 
 
 class AdmissionRefused(RuntimeError):
-    """A call the run does not admit; nothing of it was written. `reason`: backlog or
-    gate_held (it passes: `produce(..., timeout=...)` waits), would_be_stale or too_large
-    (it never passes)."""
+    """A call the run does not admit; nothing of it was written. `reason`: backlog, gate_held
+    or bytes (it passes: `produce(..., timeout=...)` waits), would_be_stale or too_large (it
+    never passes)."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"produce refused ({reason}): {message}")
@@ -111,11 +124,12 @@ class AdmissionRefused(RuntimeError):
 
     @property
     def passes(self) -> bool:
-        """Whether waiting cures it (backlog, gate held): the run admits the call once it has room."""
+        """Whether waiting cures it (backlog, gate held, bytes held): the run admits the call
+        once it has room."""
         return self.reason in PASSING_REFUSALS
 
 
-PASSING_REFUSALS = frozenset({"backlog", "gate_held"})
+PASSING_REFUSALS = frozenset({"backlog", "gate_held", "bytes"})
 
 
 @dataclass(frozen=True)
@@ -130,6 +144,7 @@ class Admission:
     start_step: int
     max_async_level: int
     max_off_policy_steps: int
+    max_held_bytes: int = 0  # 0: no byte budget
 
     @classmethod
     def for_run(cls, settings: RunSettings) -> Admission:
@@ -150,6 +165,30 @@ class Admission:
         required = required_version(next_step, self.first_step, self.max_async_level)
         steps = max(0, version - required + 1)
         return (steps + 1) * self.batch_size + self.largest_call - 1
+
+    def refuse_oversize(self, rollouts: Rollouts, sizes: list[int]) -> None:
+        """A rollout, a call or a step (a batch of rollouts like these) larger than the byte
+        budget could never be admitted: refused at once, naming its size and the budget."""
+        budget = self.max_held_bytes
+        if budget <= 0:
+            return
+        tail = f"more than the run's budget of {budget:,} bytes (max_held_bytes)"
+        for (record, _), size in zip(rollouts, sizes, strict=True):
+            if size > budget:
+                raise AdmissionRefused(
+                    "too_large",
+                    f"rollout {record.rollout_id!r} holds {size:,} bytes (blob and rows files), {tail}",
+                )
+        if sum(sizes) > budget:
+            raise AdmissionRefused(
+                "too_large", f"this call of {len(sizes)} rollouts holds {sum(sizes):,} bytes, {tail}"
+            )
+        step = self.batch_size * sum(sizes) // len(sizes)
+        if step > budget:
+            raise AdmissionRefused(
+                "too_large",
+                f"a step of {self.batch_size} rollouts like these holds about {step:,} bytes, {tail}",
+            )
 
     def oldest_fresh_version(self, next_step: int) -> int:
         """The oldest policy version that is not stale at `next_step`, the earliest step a
@@ -185,7 +224,9 @@ def check_rollouts(
         except SchemaError as exc:
             problems[record.rollout_id] = str(exc)
             continue
-        arrays = {k: v if isinstance(v, EncodedTensor) else np.asarray(v) for k, v in flat.items()}
+        arrays = {
+            k: v if isinstance(v, EncodedTensor) or k == PAYLOAD_FIELD else np.asarray(v) for k, v in flat.items()
+        }
         problem = check_rollout_arrays(arrays, record.num_tokens, max_tokens, vocab_size, side_arrays)
         if problem is not None:
             problems[record.rollout_id] = problem
@@ -245,7 +286,7 @@ class _Producer:
 
     def _stored(self, keys: list[str]) -> tuple[Any, Any]:
         """The witness that a call's rollouts are stored (their payload keys), for `Durability`."""
-        payload_keys = keys[5:]
+        payload_keys = keys[7:]
         return (lambda pipe: pipe.exists(*payload_keys)), (lambda found: found[0] == len(payload_keys))
 
     def _script_arguments(self, rollouts: Rollouts) -> tuple[list[str], list[Any]]:
@@ -259,15 +300,22 @@ class _Producer:
             self.keys.accounted,
             self.keys.refused_writes,
             self.keys.next_step,
+            self.keys.held_bytes,
+            self.keys.held_bytes_total,
         ]
         args: list[Any] = []
+        sizes = []
         for (record, _), flat in zip(rollouts, checked, strict=True):
             keys.append(self.keys.rollout(record.rollout_id))
-            blob = pack_arrays(self._rows_to_files(record.rollout_id, flat))
+            stored = self._rows_to_files(record.rollout_id, flat)
+            blob = pack_arrays(stored)
             # Segments are checked again at the cut, against the files as they are then.
             facts = "" if PAYLOAD_FIELD in flat else PayloadFacts.of(flat, len(blob)).to_wire()
-            args += [blob, record.model_dump_json(), facts]
-        return keys, args
+            sizes.append(len(blob) + sum(segment.nbytes for segment in stored.get(PAYLOAD_FIELD, [])))
+            args += [blob, record.model_dump_json(), facts, sizes[-1]]
+        if self.admission is not None:
+            self.admission.refuse_oversize(rollouts, sizes)
+        return keys, [sum(sizes), *args]
 
     def _rows_to_files(self, rollout_id: str, arrays: Mapping[str, Any]) -> Mapping[str, Any]:
         """With the run's payloads kept out of Redis, its inline side arrays wait for the cut
@@ -308,9 +356,12 @@ class _Producer:
         return _Gate(version, step, self.admission.gate_room(version, step), read)
 
     def _call_arguments(self, gate: _Gate | None, data: list[Any]) -> list[Any]:
+        """The script's arguments; `data` is the call's bytes, then the per-rollout ones."""
         if gate is None or self.admission is None:
-            return [self.ttl, -1, -1, "", *data]
-        return [self.ttl, self.admission.limit, gate.room, gate.next_step_read, *data]
+            return [self.ttl, -1, -1, "", -1, 0, *data]
+        budget = self.admission.max_held_bytes or -1
+        batch = self.admission.batch_size
+        return [self.ttl, self.admission.limit, gate.room, gate.next_step_read, budget, batch, *data]
 
     @staticmethod
     def _waits_out(refused: AdmissionRefused, deadline: float) -> bool:
@@ -330,6 +381,14 @@ class _Producer:
                 f"{backlog} rollouts outstanding (in the stream, in open groups or pending, not yet "
                 f"cut) and {len(rollouts)} more exceed the run's limit of {self.admission.limit} "
                 "(max_outstanding_rollouts)",
+            )
+        if verdict == b"bytes":
+            assert self.admission is not None
+            raise AdmissionRefused(
+                "bytes",
+                f"the run holds {int(backlog):,} bytes (rollouts not yet released, their rows files, "
+                f"retained payloads) and {len(rollouts)} rollouts more would pass its budget of "
+                f"{self.admission.max_held_bytes:,} bytes (max_held_bytes)",
             )
         if verdict == b"gate_held":
             assert self.admission is not None and gate is not None

@@ -163,6 +163,13 @@ class RunSettings(BaseSettings):
         default=None, description="write one JSON line per finalized rollout"
     )
     max_outstanding_rollouts: int = Field(default=0, ge=0, description="producer backlog; 0 = 4 batches")
+    max_held_bytes: int = Field(
+        default=8 << 30,
+        ge=0,
+        description="bytes the run may hold for its producers (rollouts not yet released, with their rows "
+        "files, and retained payloads, in Redis or files); a producer waits while they would pass it, and "
+        "a rollout, call or step larger than it is refused at once; 0: no bound",
+    )
     log_json: bool = Field(
         default=False, description="log JSON lines (time, level, logger, message, run_id, step, rank)"
     )

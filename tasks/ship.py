@@ -168,7 +168,8 @@ def encode(ctx: StepContext, rank: int) -> None:
         segments = rank_segments(plans, samples, {rid: a.get(PAYLOAD_FIELD, []) for rid, a in arrays.items()})
     checksum = payload_checksum(payload)
     config = ctx.manifest.config
-    ctx.store.put_payload(ctx.step, rank, payload, config.payload_directory(ctx.run_id), checksum)
+    rows_bytes = sum(segment.nbytes for segment in segments)
+    ctx.store.put_payload(ctx.step, rank, payload, config.payload_directory(ctx.run_id), checksum, rows_bytes)
     pipe = ctx.client.pipeline(transaction=False)
     pipe.hset(ctx.keys.sent_checksums, f"{ctx.step}:{rank}", checksum)
     if segments and all(segment.digest for segment in segments):

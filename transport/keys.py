@@ -99,6 +99,18 @@ class RunKeys:
         return self.step(step, f"{PAYLOAD}:{rank}")
 
     @property
+    def held_bytes(self) -> str:
+        """What the run holds for its producers' budget (`max_held_bytes`), per holder: a
+        rollout id (its blob and its rows files) or `payload:{step}:{rank}` (a retained
+        payload and the rows files it points at) -> bytes. Each holder is counted once into
+        `held_bytes_total` and taken out once, when its bytes go."""
+        return f"{self.prefix}held_bytes"
+
+    @property
+    def held_bytes_total(self) -> str:
+        return f"{self.prefix}held_bytes_total"
+
+    @property
     def retained_payloads(self) -> str:
         """Steps whose per-rank payloads outlive the step's release (sorted set, score = step)
         so that a rank can replay what it has not acknowledged."""

@@ -223,14 +223,23 @@ class PayloadStore:
         payload: bytes | memoryview,
         directory: PayloadDirectory | None = None,
         checksum: str = "",
+        rows_bytes: int = 0,
     ) -> str:
         """Write one rank's encoded step, retained past the step's release (module docstring):
         its bytes, or with a `directory` a pointer to the file they are written to (with
-        their `checksum`, which reads check)."""
+        their `checksum`, which reads check). Its bytes and those of the rows files it points
+        at (`rows_bytes`) count against the run's budget until it is released."""
         key = self.keys.payload(step, rank)
         value = payload if directory is None else directory.write(step, rank, payload, checksum)
         pipe = self.client.pipeline(transaction=True)
         pipe.set(key, value, ex=self.ttl)
+        held = memoryview(payload).nbytes + rows_bytes
+        hold = self.client.register_script(_HOLD_LUA)
+        hold(
+            keys=[self.keys.held_bytes, self.keys.held_bytes_total],
+            args=[payload_holder(step, rank), held, self.ttl],
+            client=pipe,
+        )
         pipe.zadd(self.keys.retained_payloads, {str(step): step})
         pipe.execute()
         return key
@@ -319,8 +328,8 @@ class AsyncPayloadStore:
 
     async def delete_rollouts(self, rollout_ids: Iterable[str]) -> int:
         """Release rollouts that will never ship (UNLINK frees them off Redis's main thread)."""
-        keys = [key for r in rollout_ids for key in self.keys.rollout_keys(r)]
-        return int(await self.client.unlink(*keys)) if keys else 0
+        ids = list(rollout_ids)
+        return int(await release_rollouts(self.client, self.keys, ids)) if ids else 0
 
     async def release_payloads(
         self,
@@ -373,26 +382,82 @@ end
 return written
 """
 
-# KEYS: the step's key set; ARGV: the wire suffix. A rollout key's wire sibling goes with it
-# (not counted).
-_DELETE_STEP_LUA = """
-local members = redis.call('SMEMBERS', KEYS[1])
+# Taking a holder's bytes out of the run's budget (`RunKeys.held_bytes` and its total), once.
+_UNHOLD_LUA = """
+local function unhold(held, total, holder)
+  local bytes = redis.call('HGET', held, holder)
+  if bytes then
+    redis.call('HDEL', held, holder)
+    redis.call('DECRBY', total, bytes)
+  end
+end
+"""
+
+# KEYS: the held hash and total, the step's key set; ARGV: the wire suffix. A rollout key's
+# wire sibling goes with it (not counted), and its bytes out of the budget.
+_DELETE_STEP_LUA = (
+    _UNHOLD_LUA
+    + """
+local members = redis.call('SMEMBERS', KEYS[3])
 local deleted = 0
 for i = 1, #members, 1000 do
   deleted = deleted + redis.call('UNLINK', unpack(members, i, math.min(i + 999, #members)))
 end
 local wires = {}
 for _, key in ipairs(members) do
-  if string.find(key, ':rollout:', 1, true) then
+  local rollout_id = string.match(key, ':rollout:(.*)$')
+  if rollout_id then
     table.insert(wires, key .. ARGV[1])
+    unhold(KEYS[1], KEYS[2], rollout_id)
   end
 end
 for i = 1, #wires, 1000 do
   redis.call('UNLINK', unpack(wires, i, math.min(i + 999, #wires)))
 end
-redis.call('UNLINK', KEYS[1])
+redis.call('UNLINK', KEYS[3])
 return deleted
 """
+)
+
+# KEYS: the held hash and total, then each rollout's keys (`RunKeys.rollout_keys`); ARGV:
+# the rollout ids. Returns how many rollout keys were unlinked.
+_RELEASE_ROLLOUTS_LUA = (
+    _UNHOLD_LUA
+    + """
+for _, rollout_id in ipairs(ARGV) do
+  unhold(KEYS[1], KEYS[2], rollout_id)
+end
+local deleted = 0
+for i = 3, #KEYS, 1000 do
+  deleted = deleted + redis.call('UNLINK', unpack(KEYS, i, math.min(i + 999, #KEYS)))
+end
+return deleted
+"""
+)
+
+# KEYS: the held hash and total; ARGV: the holder, its bytes, the TTL. A redelivered encode
+# holds its payload's bytes once.
+_HOLD_LUA = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
+  redis.call('INCRBY', KEYS[2], ARGV[2])
+end
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+"""
+
+
+def payload_holder(step: int, rank: int) -> str:
+    """A retained payload's field in `RunKeys.held_bytes`."""
+    return f"payload:{step}:{rank}"
+
+
+def release_rollouts(client: Any, keys: RunKeys, rollout_ids: list[str]) -> Any:
+    """Unlink rollouts that will never ship and take their bytes out of the budget, on a sync
+    or async client or a pipeline (queued with the rest of it)."""
+    rollout_keys = [key for r in rollout_ids for key in keys.rollout_keys(r)]
+    return client.register_script(_RELEASE_ROLLOUTS_LUA)(
+        keys=[keys.held_bytes, keys.held_bytes_total, *rollout_keys], args=rollout_ids
+    )
 
 
 @dataclass(frozen=True)
@@ -412,11 +477,14 @@ class ReleasedPayloads:
         return cls(sorted(int(s) for s in reply[0]), sorted(int(s) for s in reply[1]))
 
 
-# KEYS[1]: the retained-steps set. ARGV: the step-key prefix ("...:step:"), the trained-set
-# prefix ("...:trained:"), ranks, the newest step to consider, the newest step to evict
-# even if unacknowledged, the payload name (`step:{n}:{name}:{rank}`). A released step also
-# loses its `trained` set.
-_RELEASE_PAYLOADS_LUA = """
+# KEYS[1]: the retained-steps set, KEYS[2] and [3] the held hash and total (`_UNHOLD_LUA`).
+# ARGV: the step-key prefix ("...:step:"), the trained-set prefix ("...:trained:"), ranks,
+# the newest step to consider, the newest step to evict even if unacknowledged, the payload
+# name (`step:{n}:{name}:{rank}`). A released step also loses its `trained` set, and its
+# payloads' bytes leave the budget.
+_RELEASE_PAYLOADS_LUA = (
+    _UNHOLD_LUA
+    + """
 local ranks = tonumber(ARGV[3])
 local evict_through = tonumber(ARGV[5])
 local released, evicted = {}, {}
@@ -425,6 +493,7 @@ for _, step in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[4])) do
   if acked >= ranks or tonumber(step) <= evict_through then
     for rank = 0, ranks - 1 do
       redis.call('UNLINK', ARGV[1] .. step .. ':' .. ARGV[6] .. ':' .. rank)
+      unhold(KEYS[2], KEYS[3], 'payload:' .. step .. ':' .. rank)
     end
     redis.call('UNLINK', ARGV[2] .. step)
     if acked < ranks then
@@ -436,6 +505,7 @@ for _, step in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[4])) do
 end
 return {released, evicted}
 """
+)
 
 
 def _held_ids(value: bytes | None) -> list[str]:
@@ -444,7 +514,7 @@ def _held_ids(value: bytes | None) -> list[str]:
 
 def _release_payloads(client: Any, keys: RunKeys, ranks: int, through_step: int, evict_through: int) -> Any:
     return client.register_script(_RELEASE_PAYLOADS_LUA)(
-        keys=[keys.retained_payloads],
+        keys=[keys.retained_payloads, keys.held_bytes, keys.held_bytes_total],
         args=[keys.steps_prefix, keys.trained_prefix, ranks, through_step, evict_through, PAYLOAD],
     )
 
@@ -452,4 +522,6 @@ def _release_payloads(client: Any, keys: RunKeys, ranks: int, through_step: int,
 def unlink_step_keys(client: Any, keys: RunKeys, step: int) -> Any:
     """Run the release script on a sync or async client or pipeline (async: an awaitable; a
     pipeline: queued, so a transaction can take a step back with the rest of it)."""
-    return client.register_script(_DELETE_STEP_LUA)(keys=[keys.step_keys(step)], args=[WIRE_SUFFIX])
+    return client.register_script(_DELETE_STEP_LUA)(
+        keys=[keys.held_bytes, keys.held_bytes_total, keys.step_keys(step)], args=[WIRE_SUFFIX]
+    )
