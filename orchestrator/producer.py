@@ -224,8 +224,11 @@ def check_rollouts(
         except SchemaError as exc:
             problems[record.rollout_id] = str(exc)
             continue
-        kept = (EncodedTensor, list)  # mm_kwargs tensors, payload segments
-        arrays = {k: v if isinstance(v, kept) else np.asarray(v) for k, v in flat.items()}
+        # Arrays as numpy; mm_kwargs tensors and payload segments as they are.
+        arrays = {
+            k: v if isinstance(v, EncodedTensor) or k == PAYLOAD_FIELD else np.asarray(v)
+            for k, v in flat.items()
+        }
         problem = check_rollout_arrays(arrays, record.num_tokens, max_tokens, vocab_size, side_arrays)
         if problem is not None:
             problems[record.rollout_id] = problem
