@@ -86,7 +86,9 @@ def test_a_call_past_the_budget_waits_and_one_too_large_is_refused_at_once(clien
     assert client.exists(keys.rollout("g2-r0"))
 
     small = RolloutProducer(client, run_id, admission=admission(batch_size=2, budget=per_rollout // 2))
-    with pytest.raises(AdmissionRefused, match=r"rollout 'g3-r0' holds [\d,]+ bytes .*budget of [\d,]+ bytes"):
+    with pytest.raises(
+        AdmissionRefused, match=r"rollout 'g3-r0' holds [\d,]+ bytes .*budget of [\d,]+ bytes"
+    ):
         small.produce(rollouts("g3"))
     step_sized = RolloutProducer(client, run_id, admission=admission(batch_size=64, budget=budget))
     with pytest.raises(AdmissionRefused, match=r"a step of 64 rollouts like these holds about [\d,]+ bytes"):

@@ -114,7 +114,11 @@ class RedisMemory:
 
 class DirectoryBytes:
     """The bytes of the files under named directories, followed through inotify, with the
-    peak of each and of all together (module docstring). Linux only."""
+    peak of each and of all together (module docstring). Linux only.
+
+    A named directory need not exist yet (a run makes its own when it first writes there):
+    its parent is made if missing and watched with everything under it, and only files
+    under the named directory count."""
 
     def __init__(self, directories: Mapping[str, Path]) -> None:
         self.directories = {name: Path(path) for name, path in directories.items()}
@@ -123,9 +127,10 @@ class DirectoryBytes:
         self.peak_total = 0
         self.events = 0
         self.overflows = 0
+        self._prefixes = [(str(path) + os.sep, name) for name, path in self.directories.items()]
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._fd = -1
-        self._watches: dict[int, tuple[str, Path]] = {}
+        self._watches: dict[int, Path] = {}
         self._files: dict[Path, tuple[str, int]] = {}  # path -> (directory name, inode)
         self._inodes: dict[tuple[str, int], list[int]] = {}  # -> [size, names]
         self._stop = threading.Event()
@@ -135,9 +140,9 @@ class DirectoryBytes:
         self._fd = self._libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
         if self._fd < 0:
             raise OSError(ctypes.get_errno(), "inotify_init1")
-        for name, path in self.directories.items():
-            path.mkdir(parents=True, exist_ok=True)
-            self._watch_tree(name, path)
+        for path in self.directories.values():
+            path.parent.mkdir(parents=True, exist_ok=True)
+        self._watch_all()
         self._thread.start()
         return self
 
@@ -153,15 +158,23 @@ class DirectoryBytes:
             "overflows": self.overflows,
         }
 
-    def _watch_tree(self, name: str, top: Path) -> None:
+    def _watch_all(self) -> None:
+        for parent in {path.parent for path in self.directories.values()}:
+            self._watch_tree(parent)
+
+    def _watch_tree(self, top: Path) -> None:
         """Watch `top` and every directory under it, and count the files already there (a
         file made before its directory's watch would otherwise be missed)."""
         for directory, _, files in os.walk(top):
             wd = self._libc.inotify_add_watch(self._fd, os.fsencode(directory), WATCHED)
             if wd >= 0:
-                self._watches[wd] = (name, Path(directory))
+                self._watches[wd] = Path(directory)
             for file in files:
-                self._stat(name, Path(directory) / file)
+                self._stat(Path(directory) / file)
+
+    def _name_of(self, path: Path) -> str | None:
+        text = str(path)
+        return next((name for prefix, name in self._prefixes if text.startswith(prefix)), None)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -191,17 +204,19 @@ class DirectoryBytes:
             return
         if wd not in self._watches or not filename:
             return
-        name, directory = self._watches[wd]
-        path = directory / filename
+        path = self._watches[wd] / filename
         if mask & IN_ISDIR:
             if mask & (IN_CREATE | IN_MOVED_TO):
-                self._watch_tree(name, path)
+                self._watch_tree(path)
         elif mask & (IN_DELETE | IN_MOVED_FROM):
             self._forget(path)
         else:
-            self._stat(name, path)
+            self._stat(path)
 
-    def _stat(self, name: str, path: Path) -> None:
+    def _stat(self, path: Path) -> None:
+        name = self._name_of(path)
+        if name is None:
+            return
         try:
             st = os.stat(path)
         except OSError:
@@ -240,5 +255,4 @@ class DirectoryBytes:
         self._files.clear()
         self._inodes.clear()
         self.bytes = dict.fromkeys(self.directories, 0)
-        for name, path in self.directories.items():
-            self._watch_tree(name, path)
+        self._watch_all()
