@@ -109,6 +109,8 @@ class Releases:
         yet read from the stream) will never ship: release the payloads and the stream."""
         deleted = await self.store.delete_all_rollouts()
         await asyncio.to_thread(self.settings.run_rows().remove_all)
+        if (directory := self.settings.payload_directory()) is not None:
+            await asyncio.to_thread(directory.remove_all)
         await self.client.unlink(self.keys.rollout_stream, self.keys.checkpoint)
         if deleted:
             log.info("released %d unshipped rollouts at shutdown", deleted)

@@ -58,6 +58,19 @@ class SyntheticWorkload:
     def __post_init__(self) -> None:
         self._rng = np.random.default_rng(self.seed)
 
+    @classmethod
+    def for_run(cls, settings: RunSettings) -> SyntheticWorkload:
+        """The run's workload (`workload`): dense, or with routed experts by handle or inline."""
+        moe_rows = (Path(str(settings.payload_root)), settings.run_id) if settings.workload == "moe" else None
+        return cls(
+            seed=settings.seed,
+            group_size=settings.group_size,
+            seq_len=settings.seq_len,
+            vocab_size=settings.vocab_size,
+            moe_rows=moe_rows,
+            moe_inline=settings.workload == "moe-inline",
+        )
+
     def _lengths(self) -> tuple[int, int]:
         rng = self._rng
         prompt = int(np.clip(rng.lognormal(4.5, 0.6), 8, self.seq_len // 4))
@@ -151,14 +164,7 @@ def run_producer(
     never take is skipped with a warning."""
     client = connect_redis(settings.redis_url)
     producer = RolloutProducer.for_run(client, settings)
-    workload = SyntheticWorkload(
-        seed=settings.seed,
-        group_size=settings.group_size,
-        seq_len=settings.seq_len,
-        vocab_size=settings.vocab_size,
-        moe_rows=(Path(str(settings.payload_root)), settings.run_id) if settings.workload == "moe" else None,
-        moe_inline=settings.workload == "moe-inline",
-    )
+    workload = SyntheticWorkload.for_run(settings)
     # A resumed run: the groups its earlier start wrote are made again (same seed) and skipped.
     for _ in range(int(client.get(producer.keys.produced) or 0) // settings.group_size):
         workload.group(write=False)

@@ -236,8 +236,6 @@ def run_local(
             # The producer stopped after the orchestrator: what it wrote since goes too.
             store.delete_all_rollouts()
             settings.run_rows().remove_all()
-            if (directory := settings.payload_directory()) is not None:
-                directory.remove_all()
         store.expire_run(KEYS_KEPT_SECONDS)
     finally:
         if client is not None:

@@ -64,6 +64,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--ship-kills", type=int, default=1, help="times the whole ship worker is killed")
     parser.add_argument(
+        "--workload",
+        choices=["dense", "moe", "moe-inline"],
+        default="dense",
+        help="the synthetic rollouts: dense, or with routed experts by handle (moe) or inline",
+    )
+    parser.add_argument(
+        "--payload-store", choices=["redis", "dir"], default="redis", help="where payloads are retained"
+    )
+    parser.add_argument(
         "--kill-redis-primary",
         type=int,
         default=0,
@@ -101,6 +110,8 @@ def _chaos(args: argparse.Namespace, token: str, cluster: LocalSentinelCluster |
         "stall_seconds": 5.0,
         "samples_per_step": 0,
         "trainers": "external" if args.receivers == "stock" else "builtin",
+        "workload": args.workload,
+        "payload_store": args.payload_store,
     }
 
     def settings_for(name: str) -> RunSettings:

@@ -21,12 +21,11 @@ def compare(
     # window docs/reliability.md states): the one way a stock rank gets a step twice.
     redone: dict[str, int] = observed.get("interrupted_sends", {})
     for rank, got in observed["ranks"].items():
-        want = expected["ranks"][rank]["checksums"]
         delivered[rank] = sum(s in got["checksums"] for s in steps)
         duplicates += sum(n - 1 for n in got["deliveries"].values())
         in_window += sum(n - 1 for s, n in got["deliveries"].items() if redone.get(f"{s}:{rank}", 0) >= n - 1)
         out_of_order += sum(b <= a for a, b in zip(got["order"], got["order"][1:], strict=False))
-        mismatches += sum(got["checksums"][s] != want.get(s) for s in got["checksums"])
+        mismatches += _mismatches(rank, got, expected, observed)
     kills: list[Kill] = observed["kills"]
     effective = [k for k in kills if k.fired]
     report = {
@@ -39,6 +38,7 @@ def compare(
         "records_published": len(set(observed["records"])),
         "records_duplicated": len(observed["records"]) - len(set(observed["records"])),
         "keys_left": len(observed["keys_left"]),
+        "files_left": len(observed["files_left"]),
         "kills": len(effective),
         "kills_by_target": dict(Counter(k.target for k in effective)),
         "kills_by_stage": dict(Counter(k.stage for k in effective if k.stage)),
@@ -52,7 +52,8 @@ def compare(
         "command": (
             f"rlship chaos --steps {args.steps} --kill-every {args.kill_every:g} "
             f"--receivers {args.receivers} --ship-kills {args.ship_kills} "
-            f"--kill-redis-primary {args.kill_redis_primary} --json {args.json}"
+            f"--kill-redis-primary {args.kill_redis_primary} --workload {args.workload} "
+            f"--payload-store {args.payload_store} --json {args.json}"
         ),
     }
     report["goal_met"] = (
@@ -62,12 +63,28 @@ def compare(
         and report["records_published"] == args.steps
         and report["records_duplicated"] == 0
         and report["keys_left"] == 0
+        and report["files_left"] == 0
         and report["kills"] >= 10
         and {"orchestrator", "ship-worker"} <= set(report["kills_by_target"])
         and report["kills_by_target"]["ship-worker"] >= args.ship_kills
         and report["kills_by_target"].get("redis-primary", 0) >= args.kill_redis_primary
     )
     return report
+
+
+def _mismatches(rank: str, got: dict[str, Any], expected: dict[str, Any], observed: dict[str, Any]) -> int:
+    """Steps a rank received other than the fault-free run's. Side arrays by handle name
+    each run's own files, so such payloads differ between the runs in their paths: there, a
+    step is what its own run sent, and its rows (read through the handles) the fault-free
+    run's."""
+    want = expected["ranks"][rank]
+    if not want["rows"]:
+        return sum(got["checksums"][s] != want["checksums"].get(s) for s in got["checksums"])
+    sent = observed["sent"]
+    return sum(
+        got["checksums"][s] != sent.get(f"{s}:{rank}") or got["rows"].get(s) != want["rows"].get(s)
+        for s in got["checksums"]
+    )
 
 
 def print_report(report: dict[str, Any], path: Path) -> None:
@@ -81,7 +98,7 @@ def print_report(report: dict[str, Any], path: Path) -> None:
         f"hung ranks {report['hung_ranks']}, sends redone after an interrupted one "
         f"{sum(report['interrupted_sends'].values())}\n"
         f"  records {report['records_published']} (duplicated {report['records_duplicated']}), "
-        f"keys left {report['keys_left']}; "
+        f"keys left {report['keys_left']}, files left {report['files_left']}; "
         f"wall {report['wall_seconds']['fault_free']:.1f} s fault-free, "
         f"{report['wall_seconds']['chaos']:.1f} s chaos\n"
         f"  goal {'MET' if report['goal_met'] else 'MISSED'}; details in {path}"

@@ -48,7 +48,7 @@ def write_workload(settings: RunSettings) -> int:
     one batch); the fates are decided here exactly as the orchestrator will decide them."""
     client = connect_redis(settings.redis_url)
     producer = RolloutProducer.for_run(client, settings, admitted=False)  # written up front
-    workload = SyntheticWorkload(seed=settings.seed, group_size=settings.group_size, seq_len=settings.seq_len)
+    workload = SyntheticWorkload.for_run(settings)
     needed = (settings.steps + 1) * settings.batch_size
     trainable = written = 0
     while trainable < needed:
@@ -74,7 +74,7 @@ def trainer_command(settings: RunSettings, rank: int, receivers: str) -> list[st
         sys.executable, "-m", "tests.support.stock_peers", "zmq", "--rank", str(rank),
         "--record", str(stock_record(settings, rank)), "--output-dir", str(settings.output_dir),
         "--host", settings.zmq_host, "--port", str(settings.zmq_port),
-        "--start-step", str(settings.start_step),
+        "--start-step", str(settings.start_step), "--wire", str(settings.wire),
     ]  # fmt: skip
 
 
@@ -184,10 +184,19 @@ def observe(settings: RunSettings, client: redis.Redis) -> dict[str, Any]:
             "checksums": {k.decode(): v.decode() for k, v in client.hgetall(keys.received(rank)).items()},
             "deliveries": {k.decode(): int(v) for k, v in client.hgetall(keys.deliveries(rank)).items()},
             "order": [int(s) for s in client.lrange(keys.delivery_order(rank), 0, -1)],
+            "rows": {k.decode(): v.decode() for k, v in client.hgetall(keys.received_rows(rank)).items()},
         }
     records = [int(fields[b"step"]) for _, fields in client.xrange(keys.metrics_stream)]
     left = PayloadStore(client, settings.run_id).held_keys()
-    return {"ranks": ranks, "records": records, "keys_left": left}
+    sent = {k.decode(): v.decode() for k, v in client.hgetall(keys.sent_checksums).items()}
+    files = [str(p) for d in _run_directories(settings) if d.exists() for p in d.rglob("*") if p.is_file()]
+    return {"ranks": ranks, "records": records, "keys_left": left, "sent": sent, "files_left": files}
+
+
+def _run_directories(settings: RunSettings) -> list[Path]:
+    """The run's own directories of rows files and retained payloads: empty once it ends."""
+    directory = settings.payload_directory()
+    return [settings.run_rows().directory, *([directory.root] if directory is not None else [])]
 
 
 def observe_stock(settings: RunSettings, client: redis.Redis) -> dict[str, Any]:
@@ -201,6 +210,10 @@ def observe_stock(settings: RunSettings, client: redis.Redis) -> dict[str, Any]:
             "checksums": {str(r["topic_step"]): r["sha256"][:32] for r in got},
             "deliveries": {str(s): n for s, n in Counter(r["topic_step"] for r in got).items()},
             "order": [r["topic_step"] for r in got],
+            # What a stock rank read by handle: a digest of its steps' rows by trace id.
+            "rows": {
+                str(r["topic_step"]): json.dumps(r["rows"], sort_keys=True) for r in got if r.get("rows")
+            },
         }
     seen = observe(settings, client)
     interrupted = client.hgetall(RunKeys(settings.run_id).interrupted_sends)
