@@ -46,6 +46,23 @@ def test_chaos_delivers_every_step_once_in_order_and_identical(tmp_path):
     assert "goal MET" in done.stdout
 
 
+@pytest.mark.parametrize(
+    "options",
+    [["--workload", "moe"], ["--workload", "moe-inline", "--payload-store", "dir"]],
+    ids=["routed-experts-by-handle", "inline-in-a-payload-directory"],
+)
+def test_chaos_with_routed_experts_delivers_every_step_and_leaves_no_file(tmp_path, options):
+    """Mixture-of-experts steps (48 layers, top-8): routed experts by handle, their rows read
+    by the ranks and compared with the fault-free run's; or inline, with the payloads and the
+    replay window in files. Every kill as above; nothing left in Redis or on disk."""
+    done, report = chaos(tmp_path, "--steps", "8", *options)
+    assert done.returncode == 0 and report["goal_met"], done.stdout[-2000:] + done.stderr[-2000:]
+    assert report["steps_delivered_per_rank"] == {"0": 8, "1": 8}
+    assert report["duplicates_delivered"] == report["out_of_order"] == report["payload_mismatches"] == 0
+    assert report["keys_left"] == report["files_left"] == 0
+    assert {"orchestrator", "ship-worker"} <= set(report["kills_by_target"])
+
+
 def test_chaos_with_the_redis_primary_killed_twice_among_the_other_kills(tmp_path):
     """Both runs on a primary, a replica and three Sentinels of their own; the chaos run's
     primary is SIGKILLed twice (each time the killed server rejoins as a replica)."""
@@ -88,12 +105,14 @@ def stock_observation(orders: dict[str, list[int]], redone: dict[str, int]) -> d
             "checksums": {str(s): f"sha-{s}" for s in order},
             "deliveries": {str(s): order.count(s) for s in set(order)},
             "order": order,
+            "rows": {},
         }
         for rank, order in orders.items()
     }
     return {
         "ranks": ranks, "records": [1, 2, 3], "keys_left": [], "hung_ranks": [], "wall_seconds": 1.0,
         "rollouts_written": 24, "interrupted_sends": redone, "kills": [Kill(0.5, "ship-worker", step=2)],
+        "sent": {}, "files_left": [],
     }  # fmt: skip
 
 
@@ -105,9 +124,12 @@ def test_a_stock_duplicate_counts_in_the_window_only_where_its_send_was_redone()
         receivers="stock",
         ship_kills=1,
         kill_redis_primary=0,
+        workload="dense",
+        payload_store="redis",
         json=Path("chaos.json"),
     )
-    expected = {"ranks": {r: {"checksums": {str(s): f"sha-{s}" for s in (1, 2, 3)}} for r in "01"},
+    checksums = {str(s): f"sha-{s}" for s in (1, 2, 3)}
+    expected = {"ranks": {r: {"checksums": checksums, "rows": {}} for r in "01"},
                 "keys_left": [], "wall_seconds": 1.0}  # fmt: skip
     # Rank 0 got step 2 twice; the ship worker that sent it to rank 0 died before its mark.
     redone = compare(
@@ -125,6 +147,31 @@ def test_a_stock_duplicate_counts_in_the_window_only_where_its_send_was_redone()
             args, range(1, 4), expected, stock_observation({"0": [1, 2, 2, 3], "1": [1, 2, 3]}, interrupted)
         )
         assert (other["duplicates_delivered"], other["duplicates_in_window"]) == (1, 0), interrupted
+
+
+def test_steps_with_handles_compare_by_their_rows_and_by_what_their_run_sent():
+    """Each run names its own rows files, so its payloads differ from the fault-free run's in
+    their paths: a step matches when it is what its run sent and its rows read the same."""
+    args = argparse.Namespace(
+        steps=2, kill_every=0.2, receivers="rlship", ship_kills=1, kill_redis_primary=0,
+        workload="moe", payload_store="redis", json=Path("chaos.json"),
+    )  # fmt: skip
+    expected = {"ranks": {"0": {"checksums": {"1": "a1", "2": "a2"}, "rows": {"1": "r1", "2": "r2"}}},
+                "keys_left": [], "wall_seconds": 1.0}  # fmt: skip
+
+    def observed(checksums: dict, rows: dict) -> dict:
+        ranks = {"0": {"checksums": checksums, "deliveries": {"1": 1, "2": 1}, "order": [1, 2], "rows": rows}}
+        return {
+            "ranks": ranks, "records": [1, 2], "keys_left": [], "hung_ranks": [], "wall_seconds": 1.0,
+            "rollouts_written": 8, "kills": [], "sent": {"1:0": "b1", "2:0": "b2"}, "files_left": [],
+        }  # fmt: skip
+
+    same = compare(args, range(1, 3), expected, observed({"1": "b1", "2": "b2"}, {"1": "r1", "2": "r2"}))
+    assert same["payload_mismatches"] == 0
+    other_rows = compare(args, range(1, 3), expected, observed({"1": "b1", "2": "b2"}, {"1": "r1", "2": "x"}))
+    assert other_rows["payload_mismatches"] == 1
+    not_sent = compare(args, range(1, 3), expected, observed({"1": "b1", "2": "a2"}, {"1": "r1", "2": "r2"}))
+    assert not_sent["payload_mismatches"] == 1
 
 
 @pytest.mark.timeout(120)
