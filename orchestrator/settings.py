@@ -21,6 +21,7 @@ from transport.connection import SENTINEL_SCHEME, RedisAddress
 from transport.numbering import PRIME_RL_FIRST_STEP
 from transport.payload_dir import PayloadDirectory
 from transport.payload_segments import RunRows
+from transport.schema import default_wire
 
 CONFIG_ENV = "RLSHIP_CONFIG"
 REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel")
@@ -288,7 +289,7 @@ class RunSettings(BaseSettings):
         if self.payload_root is None:
             self.payload_root = Path(self.output_dir) / "payloads"
         if self.wire is None:
-            self.wire = "prime-rl-0f59b24" if self.workload == "moe" else "prime-rl-559b447"
+            self.wire = default_wire(self.workload).name  # type: ignore[assignment]
         if self.cpu_queue is None:
             self.cpu_queue = run_queue(self.run_id, "cpu")
         if self.ship_queue is None:

@@ -5,6 +5,8 @@
   how rollouts enter a run;
   `RolloutRejected` (bad data, named) and `AdmissionRefused` (the run has enough for now).
 - `REQUIRED_ARRAYS`, `OPTIONAL_TOKEN_ARRAYS`: the per-token arrays a rollout carries.
+- `PayloadSegment`, `write_segment_file`, `rollout_rows_path`: per-token side arrays (routed
+  experts, sampling masks) passed by handle, their rows in files under the run's payload root.
 - `RunSettings`: a run's settings, as `rlship` reads them (flags, `RLSHIP_*`, a TOML file).
 - `connect_redis`, `connect_redis_async`: a client of the run's Redis (a URL, or Sentinels
   and the primary they watch) that rides out a restart or a failover.
@@ -17,6 +19,7 @@ from orchestrator.records import InvalidRecord, RolloutRecord
 from orchestrator.settings import RunSettings
 from tasks.stages.finalize import OPTIONAL_TOKEN_ARRAYS, REQUIRED_ARRAYS
 from transport.connection import connect_redis, connect_redis_async
+from transport.payload_segments import PayloadSegment, rollout_rows_path, write_segment_file
 from transport.prime_receivers import FileSystemMicroBatchReceiver, ZMQMicroBatchReceiver
 
 __all__ = [
@@ -26,6 +29,7 @@ __all__ = [
     "AsyncRolloutProducer",
     "FileSystemMicroBatchReceiver",
     "InvalidRecord",
+    "PayloadSegment",
     "RolloutProducer",
     "RolloutRecord",
     "RolloutRejected",
@@ -33,4 +37,6 @@ __all__ = [
     "ZMQMicroBatchReceiver",
     "connect_redis",
     "connect_redis_async",
+    "rollout_rows_path",
+    "write_segment_file",
 ]

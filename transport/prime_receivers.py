@@ -19,12 +19,12 @@ releases its retained payloads, and the policy version moves when every rank has
 The run is named by arguments or by the environment rlship's processes share:
 `RLSHIP_RUN_ID`, `REDIS_URL`, `RLSHIP_RANKS`, `RLSHIP_FIRST_STEP` (default 1: prime-rl
 numbers its steps from 1, and the policy version acknowledged after step s is s) and
-`RLSHIP_WIRE` (default prime-rl-559b447). `receive()` returns what `decode` makes of the
-payload: prime-rl's own `MicroBatch` structs when prime-rl is installed (its msgspec
-decoder, as its receivers do), rlship's `MicroBatch` list otherwise. Side arrays the step
-points at by handle (wire prime-rl-0f59b24) are read once on receipt, as the trainer will read
-them, so a missing or short file fails `receive()` naming it, and the rows' checksum is
-recorded beside the payload's.
+`RLSHIP_WIRE` (unset: as the run derives it from `RLSHIP_WORKLOAD`). `receive()` returns
+what `decode` makes of the payload: prime-rl's own `MicroBatch` structs when prime-rl is
+installed (its msgspec decoder, as its receivers do), rlship's `MicroBatch` list otherwise.
+Side arrays the step points at by handle (wire prime-rl-0f59b24) are read once on receipt,
+as the trainer will read them, so a missing or short file fails `receive()` naming it, and
+the rows' checksum is recorded beside the payload's.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from transport.keys import RunKeys
 from transport.numbering import PRIME_RL_FIRST_STEP
 from transport.payload_segments import read_side_arrays
 from transport.replay import RetainedPayloads
-from transport.schema import WIRE_559B447, WIRE_PROFILES, WireProfile
+from transport.schema import WIRE_559B447, WIRE_PROFILES, WireProfile, default_wire
 from transport.trainer import Acknowledgements
 from transport.zmq_receiver import ZMQReceiver
 
@@ -106,7 +106,8 @@ class ExactlyOnceReceiver:
             unexpected = sorted(run.keys() - ReceiverRunSettings.__annotations__.keys())
             if unexpected:  # **run would otherwise take a misspelt setting silently
                 raise TypeError(f"{type(self).__name__}() got unexpected keyword arguments {unexpected}")
-            wire = str(_setting(run.get("wire"), "RLSHIP_WIRE", WIRE_559B447.name))
+            workload = os.environ.get("RLSHIP_WORKLOAD") or "dense"
+            wire = str(_setting(run.get("wire"), "RLSHIP_WIRE", default_wire(workload).name))
             if wire not in WIRE_PROFILES:
                 raise ValueError(f"wire: {wire!r} is not one of {', '.join(WIRE_PROFILES)}")
             self._decode = run.get("decode") or default_decode(WIRE_PROFILES[wire])

@@ -398,3 +398,9 @@ WIRE_0F59B24 = WireProfile(
 )
 WIRE_PROFILES: dict[str, WireProfile] = {profile.name: profile for profile in (WIRE_559B447, WIRE_0F59B24)}
 """The profiles by the name `--wire` takes."""
+
+
+def default_wire(workload: str) -> WireProfile:
+    """The wire a run uses unless told: side arrays by handle (the moe workload) need 0f59b24;
+    otherwise 559b447, which prime-rl's trainers in use decode."""
+    return WIRE_0F59B24 if workload == "moe" else WIRE_559B447
