@@ -59,6 +59,7 @@ class RunCollector(Collector):
             snapshot = self._reader.snapshot()
             published = int(self.client.hlen(self.keys.published))
             payload_bytes = self.payload_bytes()
+            held_bytes = int(self.client.get(self.keys.held_bytes_total) or 0)
         status, run = snapshot.status, [self.info.run_id]
         start = self.info.start_step
         values: list[tuple[type[Metric], str, str, float]] = [
@@ -78,6 +79,8 @@ class RunCollector(Collector):
              len(snapshot.stalled_ranks)),
             (GaugeMetricFamily, "rlship_payload_bytes", "bytes of encoded per-rank payloads held in Redis",
              payload_bytes),
+            (GaugeMetricFamily, "rlship_held_bytes",
+             "bytes held for the producers' budget (max_held_bytes), in Redis and files", held_bytes),
             (GaugeMetricFamily, "rlship_event_loop_lag_seconds",
              "the orchestrator's worst event-loop lag over the last status interval",
              status.get("loop_lag_max_ms", 0.0) / 1000),

@@ -179,7 +179,11 @@ def test_prometheus_endpoint_during_a_run(
             assert samples[f"rlship_queue_depth:{queue}"] == 0
         # Every shipped step's payloads stay in Redis until the ranks acknowledge them.
         files = Path(settings.output_dir, "rollouts").glob("step_*/rank_*.bin")
-        assert samples["rlship_payload_bytes"] == sum(path.stat().st_size for path in files) > 0
+        payload_bytes = sum(path.stat().st_size for path in files)
+        assert samples["rlship_payload_bytes"] == payload_bytes > 0
+        # The byte budget's view: those payloads, and the rollouts Redis still holds.
+        blobs = [k for k in client.scan_iter(match=RunKeys(run_id).rollout("*")) if not k.endswith(b":wire")]
+        assert samples["rlship_held_bytes"] == payload_bytes + sum(client.strlen(k) for k in blobs)
         assert samples["rlship_event_loop_lag_max_seconds"] > 0
     with pytest.raises(OSError):  # the run is over: so is its endpoint
         scrape(port, run_id)
