@@ -277,7 +277,7 @@ class Orchestrator:
             await self.end_failed_run()
         if self._aborted is not None:
             raise self._aborted
-        unacknowledged = await self.releases.acknowledged_payloads(self.follower.last_published)
+        unacknowledged = await self.releases.acknowledged_payloads(self.follower.last_published, self.policy)
         await self.releases.unshipped()
         await self.end_run()
         return {

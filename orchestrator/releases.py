@@ -17,9 +17,11 @@ import time
 import redis.asyncio as aioredis
 
 from orchestrator.gate import POLL_SECONDS
+from orchestrator.policy import PolicyVersion
 from orchestrator.publisher import Publisher
 from orchestrator.settings import RunSettings
 from tasks.ship import release
+from transport.numbering import version_after
 from transport.store import AsyncPayloadStore
 
 log = logging.getLogger("rlship.orchestrator")
@@ -74,11 +76,16 @@ class Releases:
             await self.pending
             self.pending = None
 
-    async def acknowledged_payloads(self, last_published: int) -> list[int]:
+    async def acknowledged_payloads(self, last_published: int, policy: PolicyVersion) -> list[int]:
         """At the end of the run, give the ranks `ack_timeout` seconds to acknowledge the
         last steps, then release every retained payload; return the steps never acknowledged.
-        External trainers acknowledge nothing to Redis: their payloads go at once."""
+        External trainers acknowledge nothing to Redis: their payloads go at once, unless
+        they point at rows files, which a trainer reads when it trains the step: those go
+        once the trainers' policy version says they trained the last step (or after
+        `ack_timeout`, saying so)."""
         builtin = self.settings.trainers == "builtin"
+        if not builtin and self.settings.run_rows().exists():
+            await self._trained_through(last_published, policy)
         deadline = time.monotonic() + (self.settings.ack_timeout if builtin else 0.0)
         while await self.store.unacknowledged_steps() and time.monotonic() < deadline:
             await self.store.release_payloads(
@@ -103,6 +110,20 @@ class Releases:
                 self.settings.ack_timeout,
             )
         return released.evicted_unacknowledged if builtin else []
+
+    async def _trained_through(self, step: int, policy: PolicyVersion) -> None:
+        trained = version_after(step, self.settings.first_step)
+        deadline = time.monotonic() + self.settings.ack_timeout
+        while await policy.update() < trained and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_SECONDS)
+        if policy.version < trained:
+            log.warning(
+                "the trainers' policy version is %d after %.0f s (ack_timeout), not %d: the rows files "
+                "of the last steps are deleted before they trained them",
+                policy.version,
+                self.settings.ack_timeout,
+                trained,
+            )
 
     async def unshipped(self) -> int:
         """At the end of the run every rollout still held (pending, in open groups, or not

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -39,13 +40,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from orchestrator.commands.processes import delete_run_keys
 from orchestrator.commands.produce import SyntheticWorkload
 from orchestrator.producer import AsyncRolloutProducer, RolloutProducer, RolloutRejected
 from orchestrator.settings import RunSettings
 from tests.support.factories import group
 from tests.support.processes import REPO, left_running, python_command, refused, rlship, session_queue
-from tests.support.shiprun import metrics_lines, ship, ship_settings
+from tests.support.shiprun import metrics_lines, run_orchestrator, ship_settings
 from tests.support.stock_peers import WIRE_0F59B24, read_record, start_stock_ranks
 from transport.checksum import payload_checksum
 from transport.connection import connect_redis_async
@@ -226,19 +226,42 @@ def produce_with_rows(
     return expected, files
 
 
+def peer_report(records: list[Path], peers: list[subprocess.Popen]) -> str:
+    """Each stock rank's exit status and the end of its log."""
+    lines = []
+    for rank, (record, peer) in enumerate(zip(records, peers, strict=True)):
+        log = Path(f"{record}.log")
+        text = log.read_text(errors="replace")[-1500:] if log.exists() else ""
+        lines.append(f"stock rank {rank}: exit {peer.poll()}; log: {text}")
+    return "\n".join(lines)
+
+
+async def ship_watching(settings: RunSettings, records: list[Path], peers: list[subprocess.Popen]) -> None:
+    """The run's orchestrator on this event loop, stopped as soon as a stock rank fails (a
+    rank that cannot read its rows stops with an error, and the run would wait for it)."""
+    run = asyncio.create_task(run_orchestrator(settings))
+    try:
+        while not run.done():
+            if any(peer.poll() not in (None, 0) for peer in peers):
+                raise AssertionError(f"a stock rank failed during the run\n{peer_report(records, peers)}")
+            await asyncio.wait({run}, timeout=0.1)
+        await run
+    finally:
+        if not run.done():
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+
+
 def ship_to_0f59b24_ranks(settings: RunSettings) -> list[list[dict[str, Any]]]:
     """Ship the run (its rollouts written beforehand) to stock prime-rl 0f59b24 ranks, over
     ZMQ, each exiting after the run's steps; what each recorded, step by step."""
     records, peers = start_stock_ranks(settings, [settings.steps] * settings.ranks, wire=WIRE_0F59B24)
     try:
-        ship(settings, trainers=False, produce=False)
-        for rank, peer in enumerate(peers):
-            try:
-                code = peer.wait(60)
-            except subprocess.TimeoutExpired:
-                code = None
-            log = Path(f"{records[rank]}.log")
-            assert code == 0, f"stock rank {rank} exited {code}: {log.read_text() if log.exists() else ''}"
+        asyncio.run(ship_watching(settings, records, peers))
+        for peer in peers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                peer.wait(60)
+        assert [peer.poll() for peer in peers] == [0] * len(peers), peer_report(records, peers)
     finally:
         for peer in peers:
             peer.kill()
@@ -263,6 +286,13 @@ def stock_settings(run_id: str, redis_url: str, workers, output_dir: Path, steps
         max_off_policy_steps=100, trainers="external", wire=WIRE_0F59B24,
         record_rollouts=output_dir / "rollouts.jsonl",
     )  # fmt: skip
+
+
+def delete_run_keys(client, run_id: str) -> None:
+    """Every key of the run (the session's workers and their queues stay)."""
+    keys = list(client.scan_iter(match=RunKeys(run_id).prefix + "*", count=1000))
+    for start in range(0, len(keys), 1000):
+        client.unlink(*keys[start : start + 1000])
 
 
 # --- the tests ----------------------------------------------------------------------------
@@ -331,9 +361,7 @@ def test_rlship_run_moe_reads_every_row_by_handle_and_none_enters_redis(client, 
                     found.append((rid, token))
         assert found == [], f"routed experts in Redis: {len(found)} rows, e.g. {found[:3]}"
     finally:
-        keys = list(client.scan_iter(match=RunKeys(run_id).prefix + "*", count=1000))
-        if keys:
-            client.unlink(*keys)
+        delete_run_keys(client, run_id)
 
 
 def test_stock_0f59b24_ranks_read_every_rollouts_rows_as_written(
@@ -347,7 +375,7 @@ def test_stock_0f59b24_ranks_read_every_rollouts_rows_as_written(
         got = ship_to_0f59b24_ranks(settings)
         records = metrics_lines(settings)
     finally:
-        delete_run_keys(settings)
+        delete_run_keys(client, run_id)
     for rank, lines in enumerate(got):
         assert [line["topic_step"] for line in lines] == [1, 2, 3], f"rank {rank}: every step once, in order"
         assert all(line["rows"] for line in lines), f"rank {rank}: every step carries rows by handle"
@@ -372,7 +400,7 @@ def test_a_rollout_whose_rows_file_is_gone_or_short_is_dropped_and_its_step_ship
         got = ship_to_0f59b24_ranks(settings)
         records = metrics_lines(settings)
     finally:
-        delete_run_keys(settings)
+        delete_run_keys(client, run_id)
     fates = {line["rollout_id"]: line for line in map(json.loads, (tmp_path / "rollouts.jsonl").open())}
     for rollout_id in (gone, short):
         fate = fates[rollout_id]
@@ -394,26 +422,29 @@ def test_a_rollout_whose_rows_file_is_gone_or_short_is_dropped_and_its_step_ship
     shipped = {rid for rid, fate in fates.items() if fate["fate"] == "shipped"}
     assert set(rows) == shipped and gone not in rows and short not in rows
     assert {tid: rows[tid] for tid in shipped} == {tid: expected[tid] for tid in shipped}
-    # Counted under `payload` (docs/wire-format.md, "Side arrays by handle"; the record's
-    # `progress/dropped_by_workers/{field}`, docs/metrics.md).
+    # Counted under `payload.{field}` (docs/wire-format.md, "Side arrays by handle"; the
+    # record's `progress/dropped_by_workers/{field}`, docs/metrics.md).
     counted: Counter[str] = Counter()
     for record in records:
         counted.update({k: v for k, v in record.items() if k.startswith("progress/dropped_by_workers/")})
-    assert counted == {"progress/dropped_by_workers/payload": 2.0}, counted
+    assert counted == {"progress/dropped_by_workers/payload.routed_experts": 2.0}, counted
 
 
 def test_moe_on_the_559b447_wire_is_refused_at_start_up_leaving_nothing(client, redis_url, tmp_path):
     run_id = f"cli-moe-{uuid.uuid4().hex[:8]}"
-    done = rlship(
-        "run", "--workload", "moe", "--wire", "prime-rl-559b447", "--steps", "1", "--run-id", run_id,
-        "--output-dir", str(tmp_path / "run"), "--zmq-port", str(free_port_pair()),
-        "--cpu-queue", session_queue(f"cpu-{run_id}"), "--ship-queue", session_queue(f"ship-{run_id}"),
-        env={"REDIS_URL": redis_url},
-    )  # fmt: skip
-    output = refused(done, "prime-rl-559b447", "payload")
-    assert len(output.splitlines()) == 1, output
-    assert left_running(run_id) == []
-    assert list(client.scan_iter(match=f"*{run_id}*", count=1000)) == []
+    try:
+        done = rlship(
+            "run", "--workload", "moe", "--wire", "prime-rl-559b447", "--steps", "1", "--run-id", run_id,
+            "--output-dir", str(tmp_path / "run"), "--zmq-port", str(free_port_pair()),
+            "--cpu-queue", session_queue(f"cpu-{run_id}"), "--ship-queue", session_queue(f"ship-{run_id}"),
+            env={"REDIS_URL": redis_url},
+        )  # fmt: skip
+        output = refused(done, "prime-rl-559b447", "payload")
+        assert len(output.splitlines()) == 1, output
+        assert left_running(run_id) == []
+        assert list(client.scan_iter(match=f"*{run_id}*", count=1000)) == []
+    finally:
+        delete_run_keys(client, run_id)
 
 
 @pytest.mark.parametrize("api", ["sync", "async"])
