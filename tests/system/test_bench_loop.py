@@ -99,3 +99,107 @@ def test_lag_figure_beside_the_json(bench: tuple[int, Path]) -> None:
     require_module("matplotlib")
     png = bench[1].with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- --workload moe ----------------------------------------------------------------------------
+
+MOE_KEYS = {
+    "redis_peak_used_memory_bytes",
+    "redis_peak_growth_bytes",
+    "payload_root_peak_bytes",
+    "redis_memory",
+    "directories",
+    "variant",
+}
+
+
+@pytest.fixture(scope="module")
+def moe_report(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("bench-loop-moe") / "loop.json"
+    argv = ["--workload", "moe", "--rollouts", "32", "--seq-len", "512", "--ranks", "2"]
+    argv += ["--steps", "1", "--warmup-steps", "0", "--timeout", "90"]
+    assert main(["bench", "loop", "--json", str(out), *argv]) == 0
+    # The step cache and every run's rows and payload files are gone with the runs.
+    assert not (out.parent / "steps").exists()
+    assert not any(path.is_file() for path in out.parent.rglob("*.rows"))
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(400)
+def test_moe_variants_ship_the_same_rollouts(moe_report: dict[str, Any]) -> None:
+    """Every variant ships the reference's bytes (and the by-handle one's ranks read the
+    reference's rows); all carry the same tokens, the routed experts travel only where the
+    variant says."""
+    assert moe_report["steps_identical"] is True
+    workload, placements = moe_report["workload"], moe_report["placements"]
+    assert list(placements) == [
+        "thread-moe-inline",
+        "celery-dense",
+        "celery-moe-handle",
+        "celery-moe-inline",
+        "celery-moe-inline-dir",
+    ]
+    experts = workload["routed_experts_bytes"][0]
+    assert experts == 384 * workload["tokens"][0]
+    wire = {name: sizes[0] for name, sizes in workload["wire_bytes_by_placement"].items()}
+    assert wire["celery-moe-inline"] == wire["thread-moe-inline"] == wire["celery-moe-inline-dir"]
+    assert wire["celery-moe-inline"] > wire["celery-dense"] + experts
+    assert wire["celery-dense"] < wire["celery-moe-handle"] < wire["celery-dense"] + experts
+    for name, placement in placements.items():
+        assert set(placement) >= PLACEMENT_KEYS | MOE_KEYS, name
+        assert placement["steps_identical"] is True, name
+        assert placement["tokens_shipped"] == workload["tokens"][0], name
+    assert placements["celery-moe-handle"]["variant"] == {
+        "placement": "celery",
+        "routed_experts": "handle",
+        "workload": "moe",
+        "wire": "prime-rl-0f59b24",
+    }
+    assert placements["celery-moe-inline-dir"]["variant"]["payload_store"] == "dir"
+
+
+@pytest.mark.timeout(400)
+def test_moe_memory_figures(moe_report: dict[str, Any]) -> None:
+    """Redis's peak is present and positive on each variant's own server (its own peak, as
+    Redis tracks it); rows files count under the payload root only where routed experts
+    pass through files: one step's worth here."""
+    placements = moe_report["placements"]
+    experts = moe_report["workload"]["routed_experts_bytes"][0]
+    for name, placement in placements.items():
+        redis = placement["redis_memory"]
+        assert redis["server"] == "own" and redis["peak_source"] == "used_memory_peak", name
+        assert placement["redis_peak_used_memory_bytes"] == redis["peak_bytes"] > 0, name
+        assert redis["peak_bytes"] >= redis["sampled_max_bytes"] >= redis["baseline_bytes"] > 0, name
+        assert placement["redis_peak_growth_bytes"] == redis["peak_bytes"] - redis["baseline_bytes"], name
+        assert redis["samples"] > 1 and redis["interval_seconds"] > 0, name
+        assert len(redis["timeline"]["t"]) == len(redis["timeline"]["mib"]) > 1, name
+        assert placement["directories"]["overflows"] == 0, name
+    for name in ("thread-moe-inline", "celery-dense", "celery-moe-inline"):
+        assert placements[name]["payload_root_peak_bytes"] == 0, name
+    assert placements["celery-moe-handle"]["payload_root_peak_bytes"] == experts
+    directory = placements["celery-moe-inline-dir"]
+    assert directory["payload_root_peak_bytes"] == experts  # inline rows wait for the cut in files
+    assert directory["payload_dir_peak_bytes"] > experts  # the payloads, routed experts inline
+    # Inline through Redis, the routed experts are there twice (rollouts, then payloads).
+    inline, handle = placements["celery-moe-inline"], placements["celery-moe-handle"]
+    assert inline["redis_peak_growth_bytes"] > handle["redis_peak_growth_bytes"] + experts
+
+
+@pytest.mark.timeout(400)
+def test_moe_goals_and_ratios(moe_report: dict[str, Any]) -> None:
+    goals = {goal["goal"]: goal for goal in moe_report["goals"]}
+    assert set(goals) == {
+        "celery-moe-handle / celery-dense Redis peak (growth over the run's start) <= 1.1",
+        "celery-moe-handle / celery-dense median ship_seconds <= 1.2",
+        "celery-moe-handle lag_ms.max <= 20",
+        "celery-moe-handle lag_ms.p99 <= 5",
+        "steps_identical",
+    }
+    assert all(goal["value"] > 0 for goal in goals.values())
+    ratios = moe_report["ratios"]
+    assert {(r["placement"], r["over"]) for r in ratios} >= {
+        ("celery-moe-handle", "celery-dense"),
+        ("celery-moe-inline", "celery-dense"),
+        ("celery-moe-handle", "thread-moe-inline"),
+    }
+    assert all(r["value"] > 0 for r in ratios)

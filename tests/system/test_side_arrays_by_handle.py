@@ -13,7 +13,7 @@ real Celery workers, real trainer processes and real files:
   a field's rows in two segments stored out of order, and a second field after them.
 - A rollout whose rows file is gone before the cut, and one whose file is short, are
   dropped with reasons naming `payload.routed_experts` and the file, counted under
-  `payload` in their step's record; the step ships the others, whose rows the stock ranks
+  `payload.routed_experts` in their step's record; the step ships the others, whose rows the stock ranks
   read as written.
 - `rlship run --workload moe --wire prime-rl-559b447` fails at once in one line naming the
   wire and the field, and leaves no process or key.

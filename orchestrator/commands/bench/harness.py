@@ -2,7 +2,10 @@
 Celery workers (celery placement), the placement's process
 (`orchestrator.commands.bench.placements`) at the CPU priority asked for, and the
 producer that feeds the celery placement; CPU sampled by process kind and the moment
-each step was decoded by its last rank heard meanwhile."""
+each step was decoded by its last rank heard meanwhile. Under `--workload moe` also
+Redis's used memory and the bytes under the run's payload directories
+(`orchestrator.commands.bench.memory`), on a Redis server of the placement's own unless
+`--redis-server shared`."""
 
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +27,8 @@ import psutil
 import redis
 
 from orchestrator.commands.bench.cpu import CpuSampler
+from orchestrator.commands.bench.memory import DirectoryBytes, RedisMemory
+from orchestrator.commands.bench.moe import Rollout, StepCache, Variant, routed_experts_as
 from orchestrator.commands.bench.placements import StepBatch
 from orchestrator.commands.processes import (
     ProcessGroup,
@@ -31,7 +38,7 @@ from orchestrator.commands.processes import (
     worker_commands,
 )
 from orchestrator.commands.run import received_by_rank
-from orchestrator.commands.sentinel_cluster import LocalSentinelCluster
+from orchestrator.commands.sentinel_cluster import LocalSentinelCluster, start_redis_server
 from orchestrator.producer import RolloutProducer
 from orchestrator.settings import RunSettings, settings_to_env
 from transport.connection import connect_redis
@@ -89,41 +96,95 @@ def _prioritized(
     return [*policy, *(["nice", "-n", str(niceness)] if niceness else []), *command]
 
 
-def run_placement(
-    placement: str, base: RunSettings, batches: list[StepBatch], args: argparse.Namespace, log_root: Path
-) -> dict[str, Any]:
-    """Ship every step in `placement`; return its process's result, what each rank received and
-    the published records."""
+@dataclass
+class StepSource:
+    """Where a placement's producer takes each step's rollouts from: `batch(step)` (a step
+    read when the producer comes to it, after the one before it was shipped), and, under
+    `--workload moe`, the step cache the in-process placements read themselves."""
+
+    steps: int
+    batch: Callable[[int], StepBatch]
+    cache: StepCache | None = None
+
+    @classmethod
+    def of_list(cls, batches: list[StepBatch]) -> StepSource:
+        return cls(len(batches), batches.__getitem__)
+
+    @classmethod
+    def of_cache(cls, cache: StepCache, steps: int, routed_experts: bool) -> StepSource:
+        return cls(steps, lambda step: cache.read(step, routed_experts), cache)
+
+
+def placement_settings(
+    name: str, variant: Variant, base: RunSettings, log_root: Path, payload_root: Path
+) -> RunSettings:
+    """The run settings of a placement's run: its own run id, queues and log directory, the
+    variant's settings, side arrays by handle under `payload_root`."""
     token = secrets.token_hex(3)
-    log_dir = (log_root / placement).resolve()
-    settings = base.model_copy(
-        update={
-            "run_id": f"bench-loop-{placement}-{token}",
-            "zmq_port": free_port_pair(),
-            "cpu_queue": f"bench-cpu-{token}",
-            "ship_queue": f"bench-ship-{token}",
-            "output_dir": log_dir,
-        }
+    return base.with_changes(
+        run_id=f"bench-loop-{name}-{token}",
+        cpu_queue=f"bench-cpu-{token}",
+        ship_queue=f"bench-ship-{token}",
+        output_dir=(log_root / name).resolve(),
+        payload_root=payload_root.resolve(),
+        **variant.settings,
     )
-    cluster = None
+
+
+def run_placement(
+    variant: Variant, settings: RunSettings, source: StepSource, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Ship every step in the variant's placement; return its process's result, what each
+    rank received, the published records and (`--workload moe`) the memory figures."""
+    placement, log_dir = variant.placement, Path(settings.output_dir)
+    cluster = server = None
     if placement == "celery-replicated":
         cluster = LocalSentinelCluster(log_dir / "redis").start()
         settings = settings.model_copy(update={"redis_url": cluster.url, "redis_wait_replicas": 1})
+    elif args.redis_server == "own":
+        port = free_port_pair()
+        server = start_redis_server(log_dir / "redis", port)
+        settings = settings.model_copy(update={"redis_url": f"redis://127.0.0.1:{port}/0"})
+    # Chosen once the servers listen: a pair is free only until someone binds it.
+    settings = settings.model_copy(update={"zmq_port": free_port_pair()})
     try:
-        return _run_placement(placement, settings, batches, args, log_dir)
+        return _run_placement(variant, settings, source, args, own_server=server is not None)
     finally:
         if cluster is not None:
             cluster.stop()
+        if server is not None:
+            server.terminate()
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+
+
+def watched_directories(settings: RunSettings) -> dict[str, Path]:
+    """The run's directories whose bytes the bench follows: its rows files under the payload
+    root, and with `payload_store` dir its retained per-rank payloads."""
+    directories = {"payload_root": settings.run_rows().directory}
+    payloads = settings.payload_directory()
+    if payloads is not None:
+        directories["payload_dir"] = Path(payloads.root)
+    return directories
 
 
 def _run_placement(
-    placement: str, settings: RunSettings, batches: list[StepBatch], args: argparse.Namespace, log_dir: Path
+    variant: Variant, settings: RunSettings, source: StepSource, args: argparse.Namespace, own_server: bool
 ) -> dict[str, Any]:
+    placement, log_dir = variant.placement, Path(settings.output_dir)
     group = ProcessGroup(env=settings_to_env(settings), log_dir=log_dir)
     spec, result = log_dir / "spec.json", log_dir / "result.json"
     deadline = time.monotonic() + args.timeout
     client = connect_redis(settings.redis_url)
+    memory = directories = None
+    if args.workload == "moe":  # from before the first process starts: its baseline is the run's
+        memory = RedisMemory(settings.redis_url, own_server).start()
+        directories = DirectoryBytes(watched_directories(settings)).start()
     decoded = StepsDecoded(client, settings)  # until the trainer ranks are done
+    memory_figures: dict[str, Any] = {}
     try:
         for rank in range(settings.ranks):
             trainer = rlship_command(
@@ -140,6 +201,8 @@ def _run_placement(
                     "placement": placement,
                     "settings": settings.model_dump(mode="json"),
                     "timeout": args.timeout,
+                    "steps_cache": str(source.cache.root) if source.cache is not None else None,
+                    "routed_experts": variant.routed_experts == "inline",
                 }
             )
         )
@@ -156,7 +219,8 @@ def _run_placement(
         sampler.start()
         arrivals = {}
         if placement.startswith("celery"):
-            arrivals = feed(settings, batches, group, deadline, fill_seconds(args))
+            handed = routed_experts_as(variant.routed_experts, settings.run_rows())
+            arrivals = feed(settings, source, handed, group, deadline, fill_seconds(args))
         try:
             child.wait(max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -165,6 +229,7 @@ def _run_placement(
             raise RuntimeError(f"{placement}: not done within {args.timeout:.0f} s; see {log_dir}") from None
         finally:
             sampler.stop()
+            memory_figures = _stop_memory(memory, directories)
         if child.returncode != 0 or not result.exists():
             raise RuntimeError(
                 f"{placement}: the orchestrator process exited with {child.returncode}; see {log_dir}"
@@ -177,9 +242,15 @@ def _run_placement(
         stream = client.xrange(RunKeys(settings.run_id).metrics_stream)
         records = [json.loads(fields[b"record"]) for _, fields in stream]
     finally:
+        if memory is not None and not memory_figures:
+            _stop_memory(memory, directories)
         decoded.stop()
         group.stop_all()
         delete_run_keys(settings)
+        settings.run_rows().remove_all()  # what a failed run left (a finished one removed its own)
+        payloads = settings.payload_directory()
+        if payloads is not None:
+            payloads.remove_all()
     raw = json.loads(result.read_text())
     origin = raw["origin"]
     windows = {step: (start + origin, end + origin) for step, (start, end) in raw["windows"].items()}
@@ -187,7 +258,24 @@ def _run_placement(
     # The in-process placements note their steps' arrivals themselves (on their loop's clock).
     arrivals = arrivals or {int(step): at + origin for step, at in raw["arrivals"].items()}
     idle = {str(step): decoded.at[step] - arrived for step, arrived in arrivals.items() if step in decoded.at}
-    return {**raw, "received": received, "records": records, "cpu": cpu, "idle_seconds": idle}
+    return {
+        **raw,
+        "received": received,
+        "records": records,
+        "cpu": cpu,
+        "idle_seconds": idle,
+        **memory_figures,
+    }
+
+
+def _stop_memory(memory: RedisMemory | None, directories: DirectoryBytes | None) -> dict[str, Any]:
+    """The memory figures of the run (`--workload moe`), the samplers stopped; the timeline
+    of Redis's used memory on the monotonic clock."""
+    if memory is None or directories is None:
+        return {}
+    figures = {"redis_memory": memory.stop(), "directories": directories.stop()}
+    figures["redis_memory"]["timeline"] = memory.timeline(0.0)
+    return figures
 
 
 def process_kinds(group: ProcessGroup, client: redis.Redis) -> dict[str, list[int]]:
@@ -206,30 +294,38 @@ def process_kinds(group: ProcessGroup, client: redis.Redis) -> dict[str, list[in
 
 
 def feed(
-    settings: RunSettings, batches: list[StepBatch], group: ProcessGroup, deadline: float, fill_seconds: float
+    settings: RunSettings,
+    source: StepSource,
+    handed: Callable[[list[Rollout]], list[Rollout]],
+    group: ProcessGroup,
+    deadline: float,
+    fill_seconds: float,
 ) -> dict[int, float]:
     """The producer of the celery placement. Step k's rollouts come once the trainer ranks
     have decoded step k - 1 and its record is published (the trainers wait for them, the
     gate is open: what follows is the ship path's alone), in calls of FEED_CALL_ROLLOUTS
-    spread over `fill_seconds`, as inference returns them; returns when each step's last
-    call returned (its last rollout arrived), on the monotonic clock."""
+    spread over `fill_seconds`, as inference returns them, each call's rollouts as
+    `handed` makes them (routed experts written to rows files, for one); returns when each
+    step's last call returned (its last rollout arrived), on the monotonic clock. The step
+    is read only then, and let go before its cut: no step is held while one ships."""
     client = connect_redis(settings.redis_url)
     producer = RolloutProducer.for_run(client, settings, admitted=False)
     keys = RunKeys(settings.run_id)
     arrivals: dict[int, float] = {}
-    for batch in batches:
-        previous = version_after(batch.step - 1, settings.first_step)
-        while batch.step and not (
-            client.hexists(keys.published, batch.step - 1)
-            and int(client.get(keys.policy_version) or 0) >= previous
+    for step in range(source.steps):
+        previous = version_after(step - 1, settings.first_step)
+        while step and not (
+            client.hexists(keys.published, step - 1) and int(client.get(keys.policy_version) or 0) >= previous
         ):
             if group.failed() or time.monotonic() > deadline:
                 return arrivals
             time.sleep(0.005)
-        starts = range(0, len(batch.rollouts), FEED_CALL_ROLLOUTS)
+        rollouts = source.batch(step).rollouts
+        starts = range(0, len(rollouts), FEED_CALL_ROLLOUTS)
         began = time.monotonic()
         for call, start in enumerate(starts):
             time.sleep(max(0.0, began + fill_seconds * call / len(starts) - time.monotonic()))
-            producer.produce(batch.rollouts[start : start + FEED_CALL_ROLLOUTS])
-        arrivals[batch.step] = time.monotonic()
+            producer.produce(handed(rollouts[start : start + FEED_CALL_ROLLOUTS]))
+        arrivals[step] = time.monotonic()
+        del rollouts
     return arrivals

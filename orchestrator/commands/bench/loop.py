@@ -14,6 +14,17 @@ process's peak RSS, tokens shipped, and whether every rank received byte-identic
 payloads (by checksum, against a reference computed here with a plain call of the
 stages). The first `--warmup-steps` steps bind sockets and warm the workers; they are
 shipped and checked but not measured. A PNG of lag over time is written beside the JSON.
+
+`--workload moe` compares variants instead (`orchestrator.commands.bench.moe.VARIANTS`): the
+same rollouts, each with routed experts of a 48-layer top-8 model (384 bytes a token), shipped
+by the celery placement without them (dense), by handle (rows files under the payload root,
+wire prime-rl-0f59b24) and inline (through Redis, or through the run's directory with
+`payload_store` dir), and by the thread placement with them in its memory, encoded inline.
+Each variant also reports Redis's peak used memory (on a Redis server of its own, so the peak
+is the run's) and the peak bytes under its payload directories, and the report prints the
+ratios of the issue's goals against the dense run. The bench makes each step once and keeps
+it in files beside the JSON (`StepCache`, removed at the end): no process holds more than the
+step it ships.
 """
 
 from __future__ import annotations
@@ -22,26 +33,46 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from orchestrator.commands.bench.cpu import machine_cpu_seconds, other_cpu_share, own_cpu_seconds
-from orchestrator.commands.bench.harness import run_placement
+from orchestrator.commands.bench.harness import StepSource, placement_settings, run_placement
+from orchestrator.commands.bench.moe import (
+    DEFAULT_VARIANTS,
+    VARIANTS,
+    StepCache,
+    Variant,
+    handle_segments,
+    without_experts,
+)
 from orchestrator.commands.bench.placements import (
     DEFAULT_PLACEMENTS,
     PLACEMENTS,
     StepBatch,
     cut_manifest,
-    encode_step,
+    pack_step,
+    rank_checksums,
     step_batches,
 )
 from orchestrator.commands.bench.plot import plot_lag
-from orchestrator.commands.bench.summary import durability_cost, goals, print_report, summarize, summary_line
+from orchestrator.commands.bench.summary import (
+    durability_cost,
+    goals,
+    moe_goals,
+    moe_ratios,
+    print_report,
+    summarize,
+    summary_line,
+)
 from orchestrator.commands.processes import redis_answers
 from orchestrator.settings import RunSettings
-from transport.checksum import payload_checksum
+from tasks.stages.release import trim_process_memory
+from transport.payload_segments import PAYLOAD_FIELD
+from transport.schema import WIRE_PROFILES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,9 +85,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=3, help="measured steps per placement")
     parser.add_argument("--warmup-steps", type=int, default=1, help="shipped and checked, not measured")
     parser.add_argument(
+        "--workload",
+        choices=("dense", "moe"),
+        default="dense",
+        help="dense: the placements on dense rollouts; moe: the same rollouts with routed experts "
+        "(48 layers x top-8, uint8) in the variants of --placements, with Redis's peak memory, "
+        "payload directory bytes and the goals' ratios against celery-dense",
+    )
+    parser.add_argument(
         "--placements",
-        default=",".join(DEFAULT_PLACEMENTS),
-        help=f"comma-separated, run in this order, of {', '.join(PLACEMENTS)}",
+        default=None,
+        help=f"comma-separated, run in this order, of {', '.join(PLACEMENTS)} (default "
+        f"{','.join(DEFAULT_PLACEMENTS)}); with --workload moe of {', '.join(VARIANTS)} "
+        f"(default {','.join(DEFAULT_VARIANTS)})",
+    )
+    parser.add_argument(
+        "--redis-server",
+        choices=("shared", "own"),
+        default=None,
+        help="the Redis of REDIS_URL, or a redis-server started for each placement (its peak memory "
+        "is then the run's own); default own with --workload moe, else shared",
+    )
+    parser.add_argument(
+        "--payload-root",
+        type=Path,
+        default=None,
+        help="where rows files of routed experts by handle are written (default: beside the JSON)",
     )
     parser.add_argument(
         "--fill-seconds",
@@ -85,11 +139,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per placement")
 
 
+def variants_of(args: argparse.Namespace) -> dict[str, Variant]:
+    """The placements to run, by name: under `--workload moe` entries of `VARIANTS`, else each
+    placement on dense rollouts."""
+    moe = args.workload == "moe"
+    known = VARIANTS if moe else {name: Variant(name) for name in PLACEMENTS}
+    default = DEFAULT_VARIANTS if moe else DEFAULT_PLACEMENTS
+    names = [p.strip() for p in (args.placements or ",".join(default)).split(",") if p.strip()]
+    unknown = sorted(set(names) - set(known))
+    if unknown or not names:
+        raise SystemExit(f"rlship: --placements: {unknown or names} not among {', '.join(known)}")
+    return {name: known[name] for name in names}
+
+
 def main(args: argparse.Namespace) -> int:
-    placements = [p.strip() for p in args.placements.split(",") if p.strip()]
-    unknown = sorted(set(placements) - set(PLACEMENTS))
-    if unknown or not placements:
-        raise SystemExit(f"rlship: --placements: {unknown or placements} not among {', '.join(PLACEMENTS)}")
+    variants = variants_of(args)
+    args.placements = ",".join(variants)  # as run, for the report's command line
+    args.redis_server = args.redis_server or ("own" if args.workload == "moe" else "shared")
     if args.steps < 1 or args.warmup_steps < 0:
         raise SystemExit("rlship: --steps must be >= 1 and --warmup-steps >= 0")
     base = RunSettings(
@@ -103,26 +169,47 @@ def main(args: argparse.Namespace) -> int:
         max_async_level=0,
         cpu_workers=args.cpu_workers,
     )
-    if not redis_answers(base.redis_url):
+    if args.redis_server == "shared" and not redis_answers(base.redis_url):
         raise SystemExit(f"rlship: no Redis answers at REDIS_URL={base.redis_url!r}")
     out_dir = args.json.parent
     out_dir.mkdir(parents=True, exist_ok=True)
+    payload_root = args.payload_root or out_dir / "payloads"
+    settings = {
+        name: placement_settings(name, variant, base, out_dir / "logs", payload_root)
+        for name, variant in variants.items()
+    }
     started = time.time()
     load_before = os.getloadavg()
     cpu_before = machine_cpu_seconds(), own_cpu_seconds()
 
     print(f"bench loop: generating {base.steps} steps of {args.rollouts} rollouts and the reference payloads")
-    batches = list(step_batches(base, base.steps))
-    workload, reference = reference_payloads(base, batches)
-    if not any(placement.startswith("celery") for placement in placements):
-        batches.clear()
-
-    results: dict[str, dict[str, Any]] = {}
-    for placement in placements:
-        print(f"bench loop: {placement} ...", flush=True)
-        raw = run_placement(placement, base, batches, args, out_dir / "logs")
-        results[placement] = summarize(raw, reference, args.warmup_steps)
-        print("  " + summary_line(placement, results[placement]), flush=True)
+    cache = StepCache(out_dir / "steps") if args.workload == "moe" else None
+    try:
+        if cache is None:
+            batches = list(step_batches(base, base.steps))
+            workload, references = reference_payloads(base, batches, variants, settings)
+            if not any(variant.placement.startswith("celery") for variant in variants.values()):
+                batches.clear()
+            sources = dict.fromkeys(variants, StepSource.of_list(batches))
+        else:
+            workload, references = reference_payloads(
+                base, step_batches(base, base.steps, moe=True), variants, settings, cache
+            )
+            sources = {
+                name: StepSource.of_cache(cache, base.steps, variant.routed_experts != "none")
+                for name, variant in variants.items()
+            }
+        results: dict[str, dict[str, Any]] = {}
+        for name, variant in variants.items():
+            print(f"bench loop: {name} ...", flush=True)
+            raw = run_placement(variant, settings[name], sources[name], args)
+            results[name] = summarize(raw, references[name], args.warmup_steps)
+            if args.workload == "moe":
+                results[name]["variant"] = {**variant.describe(), "wire": settings[name].wire}
+            print("  " + summary_line(name, results[name]), flush=True)
+    finally:
+        if cache is not None:
+            cache.remove()
 
     report: dict[str, Any] = {
         "command": command_line(args),
@@ -140,7 +227,8 @@ def main(args: argparse.Namespace) -> int:
         "workload": workload,
         "placements": results,
         "steps_identical": all(r["steps_identical"] for r in results.values()),
-        "goals": goals(results, args.rollouts),
+        "goals": moe_goals(results) if args.workload == "moe" else goals(results, args.rollouts),
+        **({"ratios": moe_ratios(results)} if args.workload == "moe" else {}),
         "durability_cost": durability_cost(results),
         "wall_seconds": time.time() - started,
     }
@@ -163,16 +251,54 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def reference_payloads(
-    settings: RunSettings, batches: list[StepBatch]
-) -> tuple[dict[str, list[int]], list[list[str]]]:
-    """What every placement must ship: per step, the rollouts, tokens and wire bytes, and
-    each rank's payload checksum."""
-    workload: dict[str, list[int]] = {"rollouts": [], "tokens": [], "wire_bytes": []}
-    checksums = []
+    base: RunSettings,
+    batches: Iterable[StepBatch],
+    variants: dict[str, Variant],
+    settings: dict[str, RunSettings],
+    cache: StepCache | None = None,
+) -> tuple[dict[str, Any], dict[str, dict[str, list[list[Any]]]]]:
+    """What every placement must ship, by the stage functions in a plain call: per step, the
+    rollouts, tokens and wire bytes, and per placement each rank's payload checksum and
+    (side arrays by handle) the checksum of the rows it reads. Placements that ship the same
+    bytes share one computation: the way they pass routed experts, the wire, and for
+    handles the run's rows directory (the segments name their files). With a `cache`, each
+    step (made with routed experts) is kept in it, then let go."""
+    kinds = {name: _reference_kind(variant, settings[name]) for name, variant in variants.items()}
+    workload: dict[str, Any] = {"rollouts": [], "tokens": [], "wire_bytes": []}
+    if cache is not None:
+        workload |= {"routed_experts_bytes": [], "wire_bytes_by_placement": {name: [] for name in variants}}
+    computed: dict[tuple[Any, ...], dict[str, list[list[Any]]]] = {
+        kind: {"checksums": [], "rows_checksums": []} for kind in kinds.values()
+    }
     for batch in batches:
-        payloads = encode_step(cut_manifest(settings, batch.step, batch.outcomes), batch.arrays)
+        if cache is not None:
+            workload["routed_experts_bytes"].append(cache.write(batch))
+        dense = {record.rollout_id: without_experts(arrays) for record, arrays in batch.rollouts}
+        samples, plan = pack_step(cut_manifest(base, batch.step, batch.outcomes), dense)
+        wire_bytes = {}
+        for kind, reference in computed.items():
+            experts, wire, rows = kind
+            arrays = dense if experts == "none" else batch.arrays
+            if experts == "handle":
+                segments = handle_segments(batch.rollouts, rows)
+                arrays = {rid: a | {PAYLOAD_FIELD: segments[rid]} for rid, a in dense.items()}
+            checksums, rows_checksums, wire_bytes[kind] = rank_checksums(
+                samples, plan, arrays, WIRE_PROFILES[wire]
+            )
+            reference["checksums"].append(checksums)
+            reference["rows_checksums"].append(rows_checksums)
+            del arrays
         workload["rollouts"].append(len(batch.rollouts))
-        workload["tokens"].append(sum(len(arrays["input_ids"]) for _, arrays in batch.rollouts))
-        workload["wire_bytes"].append(sum(len(p) for p in payloads))
-        checksums.append([payload_checksum(p) for p in payloads])
-    return workload, checksums
+        workload["tokens"].append(sum(len(arrays["input_ids"]) for arrays in dense.values()))
+        workload["wire_bytes"].append(wire_bytes[next(iter(kinds.values()))])
+        for name, kind in kinds.items():
+            workload.get("wire_bytes_by_placement", {}).get(name, []).append(wire_bytes[kind])
+        del batch, dense
+        trim_process_memory()
+    return workload, {name: computed[kind] for name, kind in kinds.items()}
+
+
+def _reference_kind(variant: Variant, settings: RunSettings) -> tuple[Any, ...]:
+    """What makes a placement's payloads the bytes they are."""
+    rows = settings.run_rows() if variant.routed_experts == "handle" else None
+    return variant.routed_experts, settings.wire, rows

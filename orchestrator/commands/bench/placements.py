@@ -6,8 +6,9 @@
 
 All three ship the same seeded rollouts (`step_batches`) with the same stage functions to
 real trainer ranks over ZMQ. The inline and thread placements hold each step's arrays in
-their own memory, as the seed's orchestrator did; they are made before the ship window,
-which runs from the cut to the published record. On the loop, a `LagProbe` observes lag
+their own memory, as the seed's orchestrator did (under `--workload moe`, the rollouts the
+bench made once, read from its `StepCache` with their routed experts); they are made before
+the ship window, which runs from the cut to the published record. On the loop, a `LagProbe` observes lag
 every 10 ms and a heartbeat (a `LagProbe` of 50 ms) ticks, both with their timelines.
 
 Each placement runs in a fresh process (`python -m orchestrator.commands.bench.placements SPEC
@@ -32,6 +33,7 @@ import psutil
 import redis.asyncio as aioredis
 
 from orchestrator.accounting import Accounting, outcome_row
+from orchestrator.commands.bench.moe import StepCache
 from orchestrator.commands.produce import SyntheticWorkload
 from orchestrator.dispatcher import Dispatcher
 from orchestrator.gate import POLL_SECONDS
@@ -42,16 +44,19 @@ from orchestrator.records import RolloutRecord
 from orchestrator.settings import RunSettings
 from tasks.cohort import CohortBuilder
 from tasks.manifest import StepManifest
-from tasks.stages.encode import encode_rank
+from tasks.stages.encode import encode_rank, rank_segments
 from tasks.stages.finalize import finalize_step
 from tasks.stages.metrics import step_metrics
 from tasks.stages.pack import pack_samples
 from tasks.stages.prune import prune_samples, worker_drops
 from tasks.stages.publish import build_record, running_totals
 from tasks.stages.release import trim_process_memory
+from transport.checksum import payload_checksum
 from transport.connection import connect_redis_async
 from transport.keys import RunKeys
 from transport.numbering import required_version
+from transport.payload_segments import PAYLOAD_FIELD, digests_checksum
+from transport.schema import WireProfile
 from transport.zmq_sender import ZMQSender
 
 PLACEMENTS: tuple[str, ...] = ("inline", "thread", "celery", "celery-replicated")
@@ -78,8 +83,9 @@ class StepBatch:
         return {record.rollout_id: arrays for record, arrays in self.rollouts}
 
 
-def step_batches(settings: RunSettings, steps: int) -> Iterator[StepBatch]:
-    """The seeded workload cut into steps of `batch_size` rollouts, lazily.
+def step_batches(settings: RunSettings, steps: int, moe: bool = False) -> Iterator[StepBatch]:
+    """The seeded workload cut into steps of `batch_size` rollouts, lazily; with `moe`, each
+    rollout with routed experts inline (`SyntheticWorkload(moe_inline=True)`).
 
     Only groups whose every rollout can train are kept, and a step holds whole groups: the
     orchestrator then cuts exactly these rollouts, in this order, at every step, so every
@@ -94,6 +100,7 @@ def step_batches(settings: RunSettings, steps: int) -> Iterator[StepBatch]:
         group_size=settings.group_size,
         seq_len=settings.seq_len,
         vocab_size=settings.vocab_size,
+        moe_inline=moe,
     )
     for step in range(steps):
         workload.policy_version = step
@@ -140,10 +147,37 @@ def cut_manifest(
 
 def encode_step(manifest: StepManifest, arrays: dict[str, dict[str, np.ndarray]]) -> list[bytes]:
     """Every rank's payload of a step, by the stage functions in a plain call (the reference)."""
+    samples, plan = pack_step(manifest, arrays)
+    wire = manifest.config.wire_profile
+    return [bytes(encode_rank(rank, samples, arrays, wire)) for rank in plan.ranks]
+
+
+def pack_step(manifest: StepManifest, arrays: dict[str, dict[str, np.ndarray]]) -> tuple[Any, Any]:
+    """The step's samples (finalized, pruned) and their packing over the ranks."""
     samples, _ = prune_samples(finalize_step(manifest, arrays).samples)
     config = manifest.config
     plan = pack_samples(samples.numeric["num_tokens"], config.ranks, config.seq_len, config.pad_to_multiple)
-    return [bytes(encode_rank(rank, samples, arrays)) for rank in plan.ranks]
+    return samples, plan
+
+
+def rank_checksums(
+    samples: Any, plan: Any, arrays: dict[str, dict[str, Any]], wire: WireProfile
+) -> tuple[list[str], list[str | None], int]:
+    """Each rank's payload checksum, the checksum of the side-array rows it points at (None
+    without segments: as encode records it), and the payloads' bytes, one rank at a time."""
+    checksums: list[str] = []
+    rows: list[str | None] = []
+    wire_bytes = 0
+    segments_of = {rid: a.get(PAYLOAD_FIELD, []) for rid, a in arrays.items()}
+    for plans in plan.ranks:
+        payload = encode_rank(plans, samples, arrays, wire)
+        checksums.append(payload_checksum(payload))
+        wire_bytes += memoryview(payload).nbytes
+        del payload
+        segments = rank_segments(plans, samples, segments_of)
+        signed = segments and all(segment.digest for segment in segments)
+        rows.append(digests_checksum(s.digest for s in segments) if signed else None)
+    return checksums, rows, wire_bytes
 
 
 # -- inline and thread ---------------------------------------------------------------------
@@ -172,8 +206,16 @@ class InProcessShipper:
     release (malloc_trim) after publish.
     """
 
-    def __init__(self, settings: RunSettings, client: aioredis.Redis, run: Runner, probe: LagProbe) -> None:
+    def __init__(
+        self,
+        settings: RunSettings,
+        client: aioredis.Redis,
+        run: Runner,
+        probe: LagProbe,
+        batches: Callable[[int], Iterator[StepBatch]] | None = None,
+    ) -> None:
         self.settings = settings
+        self.batches = batches or (lambda steps: step_batches(settings, steps))
         self.client = client
         self.run = run
         self.probe = probe
@@ -202,7 +244,7 @@ class InProcessShipper:
         try:
             if not sender.wait_ready(READY_TIMEOUT_SECONDS):
                 raise RuntimeError(f"trainer ranks not ready within {READY_TIMEOUT_SECONDS:.0f} s")
-            for batch in step_batches(self.settings, steps):
+            for batch in self.batches(steps):
                 waited = await self.wait_for_policy(batch.step)
                 # Held in memory, the step's rollouts arrive (the last one completes the
                 # batch) when the gate opens: the bench's trainers are waiting for them.
@@ -244,7 +286,7 @@ class InProcessShipper:
             config.pad_to_multiple,
         )
         for rank, plans in enumerate(plan.ranks):
-            payload = await stage("encode", encode_rank, plans, samples, arrays)
+            payload = await stage("encode", encode_rank, plans, samples, arrays, config.wire_profile)
             await stage("send", sender.send, step, rank, payload)
         self.totals = running_totals(self.totals, metrics)
         record = build_record(step, metrics, seconds, time.time() - manifest.cut_time, waited, self.totals)
@@ -288,8 +330,14 @@ def _timeline(probe: LagProbe, origin: float) -> dict[str, list[float]]:
     }
 
 
-async def run_placement(placement: str, settings: RunSettings, timeout: float) -> dict[str, Any]:
-    """Ship `settings.steps` steps in `placement`; the windows and timelines on this loop's clock."""
+async def run_placement(
+    placement: str,
+    settings: RunSettings,
+    timeout: float,
+    batches: Callable[[int], Iterator[StepBatch]] | None = None,
+) -> dict[str, Any]:
+    """Ship `settings.steps` steps in `placement` (the in-process ones: `batches`, by default
+    the seeded workload); the windows and timelines on this loop's clock."""
     loop = asyncio.get_running_loop()
     origin = loop.time()
     baseline_rss = psutil.Process().memory_info().rss
@@ -303,7 +351,7 @@ async def run_placement(placement: str, settings: RunSettings, timeout: float) -
         else:
             probe = LagProbe(keep_timeline=True)
             background.append(asyncio.create_task(probe.run()))
-            shipper = InProcessShipper(settings, client, RUNNERS[placement], probe)
+            shipper = InProcessShipper(settings, client, RUNNERS[placement], probe, batches)
             await asyncio.wait_for(shipper.ship(settings.steps), timeout)
     finally:
         for task in background:
@@ -335,11 +383,19 @@ def peak_rss_bytes() -> int:
 
 def main(argv: list[str]) -> int:
     """`python -m orchestrator.commands.bench.placements SPEC RESULT`: SPEC holds the placement,
-    the settings and the timeout."""
+    the settings and the timeout, and, under `--workload moe`, the bench's step cache and
+    whether the routed experts are shipped (in this process's memory)."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the bench asks for stacks on timeout
     spec = json.loads(Path(argv[0]).read_text())
     settings = RunSettings(**spec["settings"])
-    result = asyncio.run(run_placement(spec["placement"], settings, spec["timeout"]))
+    batches = None
+    if spec.get("steps_cache"):
+        cache, experts = StepCache(Path(spec["steps_cache"])), bool(spec["routed_experts"])
+
+        def batches(steps: int) -> Iterator[StepBatch]:
+            return (cache.read(step, experts, in_memory=True) for step in range(steps))
+
+    result = asyncio.run(run_placement(spec["placement"], settings, spec["timeout"], batches))
     Path(argv[1]).write_text(json.dumps(result))
     return 0
 

@@ -1,6 +1,7 @@
 """The figure of `rlship bench loop`: loop lag over time, one panel per placement, ship
 windows shaded, observations made between steps (loading the next step: not measured) in
-grey. matplotlib is optional (the `bench` extra); without it no PNG is written."""
+grey; CPU per step by process kind; under `--workload moe` Redis's used memory over time.
+matplotlib is optional (the `bench` extra); without it no PNG is written."""
 
 from __future__ import annotations
 
@@ -31,13 +32,15 @@ def plot_lag(report: dict[str, Any], path: Path) -> bool:
     except ImportError:
         return False
     placements = report["placements"]
+    memory = any("redis_memory" in result for result in placements.values())
+    extra = [0.25 + 0.2 * len(placements)] + ([1.2] if memory else [])
     fig, all_axes = plt.subplots(
-        len(placements) + 1,
+        len(placements) + len(extra),
         1,
-        figsize=(11, 2.4 * len(placements) + 2.6),
-        gridspec_kw={"height_ratios": [1] * len(placements) + [0.25 + 0.2 * len(placements)]},
+        figsize=(11, 2.4 * len(placements) + 2.6 + 2.9 * memory),
+        gridspec_kw={"height_ratios": [1] * len(placements) + extra},
     )
-    axes, cpu_axis = list(all_axes[:-1]), all_axes[-1]
+    axes, cpu_axis = list(all_axes[: len(placements)]), all_axes[len(placements)]
     for ax in axes[1:]:
         ax.sharey(axes[0])
     for ax, (name, result) in zip(axes, placements.items(), strict=True):
@@ -68,6 +71,8 @@ def plot_lag(report: dict[str, Any], path: Path) -> bool:
     axes[0].legend(handles, labels, loc="upper right", ncol=3, fontsize=8, frameon=False)
     axes[-1].set_xlabel("seconds since the placement's first cut (shaded: ship windows, grey: warm-up)")
     plot_cpu(cpu_axis, placements)
+    if memory:
+        plot_redis_memory(all_axes[-1], placements)
     settings, workload = report["settings"], report["workload"]
     fig.suptitle(
         f"Event-loop lag while shipping {workload['rollouts'][-1]} rollouts x {settings['ranks']} ranks "
@@ -91,3 +96,15 @@ def plot_cpu(ax: Any, placements: dict[str, Any]) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("CPU ms per shipped step (step of median ship CPU; grey: trainer ranks, other programs)")
     ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
+
+
+def plot_redis_memory(ax: Any, placements: dict[str, Any]) -> None:
+    """Redis's used memory (sampled) over time, one line per placement, from its first cut."""
+    for name, result in placements.items():
+        if "redis_memory" in result:
+            timeline = result["redis_memory"]["timeline"]
+            peak = result["redis_peak_used_memory_bytes"] / 2**20
+            ax.plot(timeline["t"], timeline["mib"], lw=1, label=f"{name} (peak {peak:.0f} MiB)")
+    ax.set_xlabel("seconds since the placement's first cut")
+    ax.set_ylabel("Redis used MiB")
+    ax.legend(loc="upper right", fontsize=8, frameon=False)

@@ -1,5 +1,7 @@
 """The figures of `rlship bench loop`: each placement's lag, heartbeat, ship time, memory
-and CPU over its measured steps, the goals they meet, and the printed report."""
+and CPU over its measured steps, the goals they meet, and the printed report (under
+`--workload moe` also Redis's peak memory, the payload directories' peak bytes and the
+ratios the issue's goals are about, against the celery placement on dense rollouts)."""
 
 from __future__ import annotations
 
@@ -23,17 +25,28 @@ def in_windows(timeline: dict[str, list[float]], windows: list[tuple[float, floa
     return ms[keep]
 
 
-def summarize(raw: dict[str, Any], reference: list[list[str]], warmup: int) -> dict[str, Any]:
+def identical_steps(received: dict[str, Any], reference: dict[str, list[list[Any]]]) -> bool:
+    """Whether every rank received the reference's payload at every step and, where its
+    payloads point at side arrays by handle, read the reference's rows."""
+    checksums, rows = reference["checksums"], reference["rows_checksums"]
+    for rank in range(len(checksums[0])):
+        got = received.get(str(rank), {})
+        if got.get("checksums") != [step[rank] for step in checksums]:
+            return False
+        expected_rows = {str(step): ranks[rank] for step, ranks in enumerate(rows) if ranks[rank] is not None}
+        if got.get("rows_checksums", {}) != expected_rows:
+            return False
+    return True
+
+
+def summarize(raw: dict[str, Any], reference: dict[str, list[list[Any]]], warmup: int) -> dict[str, Any]:
     """One placement's figures over its measured steps, and its checks over every step."""
     windows = {int(step): tuple(w) for step, w in raw["windows"].items()}
     measured = [windows[s] for s in sorted(windows) if s >= warmup]
     lag = in_windows(raw["lag"], measured)
     beat = in_windows(raw["heartbeat"], measured)
     p50, p95, p99 = np.percentile(lag, [50, 95, 99]) if len(lag) else (np.nan,) * 3
-    identical = all(
-        raw["received"].get(str(rank), {}).get("checksums") == [step[rank] for step in reference]
-        for rank in range(len(reference[0]))
-    )
+    identical = identical_steps(raw["received"], reference)
     origin = min(start for start, _ in windows.values()) if windows else 0.0
     records = sorted(raw["records"], key=lambda r: r["step"])
     cpu = [raw["cpu"][str(s)] for s in sorted(windows) if s >= warmup]
@@ -77,6 +90,32 @@ def summarize(raw: dict[str, Any], reference: list[list[str]], warmup: int) -> d
             name: {"t": [round(t - origin, 4) for t in raw[name]["t"]], "ms": raw[name]["ms"]}
             for name in ("lag", "heartbeat")
         },
+        **memory_figures(raw, raw["origin"] + origin),
+    }
+
+
+def memory_figures(raw: dict[str, Any], origin: float) -> dict[str, Any]:
+    """Redis's peak used memory and the payload directories' peak bytes (`--workload moe`),
+    with the details they come from; the used-memory timeline in seconds since `origin`
+    (monotonic: the placement's first cut)."""
+    if "redis_memory" not in raw:
+        return {}
+    redis = dict(raw["redis_memory"])
+    timeline = redis.pop("timeline")
+    redis["timeline"] = {"t": [round(t - origin, 3) for t in timeline["t"]], "mib": timeline["mib"]}
+    directories = raw["directories"]
+    return {
+        "redis_peak_used_memory_bytes": redis["peak_bytes"],
+        "redis_peak_growth_bytes": redis["peak_growth_bytes"],
+        "payload_root_peak_bytes": directories["peak_bytes"]["payload_root"],
+        **(
+            {"payload_dir_peak_bytes": directories["peak_bytes"]["payload_dir"]}
+            if "payload_dir" in directories["peak_bytes"]
+            else {}
+        ),
+        "payload_directories_peak_bytes": directories["peak_total_bytes"],
+        "redis_memory": redis,
+        "directories": directories,
     }
 
 
@@ -120,6 +159,69 @@ def goals(results: dict[str, dict[str, Any]], rollouts: int) -> list[dict[str, A
     return out
 
 
+# `--workload moe`: the placement the ratios divide by, the one the goals are about, and
+# the thread placement beside them.
+DENSE, BY_HANDLE, THREAD = "celery-dense", "celery-moe-handle", "thread-moe-inline"
+
+
+def _median_ship(result: dict[str, Any]) -> float:
+    return statistics.median(result["ship_seconds"])
+
+
+# The ratios reported (no bound but the goals' own): each figure of every placement over
+# celery-dense's (the same rollouts without routed experts) and over the thread placement's.
+RATIO_FIGURES: dict[str, Any] = {
+    "Redis peak (growth over the run's start)": lambda r: r["redis_peak_growth_bytes"],
+    "median ship_seconds": _median_ship,
+    "median idle_seconds": lambda r: statistics.median(r["idle_seconds"]),
+    "CPU seconds per step (ship kinds)": lambda r: r["cpu_seconds_per_step"]["ship"],
+    "orchestrator RSS growth": lambda r: r["orchestrator_rss_growth_bytes"],
+}
+RATIOS_OVER: dict[str, tuple[str, ...]] = {
+    DENSE: tuple(RATIO_FIGURES)[:4],
+    THREAD: tuple(RATIO_FIGURES)[1:],  # its Redis holds only the run's few small keys
+}
+
+
+def moe_ratios(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every placement's figures over celery-dense's and over the thread placement's."""
+    out = []
+    for base, figures in RATIOS_OVER.items():
+        if base not in results:
+            continue
+        for name, result in results.items():
+            if name == base:
+                continue
+            for figure in figures:
+                of = RATIO_FIGURES[figure]
+                value = of(result) / max(of(results[base]), 1e-9)
+                out.append({"placement": name, "over": base, "figure": figure, "value": value})
+    return out
+
+
+def moe_goals(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The moe issue's goals, for the celery placement with routed experts by handle: Redis
+    peak and ship time within 1.1x and 1.2x the same rollouts' without routed experts, and the
+    loop's lag within bounds."""
+    out: list[dict[str, Any]] = []
+
+    def goal(name: str, value: float, target: float) -> None:
+        out.append({"goal": name, "value": value, "target": target, "pass": bool(value <= target)})
+
+    handle, dense = results.get(BY_HANDLE), results.get(DENSE)
+    if handle is not None and dense is not None:
+        redis = handle["redis_peak_growth_bytes"] / max(dense["redis_peak_growth_bytes"], 1)
+        goal(f"{BY_HANDLE} / {DENSE} Redis peak (growth over the run's start) <= 1.1", redis, 1.1)
+        ship = _median_ship(handle) / _median_ship(dense)
+        goal(f"{BY_HANDLE} / {DENSE} median ship_seconds <= 1.2", ship, 1.2)
+    if handle is not None:
+        goal(f"{BY_HANDLE} lag_ms.max <= 20", handle["lag_ms"]["max"], 20.0)
+        goal(f"{BY_HANDLE} lag_ms.p99 <= 5", handle["lag_ms"]["p99"], 5.0)
+    identical = all(r["steps_identical"] for r in results.values())
+    out.append({"goal": "steps_identical", "value": float(identical), "target": 1.0, "pass": identical})
+    return out
+
+
 def durability_cost(results: dict[str, dict[str, Any]]) -> dict[str, float]:
     """What waiting for a replica costs (issue 27 asks it measured, sets no bound): the
     replicated placement over the plain one, median ship seconds and CPU per step."""
@@ -136,6 +238,16 @@ def durability_cost(results: dict[str, dict[str, Any]]) -> dict[str, float]:
 
 def summary_line(placement: str, result: dict[str, Any]) -> str:
     lag = result["lag_ms"]
+    memory = ""
+    if "redis_memory" in result:
+        redis = result["redis_memory"]
+        memory = (
+            f"Redis peak {redis['peak_bytes'] / 2**20:.0f} MiB (+{redis['peak_growth_bytes'] / 2**20:.0f}; "
+            f"{redis['peak_source']}) | "
+            f"payload root peak {result['payload_root_peak_bytes'] / 2**20:.0f} MiB | "
+        )
+        if "payload_dir_peak_bytes" in result:
+            memory += f"payload dir peak {result['payload_dir_peak_bytes'] / 2**20:.0f} MiB | "
     return (
         f"{placement}: lag p50 {lag['p50']:.2f} p99 {lag['p99']:.2f} max {lag['max']:.1f} ms | "
         f"heartbeat p95 {result['heartbeat_p95_ms']:.1f} max {result['heartbeat_max_ms']:.1f} ms | "
@@ -145,7 +257,8 @@ def summary_line(placement: str, result: dict[str, Any]) -> str:
         f"peak RSS {result['orchestrator_peak_rss_bytes'] / 2**20:.0f} MiB "
         f"(+{result['orchestrator_rss_growth_bytes'] / 2**20:.0f} over imports) | "
         f"CPU {1000 * result['cpu_seconds_per_step']['ship']:.0f} ms a step | "
-        f"identical {result['steps_identical']}"
+        + memory
+        + f"identical {result['steps_identical']}"
     )
 
 
@@ -155,9 +268,15 @@ def print_report(report: dict[str, Any]) -> None:
         f"\nworkload per step: {w['rollouts'][-1]} rollouts, {w['tokens'][-1]:,} tokens, "
         f"{w['wire_bytes'][-1] / 2**20:.1f} MiB on the wire (last step)"
     )
+    if "routed_experts_bytes" in w:
+        wire = ", ".join(f"{name} {b[-1] / 2**20:.1f}" for name, b in w["wire_bytes_by_placement"].items())
+        print(f"  routed experts {w['routed_experts_bytes'][-1] / 2**20:.1f} MiB; on the wire (MiB): {wire}")
     for placement, result in report["placements"].items():
         print("  " + summary_line(placement, result))
     print_cpu_table(report["placements"])
+    if "ratios" in report:
+        print_memory_table(report["placements"])
+        print_ratios(report["ratios"])
     for goal in report["goals"]:
         print(f"  {'PASS' if goal['pass'] else 'MISS'}  {goal['goal']}: {goal['value']:.3g}")
     cost = report.get("durability_cost") or {}
@@ -168,6 +287,35 @@ def print_report(report: dict[str, Any]) -> None:
             f"CPU per step (ship kinds) x{cost['cpu_seconds_per_step_ratio']:.2f}"
         )
     print(f"  other processes used {report['machine']['other_cpu_share']:.0%} of the CPU meanwhile")
+
+
+def print_memory_table(placements: dict[str, dict[str, Any]]) -> None:
+    """Per placement, MiB: Redis's peak used memory (and over the run's start), the payload
+    directories' peak bytes, the orchestrator's RSS growth; then lag and ship time."""
+    print(
+        "\n  MiB: Redis peak (growth) | payload root peak | payload dir peak | orchestrator RSS growth"
+        " || lag max / p99 ms | ship s median | CPU ms a step"
+    )
+    for name, r in placements.items():
+        print(
+            f"  {name:>22}: {r['redis_peak_used_memory_bytes'] / 2**20:9.1f} "
+            f"({r['redis_peak_growth_bytes'] / 2**20:.1f}) | {r['payload_root_peak_bytes'] / 2**20:9.1f} | "
+            f"{r.get('payload_dir_peak_bytes', 0) / 2**20:9.1f} | "
+            f"{r['orchestrator_rss_growth_bytes'] / 2**20:7.1f} || {r['lag_ms']['max']:.1f} / "
+            f"{r['lag_ms']['p99']:.2f} | {_median_ship(r):.2f} | "
+            f"{1000 * r['cpu_seconds_per_step']['ship']:.0f}"
+        )
+
+
+def print_ratios(ratios: list[dict[str, Any]]) -> None:
+    """The ratios, grouped by what they divide by."""
+    for over in dict.fromkeys(r["over"] for r in ratios):
+        print(f"\n  over {over}:")
+        rows: dict[str, list[str]] = {}
+        for ratio in (r for r in ratios if r["over"] == over):
+            rows.setdefault(ratio["placement"], []).append(f"{ratio['figure']} x{ratio['value']:.2f}")
+        for placement, figures in rows.items():
+            print(f"  {placement:>22}: " + "; ".join(figures))
 
 
 def print_cpu_table(placements: dict[str, dict[str, Any]]) -> None:
