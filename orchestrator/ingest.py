@@ -97,7 +97,7 @@ class Ingest:
                 self.stream_cursor = entries[-1][0].decode()
             pipe = self.client.pipeline(transaction=False)
             if release_ids:
-                release_rollouts(pipe, self.keys, release_ids)
+                await release_rollouts(pipe, self.keys, release_ids)
             # Every turn, with rollouts or without (the gate holds the producers, or they are
             # done): the status says what was cut and published since (`rlship status`), and
             # an `accounted` held back during a cut is written, or producers could wait on it.

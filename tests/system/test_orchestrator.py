@@ -88,6 +88,10 @@ def test_discarded_rollouts_are_released_at_once_and_counted(client, redis_url, 
     keys = RunKeys(run_id)
     alive = {r.rollout_id for r, _ in rollouts if client.exists(keys.rollout(r.rollout_id))}
     assert alive == {"live-r0", "live-r1"}, "only the trainable payloads are still held"
+    # So are only their bytes, for the producers' budget: each blob's as Redis stores it.
+    held = {k.decode(): int(v) for k, v in client.hgetall(keys.held_bytes).items()}
+    assert held == {rid: client.strlen(keys.rollout(rid)) for rid in alive}
+    assert int(client.get(keys.held_bytes_total)) == sum(held.values())
     assert orchestrator.ingest.pending.rollout_ids == ["live-r0", "live-r1"]
     # err-r0 is alone in its group's baseline once err-r1 errored: zero advantage.
     assert dict(orchestrator.ingest.accounting.discarded) == {"zero_advantage": 3, "error": 1, "stale": 2}
