@@ -102,12 +102,20 @@ def test_a_step_no_longer_retained_is_reported_as_a_gap(client, run_id):
     store.release_payloads(ranks=1, through_step=1, evict_through=1)
 
 
-def test_a_stuck_then_restarted_trainer_gets_every_step_once(client, redis_url, run_id, workers, tmp_path):
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"workload": "moe", "payload_store": "dir"}],
+    ids=["dense", "routed-experts-by-handle-payloads-in-files"],
+)
+def test_a_stuck_then_restarted_trainer_gets_every_step_once(
+    client, redis_url, run_id, workers, tmp_path, options
+):
     """Rank 1 stops reading (SIGSTOP) after step 1: the ship path keeps sending into its
     socket until the policy gate holds the orchestrator, which names the rank; then it dies
-    with those steps unread (SIGKILL) and restarts: it replays them from Redis."""
+    with those steps unread (SIGKILL) and restarts: it replays them from Redis (or from the
+    payload files Redis points at), and reads every step's rows by handle as they were sent."""
     steps = 7
-    settings = ship_settings(run_id, redis_url, workers, tmp_path, steps=steps, max_async_level=1)
+    settings = ship_settings(run_id, redis_url, workers, tmp_path, steps=steps, max_async_level=1, **options)
     keys = RunKeys(run_id)
     status = RunKeys(run_id).status
     trainers = start_trainers(settings)
@@ -138,10 +146,19 @@ def test_a_stuck_then_restarted_trainer_gets_every_step_once(client, redis_url, 
         stop_producing.set()
         producer.join()
         stop(trainers)
+    # What the run still holds when it ends: rollouts never cut (written until the producer
+    # stopped). A rows file of any other rollout went when nothing could read it any more.
+    unshipped = {k.decode().rsplit(":", 1)[1] for k in client.scan_iter(match=keys.rollout("*"))}
+    rows_files = {p.name.removesuffix(".rows") for p in (tmp_path / "payloads" / run_id).glob("*.rows")}
+    assert rows_files <= unshipped, sorted(rows_files - unshipped)[:5]
     PayloadStore(client, run_id).delete_all_rollouts()
 
     sent = {k.decode(): v.decode() for k, v in client.hgetall(RunKeys(run_id).sent_checksums).items()}
+    sent_rows = {k.decode(): v.decode() for k, v in client.hgetall(keys.sent_rows_checksums).items()}
+    assert bool(sent_rows) == bool(options), "rows by handle in every step of the moe run only"
     for rank in range(settings.ranks):
+        rows = {int(s): c.decode() for s, c in client.hgetall(keys.received_rows(rank)).items()}
+        assert all(rows[s] == sent_rows[f"{s}:{rank}"] for s in rows) and len(rows) == len(sent_rows) // 2
         received = {int(s): c.decode() for s, c in client.hgetall(keys.received(rank)).items()}
         deliveries = {int(s): int(n) for s, n in client.hgetall(keys.deliveries(rank)).items()}
         assert sorted(received) == list(range(steps)), f"rank {rank}: {sorted(received)}"
@@ -152,3 +169,4 @@ def test_a_stuck_then_restarted_trainer_gets_every_step_once(client, redis_url, 
     assert result.summary["steps_shipped"] == steps
     assert result.summary["steps_unacknowledged"] == []
     assert leftover_keys(client, run_id) == []
+    assert not (tmp_path / "step-payloads" / run_id).exists(), "the payload files went with their steps"
