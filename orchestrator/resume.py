@@ -19,9 +19,9 @@ CHANGEABLE_ON_RESUME = frozenset(
         "steps", "seed", "redis_wait_replicas", "redis_wait_timeout_ms", "zmq_host", "zmq_port",
         "cpu_workers", "cpu_worker_max_memory_mib",
         "cpu_queue", "ship_queue", "bind_wait_seconds", "samples_per_step", "wandb_project",
-        "wandb_mode", "record_rollouts", "max_outstanding_rollouts", "log_json", "replay_steps",
-        "max_empty_steps", "stall_seconds", "ack_timeout", "allow_eviction", "metrics_port",
-        "metrics_host",
+        "wandb_mode", "record_rollouts", "max_outstanding_rollouts", "max_held_bytes", "log_json",
+        "replay_steps", "max_empty_steps", "stall_seconds", "ack_timeout", "allow_eviction",
+        "metrics_port", "metrics_host",
     }
 )  # fmt: skip
 # How this start reached Redis, which may hold a password: never stored.
