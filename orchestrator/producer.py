@@ -312,7 +312,7 @@ class _Producer:
             stored = self._rows_to_files(record.rollout_id, flat)
             blob = pack_arrays(stored)
             # Segments are checked again at the cut, against the files as they are then.
-            facts = "" if PAYLOAD_FIELD in flat else PayloadFacts.of(flat, len(blob)).to_wire()
+            facts = PayloadFacts.of(stored, len(blob)).to_wire()
             sizes.append(len(blob) + sum(segment.nbytes for segment in stored.get(PAYLOAD_FIELD, [])))
             args += [blob, record.model_dump_json(), facts, sizes[-1]]
         if self.admission is not None:

@@ -39,6 +39,7 @@ from tasks.stages.finalize import (
     finalize_step,
     rollouts_to_read,
     rollouts_with_facts,
+    rollouts_with_handles,
     step_verdict,
 )
 from tasks.stages.metrics import step_metrics
@@ -77,8 +78,10 @@ RECORDS_KEPT = 1000
 def _finalized(ctx: StepContext) -> dict[str, Any]:
     manifest = ctx.manifest
     stored = ctx.store.stored_sizes(rollouts_with_facts(manifest.effective))
-    payloads = ctx.store.fetch_rollouts(rollouts_to_read(manifest.effective, stored))
-    result = finalize_step(manifest, payloads)
+    to_read = rollouts_to_read(manifest.effective, stored)
+    payloads = ctx.store.fetch_rollouts(to_read)
+    handles = ctx.store.fetch_rollouts(rollouts_with_handles(manifest.effective, to_read))
+    result = finalize_step(manifest, payloads, handles)
     for rollout_id, reason in result.failures.items():
         log.warning("step %d: rollout %s dropped: %s", ctx.step, rollout_id, reason)
     return {

@@ -17,6 +17,7 @@ the encoder derives from the producers' (`digests_checksum`), as payload checksu
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import shutil
@@ -150,12 +151,15 @@ def segments_problem(segments: Sequence[PayloadSegment], num_tokens: int, root: 
                     f"{what}: segments disagree on rows ({segment.dtype}{list(segment.shape)} after "
                     f"{first.dtype}{list(first.shape)})"
                 )
-        covered = np.zeros(num_tokens + 1, np.int32)
         for segment in field_segments:
             if segment.end > num_tokens:
                 return (
                     f"{what}: rows [{segment.pos}, {segment.end}) run past the rollout's {num_tokens} tokens"
                 )
+        if len(field_segments) == 1 and (first.pos, first.rows) == (0, num_tokens):
+            continue  # one segment of every token: as producers mostly write them
+        covered = np.zeros(num_tokens + 1, np.int32)
+        for segment in field_segments:
             covered[segment.pos] += 1
             covered[segment.end] -= 1
         depth = np.cumsum(covered[:num_tokens])
@@ -168,13 +172,15 @@ def segments_problem(segments: Sequence[PayloadSegment], num_tokens: int, root: 
 
 def _files_problem(segments: Sequence[PayloadSegment], root: str | None) -> str | None:
     sizes: dict[str, int] = {}
-    base = os.path.realpath(root) if root else None
+    base = _real_directory(root) if root else None
     for segment in segments:
         what = f"{PAYLOAD_FIELD}.{segment.field}"
         if segment.file not in sizes:
             if not os.path.isabs(segment.file):
                 return f"{what}: file {segment.file!r} is not an absolute path"
-            if base is not None and os.path.commonpath([base, os.path.realpath(segment.file)]) != base:
+            directory, name = os.path.split(segment.file)
+            real = os.path.join(_real_directory(directory), name)
+            if base is not None and os.path.commonpath([base, real]) != base:
                 return f"{what}: file {segment.file} is outside the payload root {root}"
             try:
                 sizes[segment.file] = os.stat(segment.file).st_size
@@ -187,6 +193,14 @@ def _files_problem(segments: Sequence[PayloadSegment], root: str | None) -> str 
                 f"of {segment.row_bytes})"
             )
     return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _real_directory(path: str) -> str:
+    """A directory's path with its links resolved, once per process: a step's thousands of
+    files share a few directories. (A file's own name is not resolved: a link its producer
+    put under the root counts as under it.)"""
+    return os.path.realpath(path)
 
 
 class SegmentReader:

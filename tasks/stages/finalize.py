@@ -11,14 +11,14 @@ over since: read and checked whole) costs a read. The encoder's read is then the
 each byte. A rollout without facts (written by other code, or cut from a checkpoint older
 than them) has its arrays read and checked here, as before.
 
-A rollout with side arrays by handle (`payload` segments) comes without facts: its blob
-(tokens and segments, the rows stay in their files) is read, and its segments checked
-against the files as they are at the cut.
+A rollout with side arrays by handle (`payload` segments) says so in its facts: its blob
+(tokens and segments; the rows stay in their files) is read for its segments, which are
+checked against the files as they are at the cut; its arrays are not checked again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,8 @@ KNOWN_ARRAYS: tuple[str, ...] = (*REQUIRED_ARRAYS, *OPTIONAL_TOKEN_ARRAYS)
 
 # The cohort columns holding a producer's `PayloadFacts` (NaN: the rollout came without).
 FACT_COLUMNS: tuple[str, ...] = ("payload_loss_tokens", "payload_max_token_id", "payload_bytes")
+# How many segments of side arrays by handle a rollout has (absent, NaN: none).
+SEGMENTS_COLUMN = "payload_segments"
 
 
 @dataclass(frozen=True)
@@ -60,32 +62,36 @@ class PayloadFacts:
     loss_tokens: int  # tokens with loss_mask set: the trainable ones, if the advantage is not 0
     max_token_id: int  # against the run's vocabulary (the producer checked >= 0)
     payload_bytes: int  # the blob's size as written: a blob of another size was written over
+    segments: int = 0  # side arrays by handle: checked against their files at the cut
 
     @classmethod
-    def of(cls, arrays: Mapping[str, np.ndarray], payload_bytes: int) -> PayloadFacts:
+    def of(cls, arrays: Mapping[str, Any], payload_bytes: int) -> PayloadFacts:
         """The facts of arrays that passed `check_rollout_arrays`, stored as `payload_bytes`."""
         ids = arrays["input_ids"]
         max_id = int(ids.max()) if len(ids) else -1
-        return cls(int(np.count_nonzero(arrays["loss_mask"])), max_id, payload_bytes)
+        segments = len(arrays.get(PAYLOAD_FIELD, ()))
+        return cls(int(np.count_nonzero(arrays["loss_mask"])), max_id, payload_bytes, segments)
 
     def to_wire(self) -> str:
-        return f"{self.loss_tokens} {self.max_token_id} {self.payload_bytes}"
+        handles = f" {self.segments}" if self.segments else ""
+        return f"{self.loss_tokens} {self.max_token_id} {self.payload_bytes}{handles}"
 
     @classmethod
     def from_wire(cls, data: bytes | str | None) -> PayloadFacts | None:
         """The facts of a stream entry; None when it has none or they do not parse (the
         rollout's arrays are then checked at finalize)."""
         try:
-            loss_tokens, max_token_id, payload_bytes = (int(v) for v in (data or "").split())
+            loss_tokens, max_token_id, payload_bytes, *handles = (int(v) for v in (data or "").split())
         except (ValueError, TypeError):
             return None
-        if loss_tokens < 0 or payload_bytes <= 0:
+        if loss_tokens < 0 or payload_bytes <= 0 or len(handles) > 1 or any(n <= 0 for n in handles):
             return None
-        return cls(loss_tokens, max_token_id, payload_bytes)
+        return cls(loss_tokens, max_token_id, payload_bytes, *handles)
 
     def columns(self) -> dict[str, float]:
         values = (self.loss_tokens, self.max_token_id, self.payload_bytes)
-        return dict(zip(FACT_COLUMNS, values, strict=True))
+        handles = {SEGMENTS_COLUMN: float(self.segments)} if self.segments else {}
+        return dict(zip(FACT_COLUMNS, values, strict=True)) | handles
 
 
 @dataclass
@@ -184,7 +190,10 @@ def check_rollout_arrays(
 
 
 def _segments_problem(arrays: Mapping[str, Any], num_tokens: int, side_arrays: SideArrays) -> str | None:
-    segments = arrays[PAYLOAD_FIELD]
+    """Why a rollout's segments cannot train: its arrays (those inline) beside them."""
+    segments = arrays.get(PAYLOAD_FIELD)
+    if not isinstance(segments, list):
+        return f"{PAYLOAD_FIELD}: the producer's facts say segments, its blob holds none"
     fields = segment_fields(segment for segment in segments if not segment.inline)
     if side_arrays.refused_by is not None and fields:
         return (
@@ -216,6 +225,15 @@ def rollouts_with_facts(cohort: Cohort) -> list[str]:
     return [cohort.labels["rollout_id"][i] for i in np.flatnonzero(has_facts).tolist()]
 
 
+def rollouts_with_handles(cohort: Cohort, read: Iterable[str]) -> list[str]:
+    """The cut rollouts checked by their facts whose segments finalize reads (their blobs)
+    to check against the files: those with side arrays by handle, but for those `read`."""
+    has_handles = _fact_column(cohort, SEGMENTS_COLUMN) > 0
+    skip = set(read)
+    ids = cohort.labels["rollout_id"]
+    return [ids[i] for i in np.flatnonzero(has_handles).tolist() if ids[i] not in skip]
+
+
 def rollouts_to_read(cohort: Cohort, stored_bytes: Mapping[str, int]) -> list[str]:
     """The cut rollouts whose arrays finalize reads and checks whole: those without facts and
     those whose stored blob (`stored_bytes`, 0 if gone) is not the size their producer wrote."""
@@ -226,12 +244,17 @@ def rollouts_to_read(cohort: Cohort, stored_bytes: Mapping[str, int]) -> list[st
 
 
 def finalize_step(
-    manifest: StepManifest, payloads: Mapping[str, Mapping[str, np.ndarray] | Exception]
+    manifest: StepManifest,
+    payloads: Mapping[str, Mapping[str, Any] | Exception],
+    handles: Mapping[str, Mapping[str, Any] | Exception] | None = None,
 ) -> FinalizedStep:
     """Check each cut rollout and annotate the ones that pass: by its arrays where they were
-    read (`rollouts_to_read`), else by its producer's facts.
+    read (`rollouts_to_read`), else by its producer's facts, and its segments of side arrays
+    by handle against their files.
 
-    `payloads` maps each rollout read to its arrays, or to the error met reading them.
+    `payloads` maps each rollout read to its arrays, or to the error met reading them;
+    `handles` the same for the rollouts checked by their facts that have segments
+    (`rollouts_with_handles`), read for their segments.
     """
     cohort = manifest.effective
     config = manifest.config
@@ -247,6 +270,16 @@ def finalize_step(
     problems = {i: too_long(int(expected[i]), config.seq_len) for i in np.flatnonzero(long_rows).tolist()}
     for i in np.flatnonzero(unknown_ids).tolist():
         problems[i] = out_of_vocabulary(int(max_id[i]), config.vocab_size)
+    for i in np.flatnonzero(keep & (_fact_column(cohort, SEGMENTS_COLUMN) > 0)).tolist():
+        stored = (handles or {}).get(ids[i])
+        if stored is None or isinstance(stored, Exception):
+            problem: str | None = f"payload: {stored or 'not found'}"
+        else:
+            problem = _segments_problem(stored, int(expected[i]), config.side_arrays)
+        if problem is not None:
+            problems[i] = problem
+            keep[i] = False
+            loss_tokens[i] = 0.0
     # Rows read: checked by their arrays.
     for i in np.flatnonzero(~by_facts).tolist():
         arrays = payloads.get(ids[i])

@@ -39,7 +39,12 @@ def _manifest(rows: list[tuple[str, float, int, tuple[int, int, int] | None]]) -
 def test_the_wire_form_and_what_is_not_facts() -> None:
     assert PayloadFacts.from_wire(b"3 41 512") == PayloadFacts(3, 41, 512)
     assert PayloadFacts.from_wire(PayloadFacts(0, -1, 90).to_wire()) == PayloadFacts(0, -1, 90)
-    for bad in (None, b"", b"3 41", b"3 41 512 7", b"x 41 512", b"-1 41 512", b"3 41 0"):
+    # A fourth number: the rollout's segments of side arrays by handle.
+    assert PayloadFacts(3, 41, 512, 2).to_wire() == "3 41 512 2"
+    assert PayloadFacts.from_wire(b"3 41 512 2") == PayloadFacts(3, 41, 512, 2)
+    assert PayloadFacts(3, 41, 512).to_wire() == "3 41 512"
+    bad_ones = (None, b"", b"3 41", b"3 41 512 7 1", b"3 41 512 0", b"x 41 512", b"-1 41 512", b"3 41 0")
+    for bad in bad_ones:
         assert PayloadFacts.from_wire(bad) is None, bad
 
 
