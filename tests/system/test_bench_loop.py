@@ -5,13 +5,21 @@ asserts: figures at this size say nothing)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import psutil
 import pytest
 
+from orchestrator.commands.bench.memory import DirectoryBytes, MemoryWatch
 from orchestrator.commands.cli import main
 from tests.support.processes import require_module
+from transport.payload_segments import write_segment_file
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -174,6 +182,7 @@ def test_moe_memory_figures(moe_report: dict[str, Any]) -> None:
         assert redis["samples"] > 1 and redis["interval_seconds"] > 0, name
         assert len(redis["timeline"]["t"]) == len(redis["timeline"]["mib"]) > 1, name
         assert placement["directories"]["overflows"] == 0, name
+        assert len(placement["directories"]["timeline"]["t"]) > 1, name
     for name in ("thread-moe-inline", "celery-dense", "celery-moe-inline"):
         assert placements[name]["payload_root_peak_bytes"] == 0, name
     assert placements["celery-moe-handle"]["payload_root_peak_bytes"] == experts
@@ -203,3 +212,50 @@ def test_moe_goals_and_ratios(moe_report: dict[str, Any]) -> None:
         ("celery-moe-handle", "thread-moe-inline"),
     }
     assert all(r["value"] > 0 for r in ratios)
+
+
+def test_directory_bytes_follows_files_as_runs_write_them(tmp_path: Path) -> None:
+    """Rows files written as the producer writes them (a temporary file linked into place),
+    a payload renamed into a step directory made after the watch began, deletions: each file
+    counted once, the peak kept, files outside the named directories not counted. (A file
+    counts once the watcher has seen it: here it is given the time, in a run files live for
+    a step.)"""
+    rows, payloads = tmp_path / "payloads" / "run", tmp_path / "out" / "step-payloads" / "run"
+    (tmp_path / "payloads" / "another-run").mkdir(parents=True)
+    (tmp_path / "payloads" / "another-run" / "x.rows").write_bytes(b"x" * 999)
+    watch = DirectoryBytes({"payload_root": rows, "payload_dir": payloads}).start()
+
+    def settled(expected: dict[str, int]) -> None:
+        deadline = time.monotonic() + 10
+        while watch.bytes != expected and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    rows.mkdir()
+    for index in range(20):
+        write_segment_file(rows / f"r{index}.rows", {"routed_experts": np.zeros((100, 48, 8), np.uint8)})
+    (payloads / "step_0").mkdir(parents=True)
+    temporary = payloads / "step_0" / ".rank_0.tmp"
+    temporary.write_bytes(b"p" * 5000)
+    os.replace(temporary, payloads / "step_0" / "rank_0.bin")
+    settled({"payload_root": 20 * 38400, "payload_dir": 5000})
+    for index in range(5):
+        (rows / f"r{index}.rows").unlink()
+    shutil.rmtree(payloads / "step_0")
+    settled({"payload_root": 15 * 38400, "payload_dir": 0})
+    figures = watch.stop()
+    assert figures["end_bytes"] == {"payload_root": 15 * 38400, "payload_dir": 0}
+    assert figures["peak_bytes"] == {"payload_root": 20 * 38400, "payload_dir": 5000}
+    assert figures["peak_total_bytes"] == 20 * 38400 + 5000
+    assert figures["overflows"] == 0
+
+
+def test_memory_watch_stops_the_placement_s_processes() -> None:
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        watch = MemoryWatch(psutil.virtual_memory().total + 1, lambda: [victim], interval=0.01).start()
+        assert victim.wait(10) != 0
+        watch.stop()
+        assert watch.tripped is not None and "--min-available-mib" in watch.tripped
+    finally:
+        victim.kill()
+        victim.wait()

@@ -27,7 +27,7 @@ import psutil
 import redis
 
 from orchestrator.commands.bench.cpu import CpuSampler
-from orchestrator.commands.bench.memory import DirectoryBytes, RedisMemory
+from orchestrator.commands.bench.memory import DirectoryBytes, MemoryLimitReached, MemoryWatch, RedisMemory
 from orchestrator.commands.bench.moe import Rollout, StepCache, Variant, routed_experts_as
 from orchestrator.commands.bench.placements import StepBatch
 from orchestrator.commands.processes import (
@@ -148,7 +148,7 @@ def run_placement(
     # Chosen once the servers listen: a pair is free only until someone binds it.
     settings = settings.model_copy(update={"zmq_port": free_port_pair()})
     try:
-        return _run_placement(variant, settings, source, args, own_server=server is not None)
+        return _run_placement(variant, settings, source, args, server)
     finally:
         if cluster is not None:
             cluster.stop()
@@ -172,17 +172,27 @@ def watched_directories(settings: RunSettings) -> dict[str, Path]:
 
 
 def _run_placement(
-    variant: Variant, settings: RunSettings, source: StepSource, args: argparse.Namespace, own_server: bool
+    variant: Variant,
+    settings: RunSettings,
+    source: StepSource,
+    args: argparse.Namespace,
+    server: subprocess.Popen | None,
 ) -> dict[str, Any]:
     placement, log_dir = variant.placement, Path(settings.output_dir)
     group = ProcessGroup(env=settings_to_env(settings), log_dir=log_dir)
     spec, result = log_dir / "spec.json", log_dir / "result.json"
     deadline = time.monotonic() + args.timeout
     client = connect_redis(settings.redis_url)
-    memory = directories = None
+    memory = directories = watch = None
     if args.workload == "moe":  # from before the first process starts: its baseline is the run's
-        memory = RedisMemory(settings.redis_url, own_server).start()
+        memory = RedisMemory(settings.redis_url, server is not None).start()
         directories = DirectoryBytes(watched_directories(settings)).start()
+
+        def victims() -> list[subprocess.Popen]:
+            return [*group.processes.values(), *([server] if server is not None else [])]
+
+        if args.min_available_mib:
+            watch = MemoryWatch(args.min_available_mib * 2**20, victims).start()
     decoded = StepsDecoded(client, settings)  # until the trainer ranks are done
     memory_figures: dict[str, Any] = {}
     try:
@@ -241,12 +251,19 @@ def _run_placement(
         received = received_by_rank(client, settings.run_id, settings.ranks)
         stream = client.xrange(RunKeys(settings.run_id).metrics_stream)
         records = [json.loads(fields[b"record"]) for _, fields in stream]
+    except Exception as exc:
+        if watch is not None and watch.tripped:
+            raise MemoryLimitReached(f"{placement}: {watch.tripped}; see {log_dir}") from exc
+        raise
     finally:
+        if watch is not None:
+            watch.stop()
         if memory is not None and not memory_figures:
             _stop_memory(memory, directories)
         decoded.stop()
         group.stop_all()
-        delete_run_keys(settings)
+        if server is None:  # a server of the placement's own goes with everything in it
+            delete_run_keys(settings)
         settings.run_rows().remove_all()  # what a failed run left (a finished one removed its own)
         payloads = settings.payload_directory()
         if payloads is not None:
@@ -269,12 +286,13 @@ def _run_placement(
 
 
 def _stop_memory(memory: RedisMemory | None, directories: DirectoryBytes | None) -> dict[str, Any]:
-    """The memory figures of the run (`--workload moe`), the samplers stopped; the timeline
-    of Redis's used memory on the monotonic clock."""
+    """The memory figures of the run (`--workload moe`), the samplers stopped; the timelines
+    of Redis's used memory and of the payload directories' bytes on the monotonic clock."""
     if memory is None or directories is None:
         return {}
     figures = {"redis_memory": memory.stop(), "directories": directories.stop()}
     figures["redis_memory"]["timeline"] = memory.timeline(0.0)
+    figures["directories"]["timeline"] = directories.timeline(0.0)
     return figures
 
 

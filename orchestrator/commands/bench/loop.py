@@ -30,10 +30,12 @@ step it ships.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,7 @@ import psutil
 
 from orchestrator.commands.bench.cpu import machine_cpu_seconds, other_cpu_share, own_cpu_seconds
 from orchestrator.commands.bench.harness import StepSource, placement_settings, run_placement
+from orchestrator.commands.bench.memory import MemoryLimitReached
 from orchestrator.commands.bench.moe import (
     DEFAULT_VARIANTS,
     VARIANTS,
@@ -107,6 +110,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "is then the run's own); default own with --workload moe, else shared",
     )
     parser.add_argument(
+        "--min-available-mib",
+        type=int,
+        default=None,
+        help="with --workload moe, a placement is stopped (and reported as such) when the machine's "
+        "available memory falls below this (default 2048; 0: never); the bench goes on with the next",
+    )
+    parser.add_argument(
         "--payload-root",
         type=Path,
         default=None,
@@ -139,9 +149,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per placement")
 
 
-def variants_of(args: argparse.Namespace) -> dict[str, Variant]:
-    """The placements to run, by name: under `--workload moe` entries of `VARIANTS`, else each
-    placement on dense rollouts."""
+@dataclass(frozen=True)
+class Run:
+    """One placement's run: its name in the report, its variant, its run settings."""
+
+    name: str
+    variant: Variant
+    settings: RunSettings
+
+    @property
+    def reference_kind(self) -> tuple[Any, ...]:
+        """What makes its payloads the bytes they are: how routed experts travel, the wire,
+        and for handles the run's rows directory (the segments name their files)."""
+        handle = self.variant.routed_experts == "handle"
+        return self.variant.routed_experts, self.settings.wire, self.settings.run_rows() if handle else None
+
+
+def variants_of(args: argparse.Namespace) -> list[tuple[str, Variant]]:
+    """The placements to run, in order (one named twice runs twice; the report keeps the
+    later): under `--workload moe` entries of `VARIANTS`, else each placement on dense
+    rollouts."""
     moe = args.workload == "moe"
     known = VARIANTS if moe else {name: Variant(name) for name in PLACEMENTS}
     default = DEFAULT_VARIANTS if moe else DEFAULT_PLACEMENTS
@@ -149,13 +176,15 @@ def variants_of(args: argparse.Namespace) -> dict[str, Variant]:
     unknown = sorted(set(names) - set(known))
     if unknown or not names:
         raise SystemExit(f"rlship: --placements: {unknown or names} not among {', '.join(known)}")
-    return {name: known[name] for name in names}
+    return [(name, known[name]) for name in names]
 
 
 def main(args: argparse.Namespace) -> int:
     variants = variants_of(args)
-    args.placements = ",".join(variants)  # as run, for the report's command line
-    args.redis_server = args.redis_server or ("own" if args.workload == "moe" else "shared")
+    args.placements = ",".join(name for name, _ in variants)  # as run, for the report's command line
+    if args.workload == "moe":
+        args.redis_server = args.redis_server or "own"
+        args.min_available_mib = 2048 if args.min_available_mib is None else args.min_available_mib
     if args.steps < 1 or args.warmup_steps < 0:
         raise SystemExit("rlship: --steps must be >= 1 and --warmup-steps >= 0")
     base = RunSettings(
@@ -169,15 +198,15 @@ def main(args: argparse.Namespace) -> int:
         max_async_level=0,
         cpu_workers=args.cpu_workers,
     )
-    if args.redis_server == "shared" and not redis_answers(base.redis_url):
+    if args.redis_server != "own" and not redis_answers(base.redis_url):
         raise SystemExit(f"rlship: no Redis answers at REDIS_URL={base.redis_url!r}")
     out_dir = args.json.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     payload_root = args.payload_root or out_dir / "payloads"
-    settings = {
-        name: placement_settings(name, variant, base, out_dir / "logs", payload_root)
-        for name, variant in variants.items()
-    }
+    runs = [
+        Run(name, variant, placement_settings(name, variant, base, out_dir / "logs", payload_root))
+        for name, variant in variants
+    ]
     started = time.time()
     load_before = os.getloadavg()
     cpu_before = machine_cpu_seconds(), own_cpu_seconds()
@@ -187,29 +216,35 @@ def main(args: argparse.Namespace) -> int:
     try:
         if cache is None:
             batches = list(step_batches(base, base.steps))
-            workload, references = reference_payloads(base, batches, variants, settings)
-            if not any(variant.placement.startswith("celery") for variant in variants.values()):
+            workload, references = reference_payloads(base, batches, runs)
+            if not any(run.variant.placement.startswith("celery") for run in runs):
                 batches.clear()
-            sources = dict.fromkeys(variants, StepSource.of_list(batches))
+            sources = [StepSource.of_list(batches)] * len(runs)
         else:
-            workload, references = reference_payloads(
-                base, step_batches(base, base.steps, moe=True), variants, settings, cache
-            )
-            sources = {
-                name: StepSource.of_cache(cache, base.steps, variant.routed_experts != "none")
-                for name, variant in variants.items()
-            }
+            made = step_batches(base, base.steps, moe=True)
+            workload, references = reference_payloads(base, made, runs, cache)
+            sources = [
+                StepSource.of_cache(cache, base.steps, run.variant.routed_experts != "none") for run in runs
+            ]
         results: dict[str, dict[str, Any]] = {}
-        for name, variant in variants.items():
-            print(f"bench loop: {name} ...", flush=True)
-            raw = run_placement(variant, settings[name], sources[name], args)
-            results[name] = summarize(raw, references[name], args.warmup_steps)
+        stopped: dict[str, str] = {}
+        for run, reference, source in zip(runs, references, sources, strict=True):
+            print(f"bench loop: {run.name} ...", flush=True)
+            try:
+                raw = run_placement(run.variant, run.settings, source, args)
+            except MemoryLimitReached as exc:
+                stopped[run.name] = str(exc)
+                print(f"  {exc}", flush=True)
+                continue
+            results[run.name] = summarize(raw, reference, args.warmup_steps)
             if args.workload == "moe":
-                results[name]["variant"] = {**variant.describe(), "wire": settings[name].wire}
-            print("  " + summary_line(name, results[name]), flush=True)
+                results[run.name]["variant"] = {**run.variant.describe(), "wire": run.settings.wire}
+            print("  " + summary_line(run.name, results[run.name]), flush=True)
     finally:
         if cache is not None:
             cache.remove()
+        with contextlib.suppress(OSError):
+            payload_root.rmdir()  # when no run left anything in it
 
     report: dict[str, Any] = {
         "command": command_line(args),
@@ -228,16 +263,16 @@ def main(args: argparse.Namespace) -> int:
         "placements": results,
         "steps_identical": all(r["steps_identical"] for r in results.values()),
         "goals": moe_goals(results) if args.workload == "moe" else goals(results, args.rollouts),
-        **({"ratios": moe_ratios(results)} if args.workload == "moe" else {}),
+        **({"ratios": moe_ratios(results), "stopped_for_memory": stopped} if args.workload == "moe" else {}),
         "durability_cost": durability_cost(results),
         "wall_seconds": time.time() - started,
     }
     args.json.write_text(json.dumps(report, indent=1))
     png = args.json.with_suffix(".png")
-    plotted = plot_lag(report, png)
+    plotted = plot_lag(report, png) if results else False
     print_report(report)
-    print(f"bench loop: wrote {args.json}" + (f" and {png}" if plotted else " (no PNG: matplotlib missing)"))
-    return 0 if report["steps_identical"] else 1
+    print(f"bench loop: wrote {args.json}" + (f" and {png}" if plotted else " (no PNG)"))
+    return 0 if report["steps_identical"] and not report.get("stopped_for_memory") else 1
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -251,54 +286,42 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def reference_payloads(
-    base: RunSettings,
-    batches: Iterable[StepBatch],
-    variants: dict[str, Variant],
-    settings: dict[str, RunSettings],
-    cache: StepCache | None = None,
-) -> tuple[dict[str, Any], dict[str, dict[str, list[list[Any]]]]]:
+    base: RunSettings, batches: Iterable[StepBatch], runs: list[Run], cache: StepCache | None = None
+) -> tuple[dict[str, Any], list[dict[str, list[list[Any]]]]]:
     """What every placement must ship, by the stage functions in a plain call: per step, the
-    rollouts, tokens and wire bytes, and per placement each rank's payload checksum and
-    (side arrays by handle) the checksum of the rows it reads. Placements that ship the same
-    bytes share one computation: the way they pass routed experts, the wire, and for
-    handles the run's rows directory (the segments name their files). With a `cache`, each
-    step (made with routed experts) is kept in it, then let go."""
-    kinds = {name: _reference_kind(variant, settings[name]) for name, variant in variants.items()}
+    rollouts, tokens and wire bytes, and per run each rank's payload checksum and (side
+    arrays by handle) the checksum of the rows it reads. Runs that ship the same bytes
+    (`Run.reference_kind`) share one computation. With a `cache`, each step (made with
+    routed experts) is kept in it, then let go."""
+    kinds = [run.reference_kind for run in runs]
     workload: dict[str, Any] = {"rollouts": [], "tokens": [], "wire_bytes": []}
-    if cache is not None:
-        workload |= {"routed_experts_bytes": [], "wire_bytes_by_placement": {name: [] for name in variants}}
     computed: dict[tuple[Any, ...], dict[str, list[list[Any]]]] = {
-        kind: {"checksums": [], "rows_checksums": []} for kind in kinds.values()
+        kind: {"checksums": [], "rows_checksums": [], "wire_bytes": []} for kind in kinds
     }
+    routed = []
     for batch in batches:
         if cache is not None:
-            workload["routed_experts_bytes"].append(cache.write(batch))
+            routed.append(cache.write(batch))
         dense = {record.rollout_id: without_experts(arrays) for record, arrays in batch.rollouts}
         samples, plan = pack_step(cut_manifest(base, batch.step, batch.outcomes), dense)
-        wire_bytes = {}
         for kind, reference in computed.items():
             experts, wire, rows = kind
             arrays = dense if experts == "none" else batch.arrays
             if experts == "handle":
                 segments = handle_segments(batch.rollouts, rows)
                 arrays = {rid: a | {PAYLOAD_FIELD: segments[rid]} for rid, a in dense.items()}
-            checksums, rows_checksums, wire_bytes[kind] = rank_checksums(
-                samples, plan, arrays, WIRE_PROFILES[wire]
-            )
+            checksums, rows_checksums, wire_bytes = rank_checksums(samples, plan, arrays, WIRE_PROFILES[wire])
             reference["checksums"].append(checksums)
             reference["rows_checksums"].append(rows_checksums)
+            reference["wire_bytes"].append(wire_bytes)
             del arrays
         workload["rollouts"].append(len(batch.rollouts))
         workload["tokens"].append(sum(len(arrays["input_ids"]) for arrays in dense.values()))
-        workload["wire_bytes"].append(wire_bytes[next(iter(kinds.values()))])
-        for name, kind in kinds.items():
-            workload.get("wire_bytes_by_placement", {}).get(name, []).append(wire_bytes[kind])
         del batch, dense
         trim_process_memory()
-    return workload, {name: computed[kind] for name, kind in kinds.items()}
-
-
-def _reference_kind(variant: Variant, settings: RunSettings) -> tuple[Any, ...]:
-    """What makes a placement's payloads the bytes they are."""
-    rows = settings.run_rows() if variant.routed_experts == "handle" else None
-    return variant.routed_experts, settings.wire, rows
+    workload["wire_bytes"] = computed[kinds[0]]["wire_bytes"]
+    if cache is not None:
+        workload["routed_experts_bytes"] = routed
+        by_placement = {run.name: computed[run.reference_kind]["wire_bytes"] for run in runs}
+        workload["wire_bytes_by_placement"] = by_placement
+    return workload, [computed[kind] for kind in kinds]

@@ -8,10 +8,16 @@ issue 369) and raises it as soon as memory grows (a SET and DEL in one transacti
 in it), so on a server started for the run (`--redis-server own`) it is the run's exact
 peak; on a shared server the peak is the sampled maximum, as fine as `interval`.
 
+`MemoryWatch` stops a placement whose processes would take the machine's last memory
+(inline routed experts at four times the seed's scale hold several steps of gigabytes in
+Redis, the workers and the trainer ranks at once): the bench goes on with the next one.
+
 `DirectoryBytes` follows the files under directories through inotify (created, written,
 linked, renamed, deleted; subdirectories as they appear) and keeps their apparent sizes (a
-file linked under two names counts once) and each directory's peak, exact up to the order
-the kernel reports events in. Should the kernel's event queue overflow, the directories
+file linked under two names counts once) and each directory's peak. A file's size is read
+when its event is taken from the queue, a few milliseconds after it happened unless the
+bench process is starved: a file deleted before then is missed (in a run, rows and payload
+files live for a step or more). Should the kernel's event queue overflow, the directories
 are scanned again and the overflow counted.
 """
 
@@ -22,18 +28,22 @@ import ctypes
 import os
 import select
 import struct
+import subprocess
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
+import redis
 
 from transport.connection import connect_redis
 
 MEMORY_SAMPLE_SECONDS = 0.02
 TIMELINE_POINTS = 1500  # the sampled used memory kept for the JSON and the plot, as bucket maxima
+DIRECTORY_TIMELINE_SECONDS = 0.1
 
 # inotify(7)
 IN_CLOSE_WRITE, IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x8, 0x40, 0x80, 0x100, 0x200
@@ -77,13 +87,17 @@ class RedisMemory:
         the sampled maximum, and how finely it was sampled."""
         self._stop.set()
         self._thread.join(10)
-        last = self.client.info("memory")
+        try:
+            last = self.client.info("memory")
+        except redis.RedisError:  # the server was stopped (`MemoryWatch`): the samples are all there is
+            last = {"used_memory_peak": 0, "used_memory": self.used[-1]}
         self.client.close()
         baseline = int(self._first["used_memory"])
         sampled = max(self.used)
         lifetime = int(last["used_memory_peak"])
         raised = lifetime > int(self._first["used_memory_peak"])
-        peak, source = (lifetime, "used_memory_peak") if self.own_server else (sampled, "sampled")
+        own = self.own_server and lifetime > 0
+        peak, source = (lifetime, "used_memory_peak") if own else (sampled, "sampled")
         gaps = np.diff(self.times) if len(self.times) > 1 else np.zeros(1)
         return {
             "server": "own" if self.own_server else "shared",
@@ -112,6 +126,51 @@ class RedisMemory:
         return {"t": [round(x, 3) for x in t.tolist()], "mib": [round(x / 2**20, 2) for x in used.tolist()]}
 
 
+class MemoryLimitReached(RuntimeError):
+    """A placement stopped by `MemoryWatch`: the machine was running out of memory."""
+
+
+class MemoryWatch:
+    """Stops a placement before it takes the machine's last memory: every `interval` seconds
+    it reads the memory available (/proc/meminfo through psutil) and, below `floor_bytes`,
+    kills the placement's processes (`victims`: the ones the bench started, its Redis
+    server among them when it has its own) and says why (`tripped`)."""
+
+    def __init__(
+        self, floor_bytes: int, victims: Callable[[], list[subprocess.Popen]], interval: float = 0.1
+    ) -> None:
+        self.floor = floor_bytes
+        self.victims = victims
+        self.interval = interval
+        self.tripped: str | None = None
+        self.lowest = psutil.virtual_memory().available
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="memory-watch", daemon=True)
+
+    def start(self) -> MemoryWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            available = psutil.virtual_memory().available
+            self.lowest = min(self.lowest, available)
+            if available < self.floor:
+                used = psutil.virtual_memory().total - available
+                self.tripped = (
+                    f"stopped with {available / 2**30:.1f} GiB of memory available, under the floor of "
+                    f"{self.floor / 2**30:.1f} GiB (--min-available-mib; {used / 2**30:.1f} GiB in use)"
+                )
+                for process in self.victims():
+                    with contextlib.suppress(OSError):
+                        process.kill()
+                return
+
+
 class DirectoryBytes:
     """The bytes of the files under named directories, followed through inotify, with the
     peak of each and of all together (module docstring). Linux only.
@@ -127,6 +186,8 @@ class DirectoryBytes:
         self.peak_total = 0
         self.events = 0
         self.overflows = 0
+        self.times: list[float] = []  # the bytes of all the directories, every TIMELINE_SECONDS or so
+        self.totals: list[int] = []
         self._prefixes = [(str(path) + os.sep, name) for name, path in self.directories.items()]
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._fd = -1
@@ -163,14 +224,22 @@ class DirectoryBytes:
             self._watch_tree(parent)
 
     def _watch_tree(self, top: Path) -> None:
-        """Watch `top` and every directory under it, and count the files already there (a
-        file made before its directory's watch would otherwise be missed)."""
-        for directory, _, files in os.walk(top):
-            wd = self._libc.inotify_add_watch(self._fd, os.fsencode(directory), WATCHED)
-            if wd >= 0:
-                self._watches[wd] = Path(directory)
-            for file in files:
-                self._stat(Path(directory) / file)
+        """Watch `top` and every directory under it, and count the files already there: each
+        directory is watched before it is listed, so what is made in it is either listed or
+        reported (both is no harm: counting a file again changes nothing)."""
+        wd = self._libc.inotify_add_watch(self._fd, os.fsencode(top), WATCHED)
+        if wd < 0:
+            return  # gone already
+        self._watches[wd] = top
+        try:
+            entries = list(os.scandir(top))
+        except OSError:
+            return
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                self._watch_tree(Path(entry.path))
+            else:
+                self._stat(Path(entry.path))
 
     def _name_of(self, path: Path) -> str | None:
         text = str(path)
@@ -178,10 +247,22 @@ class DirectoryBytes:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            readable, _, _ = select.select([self._fd], [], [], 0.1)
+            readable, _, _ = select.select([self._fd], [], [], DIRECTORY_TIMELINE_SECONDS)
             if readable:
                 self._read()
+            now = time.monotonic()
+            if not self.times or now - self.times[-1] >= DIRECTORY_TIMELINE_SECONDS:
+                self.times.append(now)
+                self.totals.append(sum(self.bytes.values()))
         self._read()
+
+    def timeline(self, origin: float) -> dict[str, list[float]]:
+        """The bytes of all the directories (MiB) over time since `origin` (monotonic), as
+        they stood every DIRECTORY_TIMELINE_SECONDS or so (the peak is exact, this is not)."""
+        return {
+            "t": [round(t - origin, 3) for t in self.times],
+            "mib": [round(total / 2**20, 2) for total in self.totals],
+        }
 
     def _read(self) -> None:
         while True:

@@ -8,8 +8,9 @@ All three ship the same seeded rollouts (`step_batches`) with the same stage fun
 real trainer ranks over ZMQ. The inline and thread placements hold each step's arrays in
 their own memory, as the seed's orchestrator did (under `--workload moe`, the rollouts the
 bench made once, read from its `StepCache` with their routed experts); they are made before
-the ship window, which runs from the cut to the published record. On the loop, a `LagProbe` observes lag
-every 10 ms and a heartbeat (a `LagProbe` of 50 ms) ticks, both with their timelines.
+the ship window, which runs from the cut to the published record. On the loop, a
+`LagProbe` observes lag every 10 ms and a heartbeat (a `LagProbe` of 50 ms) ticks, both
+with their timelines.
 
 Each placement runs in a fresh process (`python -m orchestrator.commands.bench.placements SPEC
 RESULT`) so that its peak RSS is its own; the bench command starts it.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import functools
 import json
 import signal
 import sys
@@ -145,15 +147,9 @@ def cut_manifest(
     )
 
 
-def encode_step(manifest: StepManifest, arrays: dict[str, dict[str, np.ndarray]]) -> list[bytes]:
-    """Every rank's payload of a step, by the stage functions in a plain call (the reference)."""
-    samples, plan = pack_step(manifest, arrays)
-    wire = manifest.config.wire_profile
-    return [bytes(encode_rank(rank, samples, arrays, wire)) for rank in plan.ranks]
-
-
 def pack_step(manifest: StepManifest, arrays: dict[str, dict[str, np.ndarray]]) -> tuple[Any, Any]:
-    """The step's samples (finalized, pruned) and their packing over the ranks."""
+    """The step's samples (finalized, pruned) and their packing over the ranks, by the stage
+    functions in a plain call (the reference's)."""
     samples, _ = prune_samples(finalize_step(manifest, arrays).samples)
     config = manifest.config
     plan = pack_samples(samples.numeric["num_tokens"], config.ranks, config.seq_len, config.pad_to_multiple)
@@ -163,8 +159,9 @@ def pack_step(manifest: StepManifest, arrays: dict[str, dict[str, np.ndarray]]) 
 def rank_checksums(
     samples: Any, plan: Any, arrays: dict[str, dict[str, Any]], wire: WireProfile
 ) -> tuple[list[str], list[str | None], int]:
-    """Each rank's payload checksum, the checksum of the side-array rows it points at (None
-    without segments: as encode records it), and the payloads' bytes, one rank at a time."""
+    """Each rank's payload checksum (the reference every placement's ranks must receive),
+    the checksum of the side-array rows it points at (None without segments: as encode
+    records it), and the payloads' bytes; one payload at a time."""
     checksums: list[str] = []
     rows: list[str | None] = []
     wire_bytes = 0
@@ -390,11 +387,8 @@ def main(argv: list[str]) -> int:
     settings = RunSettings(**spec["settings"])
     batches = None
     if spec.get("steps_cache"):
-        cache, experts = StepCache(Path(spec["steps_cache"])), bool(spec["routed_experts"])
-
-        def batches(steps: int) -> Iterator[StepBatch]:
-            return (cache.read(step, experts, in_memory=True) for step in range(steps))
-
+        cache = StepCache(Path(spec["steps_cache"]))
+        batches = functools.partial(cache.batches, experts=bool(spec["routed_experts"]), in_memory=True)
     result = asyncio.run(run_placement(spec["placement"], settings, spec["timeout"], batches))
     Path(argv[1]).write_text(json.dumps(result))
     return 0

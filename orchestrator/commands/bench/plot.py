@@ -99,12 +99,17 @@ def plot_cpu(ax: Any, placements: dict[str, Any]) -> None:
 
 
 def plot_redis_memory(ax: Any, placements: dict[str, Any]) -> None:
-    """Redis's used memory (sampled) over time, one line per placement, from its first cut."""
-    for name, result in placements.items():
-        if "redis_memory" in result:
-            timeline = result["redis_memory"]["timeline"]
-            peak = result["redis_peak_used_memory_bytes"] / 2**20
-            ax.plot(timeline["t"], timeline["mib"], lw=1, label=f"{name} (peak {peak:.0f} MiB)")
-    ax.set_xlabel("seconds since the placement's first cut")
-    ax.set_ylabel("Redis used MiB")
+    """Redis's used memory (sampled; solid) and the bytes under the payload directories
+    (dashed) over time, one colour per placement, from its first cut."""
+    for index, (name, result) in enumerate(placements.items()):
+        if "redis_memory" not in result:
+            continue
+        color = f"C{index % 10}"
+        redis, files = result["redis_memory"]["timeline"], result["directories"]["timeline"]
+        peak = result["redis_peak_used_memory_bytes"] / 2**20
+        ax.plot(redis["t"], redis["mib"], lw=1, color=color, label=f"{name} (Redis peak {peak:.0f} MiB)")
+        if result["payload_directories_peak_bytes"]:
+            ax.plot(files["t"], files["mib"], lw=1, ls="--", color=color)
+    ax.set_xlabel("seconds since the placement's first cut (dashed: bytes under its payload directories)")
+    ax.set_ylabel("MiB")
     ax.legend(loc="upper right", fontsize=8, frameon=False)

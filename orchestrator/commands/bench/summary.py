@@ -96,14 +96,14 @@ def summarize(raw: dict[str, Any], reference: dict[str, list[list[Any]]], warmup
 
 def memory_figures(raw: dict[str, Any], origin: float) -> dict[str, Any]:
     """Redis's peak used memory and the payload directories' peak bytes (`--workload moe`),
-    with the details they come from; the used-memory timeline in seconds since `origin`
-    (monotonic: the placement's first cut)."""
+    with the details they come from; their timelines in seconds since `origin` (monotonic:
+    the placement's first cut)."""
     if "redis_memory" not in raw:
         return {}
-    redis = dict(raw["redis_memory"])
-    timeline = redis.pop("timeline")
-    redis["timeline"] = {"t": [round(t - origin, 3) for t in timeline["t"]], "mib": timeline["mib"]}
-    directories = raw["directories"]
+    redis, directories = dict(raw["redis_memory"]), dict(raw["directories"])
+    for figures in (redis, directories):
+        timeline = figures.pop("timeline")
+        figures["timeline"] = {"t": [round(t - origin, 3) for t in timeline["t"]], "mib": timeline["mib"]}
     return {
         "redis_peak_used_memory_bytes": redis["peak_bytes"],
         "redis_peak_growth_bytes": redis["peak_growth_bytes"],
@@ -279,6 +279,8 @@ def print_report(report: dict[str, Any]) -> None:
         print_ratios(report["ratios"])
     for goal in report["goals"]:
         print(f"  {'PASS' if goal['pass'] else 'MISS'}  {goal['goal']}: {goal['value']:.3g}")
+    for placement, why in (report.get("stopped_for_memory") or {}).items():
+        print(f"  STOPPED  {placement}: {why}")
     cost = report.get("durability_cost") or {}
     if cost:
         print(
