@@ -32,7 +32,10 @@ NUMERIC_COLUMNS: tuple[str, ...] = (
     "cancelled",
 )
 # Text columns every row has ("" when absent).
-LABEL_COLUMNS: tuple[str, ...] = ("rollout_id", "env", "group_id", "task_id", "error", "stop_condition")
+LABEL_COLUMNS: tuple[str, ...] = (
+    "rollout_id", "env", "group_id", "task_id", "error", "stop_condition",
+    "rows_field", "rows_file",  # a producer's facts of side arrays by handle ("" without)
+)  # fmt: skip
 CUSTOM_PREFIX = "metric/"
 
 
@@ -50,8 +53,9 @@ class Cohort:
     def __post_init__(self) -> None:
         for name in NUMERIC_COLUMNS:
             self.numeric.setdefault(name, np.zeros(0))
-        for name in LABEL_COLUMNS:
-            self.labels.setdefault(name, [])
+        rows = len(self.labels.get("rollout_id", []))
+        for name in LABEL_COLUMNS:  # a column added since a cohort was stored reads as ""
+            self.labels.setdefault(name, [""] * rows)
         lengths = {len(v) for v in self.numeric.values()} | {len(v) for v in self.labels.values()}
         if len(lengths) > 1:
             raise ValueError(f"cohort columns have different lengths: {sorted(lengths)}")

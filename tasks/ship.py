@@ -80,7 +80,9 @@ def _finalized(ctx: StepContext) -> dict[str, Any]:
     stored = ctx.store.stored_sizes(rollouts_with_facts(manifest.effective))
     to_read = rollouts_to_read(manifest.effective, stored)
     payloads = ctx.store.fetch_rollouts(to_read)
-    handles = ctx.store.fetch_rollouts(rollouts_with_handles(manifest.effective, to_read))
+    handles = ctx.store.fetch_rollouts(
+        rollouts_with_handles(manifest.effective, to_read, manifest.config.side_arrays)
+    )
     result = finalize_step(manifest, payloads, handles)
     for rollout_id, reason in result.failures.items():
         log.warning("step %d: rollout %s dropped: %s", ctx.step, rollout_id, reason)

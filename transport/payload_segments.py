@@ -171,27 +171,34 @@ def segments_problem(segments: Sequence[PayloadSegment], num_tokens: int, root: 
 
 
 def _files_problem(segments: Sequence[PayloadSegment], root: str | None) -> str | None:
-    sizes: dict[str, int] = {}
-    base = _real_directory(root) if root else None
+    needed: dict[str, tuple[int, str]] = {}  # per file: the bytes its segments need, a field
     for segment in segments:
-        what = f"{PAYLOAD_FIELD}.{segment.field}"
-        if segment.file not in sizes:
-            if not os.path.isabs(segment.file):
-                return f"{what}: file {segment.file!r} is not an absolute path"
-            directory, name = os.path.split(segment.file)
-            real = os.path.join(_real_directory(directory), name)
-            if base is not None and os.path.commonpath([base, real]) != base:
-                return f"{what}: file {segment.file} is outside the payload root {root}"
-            try:
-                sizes[segment.file] = os.stat(segment.file).st_size
-            except OSError as exc:
-                return f"{what}: file {segment.file} cannot be read ({exc.strerror})"
-        if segment.offset + segment.nbytes > sizes[segment.file]:
-            return (
-                f"{what}: file {segment.file} holds {sizes[segment.file]} bytes, the rows need "
-                f"{segment.offset + segment.nbytes} (offset {segment.offset} + {segment.rows} rows "
-                f"of {segment.row_bytes})"
-            )
+        most, field = needed.get(segment.file, (0, segment.field))
+        needed[segment.file] = (max(most, segment.offset + segment.nbytes), field)
+    for file, (size, field) in needed.items():
+        problem = rows_file_problem(field, file, size, root)
+        if problem is not None:
+            return problem
+    return None
+
+
+def rows_file_problem(field: str, file: str, needed: int, root: str | None) -> str | None:
+    """Why a file of `field`'s rows cannot be read as its segments say: not an absolute path,
+    outside the payload root (if the run has one), gone, or shorter than the `needed` bytes."""
+    what = f"{PAYLOAD_FIELD}.{field}"
+    if not os.path.isabs(file):
+        return f"{what}: file {file!r} is not an absolute path"
+    if root:
+        base = _real_directory(root)
+        directory, name = os.path.split(file)
+        if os.path.commonpath([base, os.path.join(_real_directory(directory), name)]) != base:
+            return f"{what}: file {file} is outside the payload root {root}"
+    try:
+        size = os.stat(file).st_size
+    except OSError as exc:
+        return f"{what}: file {file} cannot be read ({exc.strerror})"
+    if needed > size:
+        return f"{what}: file {file} holds {size} bytes, its rows need {needed}"
     return None
 
 

@@ -28,7 +28,14 @@ from tasks.cohort import Cohort
 from tasks.manifest import StepManifest
 from tasks.stages.prune import drop_field, trainable_tokens, worker_drops
 from transport.numbering import staleness
-from transport.payload_segments import ANYWHERE, PAYLOAD_FIELD, SideArrays, segment_fields, segments_problem
+from transport.payload_segments import (
+    ANYWHERE,
+    PAYLOAD_FIELD,
+    SideArrays,
+    rows_file_problem,
+    segment_fields,
+    segments_problem,
+)
 from transport.schema import MM_KWARGS_PREFIX, EncodedTensor
 
 REQUIRED_ARRAYS: tuple[str, ...] = ("input_ids", "loss_mask", "inference_logprobs")
@@ -49,8 +56,10 @@ KNOWN_ARRAYS: tuple[str, ...] = (*REQUIRED_ARRAYS, *OPTIONAL_TOKEN_ARRAYS)
 
 # The cohort columns holding a producer's `PayloadFacts` (NaN: the rollout came without).
 FACT_COLUMNS: tuple[str, ...] = ("payload_loss_tokens", "payload_max_token_id", "payload_bytes")
-# How many segments of side arrays by handle a rollout has (absent, NaN: none).
+# How many segments of side arrays by handle a rollout has (absent, NaN: none), and the
+# bytes they need of their one file (labels `rows_field`, `rows_file`).
 SEGMENTS_COLUMN = "payload_segments"
+ROWS_BYTES_COLUMN = "payload_rows_bytes"
 
 
 @dataclass(frozen=True)
@@ -62,36 +71,62 @@ class PayloadFacts:
     loss_tokens: int  # tokens with loss_mask set: the trainable ones, if the advantage is not 0
     max_token_id: int  # against the run's vocabulary (the producer checked >= 0)
     payload_bytes: int  # the blob's size as written: a blob of another size was written over
-    segments: int = 0  # side arrays by handle: checked against their files at the cut
+    # Side arrays by handle, checked against their files at the cut: how many segments, and
+    # when they are all in one file, that file, the bytes they need of it and a field of theirs.
+    segments: int = 0
+    rows_bytes: int = 0
+    rows_field: str = ""
+    rows_file: str = ""
 
     @classmethod
     def of(cls, arrays: Mapping[str, Any], payload_bytes: int) -> PayloadFacts:
         """The facts of arrays that passed `check_rollout_arrays`, stored as `payload_bytes`."""
         ids = arrays["input_ids"]
         max_id = int(ids.max()) if len(ids) else -1
-        segments = len(arrays.get(PAYLOAD_FIELD, ()))
-        return cls(int(np.count_nonzero(arrays["loss_mask"])), max_id, payload_bytes, segments)
+        loss_tokens = int(np.count_nonzero(arrays["loss_mask"]))
+        segments = arrays.get(PAYLOAD_FIELD, [])
+        if len({segment.file for segment in segments}) != 1:
+            return cls(loss_tokens, max_id, payload_bytes, len(segments))
+        needed = max(segment.offset + segment.nbytes for segment in segments)
+        return cls(
+            loss_tokens, max_id, payload_bytes, len(segments), needed, segments[0].field, segments[0].file
+        )
 
     def to_wire(self) -> str:
-        handles = f" {self.segments}" if self.segments else ""
-        return f"{self.loss_tokens} {self.max_token_id} {self.payload_bytes}{handles}"
+        """`loss max bytes`, then `segments`, then `rows_bytes field file` (the file last: a
+        path may hold spaces)."""
+        words = [self.loss_tokens, self.max_token_id, self.payload_bytes]
+        words += [self.segments] if self.segments else []
+        words += [self.rows_bytes, self.rows_field, self.rows_file] if self.rows_file else []
+        return " ".join(map(str, words))
 
     @classmethod
     def from_wire(cls, data: bytes | str | None) -> PayloadFacts | None:
         """The facts of a stream entry; None when it has none or they do not parse (the
         rollout's arrays are then checked at finalize)."""
+        text = data.decode() if isinstance(data, bytes) else data or ""
+        words = text.split(maxsplit=6)
         try:
-            loss_tokens, max_token_id, payload_bytes, *handles = (int(v) for v in (data or "").split())
-        except (ValueError, TypeError):
+            numbers = [int(word) for word in words[:4]] + ([int(words[4])] if len(words) == 7 else [])
+        except ValueError:
             return None
-        if loss_tokens < 0 or payload_bytes <= 0 or len(handles) > 1 or any(n <= 0 for n in handles):
+        if (
+            len(words) not in (3, 4, 7)
+            or numbers[0] < 0
+            or numbers[2] <= 0
+            or any(n <= 0 for n in numbers[3:])
+        ):
             return None
-        return cls(loss_tokens, max_token_id, payload_bytes, *handles)
+        return cls(*numbers, *words[5:])  # type: ignore[arg-type]
 
     def columns(self) -> dict[str, float]:
         values = (self.loss_tokens, self.max_token_id, self.payload_bytes)
         handles = {SEGMENTS_COLUMN: float(self.segments)} if self.segments else {}
-        return dict(zip(FACT_COLUMNS, values, strict=True)) | handles
+        needed = {ROWS_BYTES_COLUMN: float(self.rows_bytes)} if self.rows_file else {}
+        return dict(zip(FACT_COLUMNS, values, strict=True)) | handles | needed
+
+    def labels(self) -> dict[str, str]:
+        return {"rows_field": self.rows_field, "rows_file": self.rows_file} if self.rows_file else {}
 
 
 @dataclass
@@ -225,10 +260,18 @@ def rollouts_with_facts(cohort: Cohort) -> list[str]:
     return [cohort.labels["rollout_id"][i] for i in np.flatnonzero(has_facts).tolist()]
 
 
-def rollouts_with_handles(cohort: Cohort, read: Iterable[str]) -> list[str]:
+def _checked_by_file(cohort: Cohort, side_arrays: SideArrays) -> np.ndarray:
+    """The rows whose facts name the one file of their segments: checked against it without
+    reading their blobs (unless the run's wire refuses handles: that needs the segments)."""
+    named = np.array([bool(file) for file in cohort.labels["rows_file"]], dtype=bool)
+    return named & (side_arrays.refused_by is None)
+
+
+def rollouts_with_handles(cohort: Cohort, read: Iterable[str], side_arrays: SideArrays) -> list[str]:
     """The cut rollouts checked by their facts whose segments finalize reads (their blobs)
-    to check against the files: those with side arrays by handle, but for those `read`."""
-    has_handles = _fact_column(cohort, SEGMENTS_COLUMN) > 0
+    to check against the files: those with side arrays by handle in several files (or on a
+    wire that refuses them), but for those `read`."""
+    has_handles = (_fact_column(cohort, SEGMENTS_COLUMN) > 0) & ~_checked_by_file(cohort, side_arrays)
     skip = set(read)
     ids = cohort.labels["rollout_id"]
     return [ids[i] for i in np.flatnonzero(has_handles).tolist() if ids[i] not in skip]
@@ -270,10 +313,15 @@ def finalize_step(
     problems = {i: too_long(int(expected[i]), config.seq_len) for i in np.flatnonzero(long_rows).tolist()}
     for i in np.flatnonzero(unknown_ids).tolist():
         problems[i] = out_of_vocabulary(int(max_id[i]), config.vocab_size)
+    by_file = _checked_by_file(cohort, config.side_arrays)
+    rows_bytes = _fact_column(cohort, ROWS_BYTES_COLUMN)
     for i in np.flatnonzero(keep & (_fact_column(cohort, SEGMENTS_COLUMN) > 0)).tolist():
         stored = (handles or {}).get(ids[i])
-        if stored is None or isinstance(stored, Exception):
-            problem: str | None = f"payload: {stored or 'not found'}"
+        if by_file[i]:
+            field, file = cohort.labels["rows_field"][i], cohort.labels["rows_file"][i]
+            problem: str | None = rows_file_problem(field, file, int(rows_bytes[i]), config.side_arrays.root)
+        elif stored is None or isinstance(stored, Exception):
+            problem = f"payload: {stored or 'not found'}"
         else:
             problem = _segments_problem(stored, int(expected[i]), config.side_arrays)
         if problem is not None:

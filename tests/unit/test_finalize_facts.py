@@ -133,3 +133,46 @@ def test_facts_and_arrays_agree_on_what_a_producer_accepts(tokens, ids, mask, ad
 def test_the_vocabulary_bound(largest: int) -> None:
     result = finalize_step(_manifest([("r", 1.0, 4, (1, largest, 50))]), {})
     assert bool(result.failures) == (largest >= VOCAB)
+
+
+WIRE = "prime-rl-0f59b24"  # a wire that carries side arrays by handle
+
+
+def test_facts_of_side_arrays_by_handle_name_their_one_file(tmp_path) -> None:
+    """A rollout whose segments are in one file: the facts name it, the bytes its rows need
+    and a field; finalize checks that file as it is at the cut and reads no blob."""
+    from transport.payload_segments import PAYLOAD_FIELD, write_segment_file
+
+    path = tmp_path / "with space" / "r.rows"
+    path.parent.mkdir()
+    rows = np.zeros((5, 3, 2), np.uint8)
+    segments = write_segment_file(path, {"routed_experts": rows, "sampling_mask": np.zeros((5, 4), np.int32)})
+    arrays = {"input_ids": np.arange(5), "loss_mask": np.ones(5, bool), PAYLOAD_FIELD: segments}
+    facts = PayloadFacts.of(arrays, 90)
+    assert facts == PayloadFacts(5, 4, 90, 2, 30 + 80, "routed_experts", str(path))
+    assert PayloadFacts.from_wire(facts.to_wire().encode()) == facts
+    assert facts.to_wire() == f"5 4 90 2 110 routed_experts {path}"
+    for bad in (f"5 4 90 2 0 routed_experts {path}", "5 4 90 2 110 routed_experts", "5 4 90 0"):
+        assert PayloadFacts.from_wire(bad) is None, bad
+
+    builder = CohortBuilder()
+    for rollout_id in ("kept", "gone"):
+        numeric = dict.fromkeys(NUMERIC_COLUMNS, 0.0) | {"advantage": 1.0, "num_output_tokens": 5}
+        labels = {"rollout_id": rollout_id} | facts.labels()
+        if rollout_id == "gone":
+            labels["rows_file"] = str(tmp_path / "gone.rows")
+        builder.append(numeric | facts.columns(), labels)
+    cohort = builder.build()
+    manifest = StepManifest(
+        "unit", 3, 2, 0.0, ShipConfig(ranks=1, seq_len=SEQ_LEN, vocab_size=VOCAB, wire=WIRE), cohort, cohort
+    )
+    result = finalize_step(manifest, {}, {})  # nothing read
+    assert result.samples.labels["rollout_id"] == ["kept"]
+    gone = tmp_path / "gone.rows"
+    assert result.failures == {
+        "gone": f"payload.routed_experts: file {gone} cannot be read (No such file or directory)"
+    }
+    path.write_bytes(b"\0" * 100)  # shorter than the 110 bytes its rows need
+    assert finalize_step(manifest, {}, {}).failures["kept"] == (
+        f"payload.routed_experts: file {path} holds 100 bytes, its rows need 110"
+    )
