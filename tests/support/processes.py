@@ -84,9 +84,11 @@ def wait_for(what: str, condition, timeout: float = COMMAND_DEADLINE_SECONDS):
     pytest.fail(f"timed out waiting for {what}")
 
 
-def rlship(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """The command's result; one still running at the deadline fails the test, and it and
-    everything it started are ended by PID."""
+def rlship(
+    *args: str, env: dict[str, str] | None = None, timeout: float = COMMAND_DEADLINE_SECONDS
+) -> subprocess.CompletedProcess:
+    """The command's result; one still running after `timeout` seconds fails the test, and it
+    and everything it started are ended by PID."""
     process = subprocess.Popen(
         [sys.executable, "-m", "orchestrator.commands.cli", *args],
         env={**os.environ, **(env or {})},
@@ -96,13 +98,13 @@ def rlship(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
         text=True,
     )
     try:
-        stdout, stderr = process.communicate(timeout=COMMAND_DEADLINE_SECONDS)
+        stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         tree = [*psutil.Process(process.pid).children(recursive=True), psutil.Process(process.pid)]
         for member in tree:
             member.kill()
         psutil.wait_procs(tree, timeout=10)
-        pytest.fail(f"rlship {' '.join(args)} still running after {COMMAND_DEADLINE_SECONDS} s")
+        pytest.fail(f"rlship {' '.join(args)} still running after {timeout} s")
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 

@@ -9,13 +9,12 @@ import hashlib
 import json
 import os
 import re
-import subprocess
 import threading
 import uuid
 
 import pytest
 
-from tests.support.processes import REPO, python_command, session_queue
+from tests.support.processes import rlship, session_queue
 from transport.keys import RunKeys
 from transport.payload_dir import payload_directory
 from transport.replay import RetainedPayloads
@@ -51,7 +50,7 @@ def test_a_run_of_inline_routed_experts_keeps_its_payloads_out_of_redis(redis_ur
     keys = RunKeys(run_id)
     summary_path = tmp_path / "summary.json"
     command = [
-        *python_command(), "run", "--steps", "4", "--ranks", "2", "--workload", "moe-inline",
+        "run", "--steps", "4", "--ranks", "2", "--workload", "moe-inline",
         "--payload-store", "dir", "--batch-size", "16", "--group-size", "4", "--seq-len", "512",
         "--run-id", run_id, "--zmq-port", str(free_port_pair()), "--output-dir", str(tmp_path),
         "--cpu-queue", session_queue(f"cpu-{run_id}"), "--ship-queue", session_queue(f"ship-{run_id}"),
@@ -80,10 +79,7 @@ def test_a_run_of_inline_routed_experts_keeps_its_payloads_out_of_redis(redis_ur
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
-        done = subprocess.run(
-            command, env={**os.environ, "REDIS_URL": redis_url}, cwd=REPO, capture_output=True, text=True,
-            timeout=240,
-        )  # fmt: skip
+        done = rlship(*command, env={"REDIS_URL": redis_url}, timeout=240)
     finally:
         done_event.set()
         watcher.join()

@@ -44,7 +44,7 @@ from orchestrator.commands.produce import SyntheticWorkload
 from orchestrator.producer import AsyncRolloutProducer, RolloutProducer, RolloutRejected
 from orchestrator.settings import RunSettings
 from tests.support.factories import group
-from tests.support.processes import REPO, left_running, python_command, refused, rlship, session_queue
+from tests.support.processes import left_running, refused, rlship, session_queue
 from tests.support.shiprun import metrics_lines, run_orchestrator, ship_settings
 from tests.support.stock_peers import WIRE_0F59B24, read_record, start_stock_ranks
 from transport.checksum import payload_checksum
@@ -304,7 +304,7 @@ def test_rlship_run_moe_reads_every_row_by_handle_and_none_enters_redis(client, 
     seed = 7
     queues = (session_queue(f"cpu-{run_id}"), session_queue(f"ship-{run_id}"))
     command = [
-        *python_command(), "run", "--workload", "moe", "--steps", "3", "--ranks", "2",
+        "run", "--workload", "moe", "--steps", "3", "--ranks", "2",
         "--batch-size", "16", "--group-size", "4", "--seq-len", "512", "--seed", str(seed),
         "--run-id", run_id, "--zmq-port", str(free_port_pair()), "--output-dir", str(tmp_path / "run"),
         "--cpu-queue", queues[0], "--ship-queue", queues[1], "--summary-json", str(summary_path),
@@ -313,10 +313,7 @@ def test_rlship_run_moe_reads_every_row_by_handle_and_none_enters_redis(client, 
     port = client.connection_pool.connection_kwargs.get("port", 6379)
     feed = CommandFeed(host, port, run_id)
     try:
-        done = subprocess.run(
-            command, env={**os.environ, "REDIS_URL": redis_url}, cwd=REPO, capture_output=True, text=True,
-            timeout=240,
-        )  # fmt: skip
+        done = rlship(*command, env={"REDIS_URL": redis_url}, timeout=240)
     finally:
         feed.close()
     try:
