@@ -69,7 +69,9 @@ def test_lost_and_missed_steps_are_replayed_in_order(client, run_id):
         handed_to_transport(store, 3, 0)  # the last step, lost: nothing after it shows the gap
         got = receive_all(receiver, 4)
         assert got == [(s, payload(s)) for s in range(4)]
-        assert receiver.replayed == 2 and receiver.gaps == []
+        # Steps 1 and 3 never reached the socket: only a replay can have given them (a step
+        # sent before the subscription reached the sender, under load, is replayed too).
+        assert receiver.replayed >= 2 and receiver.gaps == []
         sender.send(1, 0, payload(1))  # a late or repeated copy is still a duplicate
         deadline = time.monotonic() + 10
         while receiver.duplicates_dropped == 0:  # until the copy has arrived and been dropped
