@@ -148,14 +148,6 @@ def test_a_stuck_then_restarted_trainer_gets_every_step_once(
         stop_producing.set()
         producer.join()
         stop(trainers)
-    # What the run still holds when it ends: rollouts never cut (written until the producer
-    # stopped), and the files of the one group the producer had made when it was stopped
-    # (refused while the run held its backlog; `rlship run` removes them with the run's
-    # directory). A rows file of any other rollout went when nothing could read it any more.
-    unshipped = {k.decode().rsplit(":", 1)[1] for k in client.scan_iter(match=keys.rollout("*"))}
-    rows_files = {p.name.removesuffix(".rows") for p in (tmp_path / "payloads" / run_id).glob("*.rows")}
-    in_hand = {rollout_id.rsplit("-r", 1)[0] for rollout_id in rows_files - unshipped}
-    assert len(in_hand) <= 1, sorted(rows_files - unshipped)[:9]
     PayloadStore(client, run_id).delete_all_rollouts()
 
     sent = {k.decode(): v.decode() for k, v in client.hgetall(RunKeys(run_id).sent_checksums).items()}
