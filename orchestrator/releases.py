@@ -43,6 +43,9 @@ class Releases:
         self.publisher = publisher
         self.stopping = stopping
         self.pending: asyncio.Task[None] | None = None
+        # The run's files that go with its steps: rows files, and retained payloads if in files.
+        self.rows = settings.run_rows()
+        self.directory = settings.payload_directory()
 
     async def schedule(self, step: int) -> None:
         """At most one release pending: wait for the previous one, then enqueue this one."""
@@ -84,7 +87,7 @@ class Releases:
         once the trainers' policy version says they trained the last step (or after
         `ack_timeout`, saying so)."""
         builtin = self.settings.trainers == "builtin"
-        if not builtin and self.settings.run_rows().exists():
+        if not builtin and self.rows.exists():
             await self._trained_through(last_published, policy)
         deadline = time.monotonic() + (self.settings.ack_timeout if builtin else 0.0)
         while await self.store.unacknowledged_steps() and time.monotonic() < deadline:
@@ -92,16 +95,16 @@ class Releases:
                 self.settings.ranks,
                 last_published,
                 evict_through=-1,
-                rows=self.settings.run_rows(),
-                directory=self.settings.payload_directory(),
+                rows=self.rows,
+                directory=self.directory,
             )
             await asyncio.sleep(POLL_SECONDS * 10)
         released = await self.store.release_payloads(
             self.settings.ranks,
             last_published,
             evict_through=last_published,
-            rows=self.settings.run_rows(),
-            directory=self.settings.payload_directory(),
+            rows=self.rows,
+            directory=self.directory,
         )
         if released.evicted_unacknowledged and builtin:
             log.error(
@@ -129,9 +132,9 @@ class Releases:
         """At the end of the run every rollout still held (pending, in open groups, or not
         yet read from the stream) will never ship: release the payloads and the stream."""
         deleted = await self.store.delete_all_rollouts()
-        await asyncio.to_thread(self.settings.run_rows().remove_all)
-        if (directory := self.settings.payload_directory()) is not None:
-            await asyncio.to_thread(directory.remove_all)
+        await asyncio.to_thread(self.rows.remove_all)
+        if self.directory is not None:
+            await asyncio.to_thread(self.directory.remove_all)
         await self.client.unlink(self.keys.rollout_stream, self.keys.checkpoint)
         if deleted:
             log.info("released %d unshipped rollouts at shutdown", deleted)

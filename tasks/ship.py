@@ -79,10 +79,10 @@ def _finalized(ctx: StepContext) -> dict[str, Any]:
     manifest = ctx.manifest
     stored = ctx.store.stored_sizes(rollouts_with_facts(manifest.effective))
     to_read = rollouts_to_read(manifest.effective, stored)
-    payloads = ctx.store.fetch_rollouts(to_read)
-    handles = ctx.store.fetch_rollouts(
-        rollouts_with_handles(manifest.effective, to_read, manifest.config.side_arrays)
-    )
+    with_handles = rollouts_with_handles(manifest.effective, to_read, manifest.config.side_arrays)
+    fetched = ctx.store.fetch_rollouts([*to_read, *with_handles])  # one round trip
+    payloads = {rollout_id: fetched[rollout_id] for rollout_id in to_read}
+    handles = {rollout_id: fetched[rollout_id] for rollout_id in with_handles}
     result = finalize_step(manifest, payloads, handles)
     for rollout_id, reason in result.failures.items():
         log.warning("step %d: rollout %s dropped: %s", ctx.step, rollout_id, reason)

@@ -347,8 +347,6 @@ def _read_field(buffer: np.ndarray, pos: int, name: str) -> tuple[Any, int]:
         value = RoutedExperts(data=value[0], shape=value[1], dtype=value[2])
     elif name == "mm_kwargs":
         value = as_encoded_tensors(value)
-    elif name == "payload" and not isinstance(value, list):
-        raise SchemaError(f"payload: expected an array of segments, got {value!r:.80}")
     return value, end
 
 

@@ -244,40 +244,51 @@ class SegmentReader:
 
 def read_windows(
     segments: Sequence[PayloadSegment], num_tokens: int, reader: SegmentReader
-) -> tuple[dict[str, np.ndarray], list[str]]:
-    """What a trainer rank reads of a micro-batch's side arrays: each field's rows over its
-    `num_tokens` positions (`[num_tokens, *shape]`, zeros where no segment covers a token),
-    and each segment's checksum of the rows read, in payload order (`digests_checksum`)."""
+) -> dict[str, np.ndarray]:
+    """Each field's rows over `num_tokens` positions (`[num_tokens, *shape]`, zeros where no
+    segment covers a token), as a trainer builds them from its micro-batch's segments."""
     windows: dict[str, np.ndarray] = {}
-    digests = []
+    kinds: dict[str, tuple[str, tuple[int, ...]]] = {}
     for segment in segments:
-        data = reader.read(segment)
-        digests.append(payload_checksum(data))
+        _check_kind(kinds, segment)
         window = windows.get(segment.field)
         if window is None:
             window = windows[segment.field] = np.zeros((num_tokens, *segment.shape), segment.dtype)
-        elif (window.dtype, window.shape[1:]) != (np.dtype(segment.dtype), segment.shape):
-            raise SegmentReadError(
-                f"{PAYLOAD_FIELD}.{segment.field}: rows of {segment.dtype}{list(segment.shape)} after "
-                f"{window.dtype}{list(window.shape[1:])}"
-            )
-        window[segment.pos : segment.end] = np.frombuffer(data, segment.dtype).reshape(
-            segment.rows, *segment.shape
+        rows = np.frombuffer(reader.read(segment), segment.dtype).reshape(segment.rows, *segment.shape)
+        window[segment.pos : segment.end] = rows
+    return windows
+
+
+def _check_kind(kinds: dict[str, tuple[str, tuple[int, ...]]], segment: PayloadSegment) -> None:
+    """A field's rows are of one dtype and row shape throughout (the first segment's)."""
+    kind = (np.dtype(segment.dtype).name, segment.shape)
+    first = kinds.setdefault(segment.field, kind)
+    if kind != first:
+        raise SegmentReadError(
+            f"{PAYLOAD_FIELD}.{segment.field}: rows of {segment.dtype}{list(segment.shape)} after "
+            f"{first[0]}{list(first[1])}"
         )
-    return windows, digests
 
 
 def read_side_arrays(batches: Sequence[Any]) -> str | None:
     """Read every side array a rank's micro-batches (rlship's or prime-rl's structs) point
-    at, as a trainer rank does (each micro-batch's windows, with `pread`): SegmentReadError if
-    a file is gone or short. Returns
-    the checksum of the rows read (`digests_checksum`), None when there are no segments."""
+    at, as a trainer rank does (each segment with `pread`), and check it: SegmentReadError if
+    a file is gone or short, or a field's rows change kind or run past the micro-batch.
+    Returns the checksum of the rows read (`digests_checksum`), None when there are no
+    segments. The rows are checked where they are read, not copied into windows the
+    reference rank would throw away."""
     digests: list[str] = []
     with SegmentReader() as reader:
         for batch in batches:
-            if getattr(batch, PAYLOAD_FIELD, None):
-                segments = [_as_segment(segment) for segment in batch.payload]
-                digests += read_windows(segments, len(batch.input_ids), reader)[1]
+            kinds: dict[str, tuple[str, tuple[int, ...]]] = {}
+            for segment in map(_as_segment, getattr(batch, PAYLOAD_FIELD, None) or ()):
+                _check_kind(kinds, segment)
+                if segment.end > len(batch.input_ids):
+                    raise SegmentReadError(
+                        f"{PAYLOAD_FIELD}.{segment.field}: rows [{segment.pos}, {segment.end}) run past "
+                        f"the micro-batch's {len(batch.input_ids)} tokens"
+                    )
+                digests.append(payload_checksum(reader.read(segment)))
     return digests_checksum(digests) if digests else None
 
 

@@ -257,10 +257,7 @@ class MicroBatch:
         if isinstance(self.routed_experts, dict):
             self.routed_experts = RoutedExperts(**self.routed_experts)
         if self.payload is not None:
-            self.payload = [
-                s if isinstance(s, PayloadSegment) else _segment(f"payload[{i}]", s)
-                for i, s in enumerate(self.payload)
-            ]
+            self.payload = as_segments(self.payload)
         if self.sampling_mask is not None:
             self.sampling_mask = _sampling_mask(self.sampling_mask)
         self.validate()
@@ -336,9 +333,16 @@ class MicroBatch:
         return True
 
 
-def _segment(what: str, value: Any) -> PayloadSegment:
+def as_segments(value: Any) -> list[PayloadSegment]:
+    """Side arrays by handle from what producers and decoders hold: segments, or their wire
+    (or stored) values; SchemaError names the segment that is neither."""
+    if not isinstance(value, list | tuple):
+        raise SchemaError(f"payload: expected a list of segments, got {type(value).__name__}")
     try:
-        return PayloadSegment.from_values(value, what)
+        return [
+            s if isinstance(s, PayloadSegment) else PayloadSegment.from_values(s, f"payload[{i}]")
+            for i, s in enumerate(value)
+        ]
     except ValueError as exc:
         raise SchemaError(str(exc)) from None
 

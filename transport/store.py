@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 from transport.keys import PAYLOAD, WIRE_SUFFIX, RunKeys
 from transport.payload_dir import PayloadDirectory, PayloadFileError, is_pointer, read_pointed
 from transport.payload_segments import PAYLOAD_FIELD, PayloadSegment, RunRows
-from transport.schema import MM_KWARGS_PREFIX, EncodedTensor, SchemaError, as_encoded_tensors
+from transport.schema import MM_KWARGS_PREFIX, EncodedTensor, SchemaError, as_encoded_tensors, as_segments
 
 DEFAULT_TTL_SECONDS = 24 * 3600
 
@@ -54,7 +54,7 @@ def flat_arrays(arrays: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in arrays.items():
         if name == PAYLOAD_FIELD:
-            out[name] = _segments(value)
+            out[name] = as_segments(value)
         elif name == "mm_kwargs":
             if not isinstance(value, Mapping):
                 raise SchemaError(f"mm_kwargs: expected a map of name to tensor, got {type(value).__name__}")
@@ -65,18 +65,6 @@ def flat_arrays(arrays: Mapping[str, Any]) -> dict[str, Any]:
         else:
             out[name] = value
     return out
-
-
-def _segments(value: Any) -> list[PayloadSegment]:
-    if not isinstance(value, list | tuple):
-        raise SchemaError(f"{PAYLOAD_FIELD}: expected a list of segments, got {type(value).__name__}")
-    try:
-        return [
-            s if isinstance(s, PayloadSegment) else PayloadSegment.from_values(s, f"{PAYLOAD_FIELD}[{i}]")
-            for i, s in enumerate(value)
-        ]
-    except ValueError as exc:
-        raise SchemaError(str(exc)) from None
 
 
 # How a rollout's segments are held in its blob, beside its arrays' [dtype, shape, data].

@@ -197,7 +197,7 @@ def with_inline_rows(rollouts: Mapping[str, Mapping[str, Any]]) -> dict[str, Map
             inline = [segment for segment in segments if segment.inline]
             if not inline:
                 continue
-            windows, _ = read_windows(inline, len(arrays["input_ids"]), reader)
+            windows = read_windows(inline, len(arrays["input_ids"]), reader)
             handles = [segment for segment in segments if not segment.inline]
             rest = {name: value for name, value in arrays.items() if name != PAYLOAD_FIELD}
             out[rollout_id] = rest | windows | ({PAYLOAD_FIELD: handles} if handles else {})

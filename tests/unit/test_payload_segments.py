@@ -29,7 +29,7 @@ def experts(tmp_path):
 
 def read(segments: list[PayloadSegment], tokens: int) -> np.ndarray:
     with SegmentReader() as reader:
-        return read_windows(segments, tokens, reader)[0]["routed_experts"]
+        return read_windows(segments, tokens, reader)["routed_experts"]
 
 
 def test_a_clipped_segment_points_at_its_own_rows(experts) -> None:
