@@ -61,15 +61,19 @@ class Accounting:
     # whole run, and in a row since the last cut that shipped.
     empty_steps: int = 0
     empty_in_a_row: int = 0
+    # The rollouts of those cuts by the field the workers dropped them for: no record of
+    # their own says why, so every later record does.
+    empty_dropped: Counter[str] = field(default_factory=Counter)
 
     def discard(self, reason: str, count: int = 1) -> None:
         self.discarded[reason] += count
         if reason == "stale":
             self.stale_in_window += count
 
-    def empty_cut(self, count: int) -> None:
-        """A cut whose every rollout the workers dropped: its rollouts count as discarded
-        (reason `empty_step`), not cut, and its step number is cut again."""
+    def empty_cut(self, count: int, dropped: dict[str, int]) -> None:
+        """A cut whose every rollout the workers dropped (`dropped`: by field): its rollouts
+        count as discarded (reason `empty_step`), not cut, and its step number is cut again."""
+        self.empty_dropped.update(dropped)
         self.cut -= count
         self.discard(EMPTY_STEP, count)
         self.empty_steps += 1
@@ -84,6 +88,7 @@ class Accounting:
             "stale_in_window": self.stale_in_window,
             "empty_steps": self.empty_steps,
             "empty_in_a_row": self.empty_in_a_row,
+            "empty_dropped": dict(self.empty_dropped),
         }
 
     @classmethod
@@ -96,6 +101,7 @@ class Accounting:
             stale_in_window=data["stale_in_window"],
             empty_steps=data.get("empty_steps", 0),
             empty_in_a_row=data.get("empty_in_a_row", 0),
+            empty_dropped=Counter(data.get("empty_dropped", {})),
         )
 
     @property
@@ -119,4 +125,5 @@ class Accounting:
         }
         out.update({f"ingest/rejected/{k}": float(v) for k, v in self.rejected.items()})
         out.update({f"accounting/discarded/{k}": float(v) for k, v in self.discarded.items()})
+        out.update({f"empty_step/dropped/{k}": float(v) for k, v in self.empty_dropped.items()})
         return out

@@ -152,7 +152,7 @@ class Dispatcher:
         if verdict is None or not verdict.empty:
             self.ingest.kept()
             return
-        in_a_row = await self._take_back(step)
+        in_a_row = await self._take_back(step, verdict.dropped)
         reasons = ", ".join(f"{field} {count}" for field, count in sorted(verdict.dropped.items()))
         log.warning(
             "step %d: the workers dropped all %d of its rollouts (%s); cutting step %d again "
@@ -180,6 +180,7 @@ class Dispatcher:
         if stale_ids:
             self.rollout_log.dropped_at_cut(stale_ids, step, "stale")
             await self.store.delete_rollouts(stale_ids)
+            await ingest.write_outcomes(self.client)
             rows = self.settings.run_rows()
             if rows.exists():
                 await asyncio.to_thread(rows.unlink, stale_ids)
@@ -243,14 +244,15 @@ class Dispatcher:
         # would leave them a step with no manifest (`transport.replication`).
         self.durability.replicate(client, write, lambda pipe: pipe.exists(manifest_key), f"step {step}'s cut")
 
-    async def _take_back(self, step: int) -> int:
+    async def _take_back(self, step: int, dropped: dict[str, int]) -> int:
         """Undo the cut of an empty step: its rollouts are discarded (`empty_step`), its keys
         deleted, its window of `all` statistics and event-loop lag go to the next cut, and
-        the step number is cut again. The manifest is read back from Redis, so a restarted
+        the step number is cut again; its drops by field are counted in the run's record
+        (`empty_step/dropped/{field}`). The manifest is read back from Redis, so a restarted
         orchestrator takes back a cut of its predecessor the same way. Returns the empty
         cuts in a row, this one included."""
         manifest = StepManifest.from_bytes(await self._read_manifest(step))
-        in_a_row = self.ingest.put_back(manifest)
+        in_a_row = self.ingest.put_back(manifest, dropped)
         self.probe.put_back(manifest.loop_lag_ms)
         # The rollout log knows the rollouts this process cut (not a predecessor's).
         self.rollout_log.dropped_at_cut(self.cut_rollouts.pop(step, []), step, EMPTY_STEP)

@@ -16,6 +16,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -30,7 +31,8 @@ from tasks.manifest import StepManifest
 from tasks.stages.finalize import PayloadFacts
 from transport.keys import RunKeys
 from transport.numbering import staleness
-from transport.store import release_rollouts
+from transport.outcomes import Written, discarded, record_outcomes, rejected
+from transport.store import DEFAULT_TTL_SECONDS, release_rollouts
 
 log = logging.getLogger("rlship.orchestrator")
 
@@ -54,6 +56,7 @@ class Ingest:
         self.settings = settings
         self.client = client
         self.keys = RunKeys(settings.run_id)
+        self.ttl = DEFAULT_TTL_SECONDS
         self.rows = settings.run_rows()
         self.rollout_log = rollout_log
         self.stopping = stopping
@@ -64,6 +67,8 @@ class Ingest:
         # their wire parts before the cut (tasks.ship.prepare); None: nothing is prepared.
         self.prepare = prepare
         self.completed_trainable: list[str] = []
+        # What became of the rollouts rejected or discarded this turn, for their producers.
+        self.outcomes: dict[str, Written] = {}
         # Read and taken; `resume` replaces pending and accounting with the checkpoint's.
         self.groups = GroupBuffer(settings.group_size, memory=settings.dedupe_horizon)
         self.pending = CohortBuilder()  # trainable rows, in completion order, cut from the front
@@ -98,6 +103,8 @@ class Ingest:
             pipe = self.client.pipeline(transaction=False)
             if release_ids:
                 await release_rollouts(pipe, self.keys, release_ids)
+            if self.outcomes:
+                await self.write_outcomes(pipe)
             # Every turn, with rollouts or without (the gate holds the producers, or they are
             # done): the status says what was cut and published since (`rlship status`), and
             # an `accounted` held back during a cut is written, or producers could wait on it.
@@ -136,7 +143,11 @@ class Ingest:
             self.accounting.rejected[exc.reason] += 1
             log.warning("rollout record rejected (%s): %s", exc.reason, exc)
             rollout_id = _rollout_id_of(raw)
-            return [rollout_id] if rollout_id and exc.reason != "duplicate_rollout" else []
+            # A duplicate's id is the original's: its outcome and payload stay the original's.
+            if rollout_id is None or exc.reason == "duplicate_rollout":
+                return []
+            self.outcomes[rollout_id] = rejected(exc.reason, str(exc))
+            return [rollout_id]
         checked = PayloadFacts.from_wire(facts)
         if group is None:
             self.open_entries[record.rollout_id] = entry_id
@@ -164,7 +175,14 @@ class Ingest:
             else:
                 self.accounting.discard(outcome.fate)
                 released.append(outcome.record.rollout_id)
+                self.outcomes[outcome.record.rollout_id] = discarded(outcome.fate)
         return released
+
+    async def write_outcomes(self, client: aioredis.Redis | Any) -> None:
+        """Write the outcomes decided since the last write (on a client or a pipeline)."""
+        outcomes, self.outcomes = self.outcomes, {}
+        for call in record_outcomes(client, self.keys, outcomes, self.settings.dedupe_horizon, self.ttl):
+            await call
 
     # -- what the cut takes, and gives back --------------------------------------------
 
@@ -176,7 +194,9 @@ class Ingest:
             return []
         removed = self.pending.remove(stale)
         self.accounting.discard("stale", len(removed))
-        return removed.labels["rollout_id"]
+        stale_ids = removed.labels["rollout_id"]
+        self.outcomes.update(dict.fromkeys(stale_ids, discarded("stale")))
+        return stale_ids
 
     @asynccontextmanager
     async def cutting(self) -> AsyncIterator[None]:
@@ -202,10 +222,11 @@ class Ingest:
         window, self.window = self.window.build(), CohortBuilder()
         return window
 
-    def put_back(self, manifest: StepManifest) -> int:
-        """Undo a cut the workers emptied: its rollouts are discarded (`empty_step`) and its
-        window goes to the next cut. Returns the empty cuts in a row, this one included."""
-        self.accounting.empty_cut(len(manifest.effective))
+    def put_back(self, manifest: StepManifest, dropped: dict[str, int]) -> int:
+        """Undo a cut the workers emptied (`dropped`: its rollouts by the field they were
+        dropped for): its rollouts are discarded (`empty_step`) and its window goes to the
+        next cut. Returns the empty cuts in a row, this one included."""
+        self.accounting.empty_cut(len(manifest.effective), dropped)
         self.accounting.stale_in_window += int(manifest.counters.get("off_policy/stale_dropped", 0))
         self.window = CohortBuilder.from_cohort(Cohort.concat([manifest.window, self.window.build()]))
         return self.accounting.empty_in_a_row

@@ -3,8 +3,11 @@
 A producer stores a rollout's arrays under its key and appends the small record to the
 rollout stream, in one script (`RolloutProducer`, `AsyncRolloutProducer`); an id that is
 stored already is refused, counted, and its record not appended. A producer made for a run
-is admitted by it in the same script (`Admission`): it writes only what the run can still
-train, so a stalled run's stream and payloads stay bounded.
+(`for_run`) knows the run: it checks each call against the run's stored settings
+(orchestrator.stored_settings: seq_len, vocabulary, groups, envs, the wire's side arrays;
+orchestrator.rollout_checks), so nothing it writes is dropped at the cut for the run's own
+limits, and it is admitted by the run in the same script as the write
+(orchestrator.admission). `outcome` tells it what became of its rollouts.
 `rlship produce` (orchestrator.commands.produce) is a producer of synthetic rollouts.
 """
 
@@ -12,20 +15,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from typing import Any, Self
 
-import numpy as np
 import redis
 import redis.asyncio as aioredis
 
+from orchestrator.admission import FINISHED, Admission, AdmissionRefused, GateView, Rollouts
 from orchestrator.policy import NO_VERSION
-from orchestrator.records import RolloutRecord
+from orchestrator.rollout_checks import RolloutRejected, call_problems, check_rollouts
 from orchestrator.settings import RunSettings
-from tasks.stages.finalize import PayloadFacts, check_rollout_arrays
+from orchestrator.stored_settings import read_run_settings, read_run_settings_async
+from tasks.stages.finalize import PayloadFacts
 from transport.keys import RunKeys
-from transport.numbering import required_version, version_after
+from transport.numbering import required_version
+from transport.outcomes import RolloutOutcome, outcome_call, parse_outcomes
 from transport.payload_segments import (
     ANYWHERE,
     PAYLOAD_FIELD,
@@ -35,22 +39,20 @@ from transport.payload_segments import (
     write_segment_file,
 )
 from transport.replication import Durability
-from transport.schema import EncodedTensor, SchemaError
-from transport.store import DEFAULT_TTL_SECONDS, flat_arrays, pack_arrays
+from transport.store import DEFAULT_TTL_SECONDS, pack_arrays
 
-Rollouts = list[tuple[RolloutRecord, Mapping[str, np.ndarray]]]
-
-
-class RolloutRejected(ValueError):
-    """Rollouts that were not written, each with why (naming the field and the value)."""
-
-    def __init__(self, problems: dict[str, str]) -> None:
-        super().__init__("; ".join(f"rollout {rid!r}: {problem}" for rid, problem in problems.items()))
-        self.problems = problems
-
+__all__ = [
+    "AdmissionRefused",
+    "AsyncRolloutProducer",
+    "RolloutOutcome",
+    "RolloutProducer",
+    "RolloutRejected",
+    "Rollouts",
+]
 
 # KEYS: the rollout stream, the produced and accounted counters, the refused-writes counter,
-# the run's next step, the held-bytes hash and total, then one payload key per rollout. ARGV:
+# the run's next step, the held-bytes hash and total, the run's finished mark, then one
+# payload key per rollout. ARGV:
 # the TTL, the backlog limit (-1: not admitted), the room the policy gate leaves, the next
 # step that room was worked out for (as read, '' if unset), the byte budget (-1: none), the
 # batch size, the call's bytes, then per rollout its arrays blob, its record, its
@@ -68,11 +70,15 @@ class RolloutRejected(ValueError):
 # the orchestrator. The stream and the counters it writes get the payloads' expiry too: a
 # producer still writing after its run ended (and its keys were unlinked) leaves nothing
 # behind for ever.
+# A run that has finished takes nothing.
 # Returns the verdict, the backlog, then the 1-based positions of the refused rollouts.
 _PRODUCE_LUA = """
+if redis.call('EXISTS', KEYS[8]) == 1 then
+  return {'finished', 0}
+end
 local limit = tonumber(ARGV[2])
 if limit >= 0 then
-  local calls = #KEYS - 7
+  local calls = #KEYS - 8
   local backlog = tonumber(redis.call('GET', KEYS[2]) or '0') - tonumber(redis.call('GET', KEYS[3]) or '0')
   if (redis.call('GET', KEYS[5]) or '') ~= ARGV[4] then
     return {'moved', backlog}
@@ -90,8 +96,8 @@ if limit >= 0 then
   end
 end
 local reply = {'ok', 0}
-for i = 8, #KEYS do
-  local at = 8 + (i - 8) * 4
+for i = 9, #KEYS do
+  local at = 8 + (i - 9) * 4
   if redis.call('SET', KEYS[i], ARGV[at], 'NX', 'EX', ARGV[1]) then
     redis.call('XADD', KEYS[1], '*', 'record', ARGV[at + 1], 'facts', ARGV[at + 2])
     redis.call('INCR', KEYS[2])
@@ -99,7 +105,7 @@ for i = 8, #KEYS do
     redis.call('INCRBY', KEYS[7], ARGV[at + 3])
   else
     redis.call('INCR', KEYS[4])
-    table.insert(reply, i - 7)
+    table.insert(reply, i - 8)
   end
 end
 for _, key in ipairs({KEYS[1], KEYS[2], KEYS[4], KEYS[6], KEYS[7]}) do
@@ -111,140 +117,17 @@ return reply
 ADMISSION_POLL_SECONDS = 0.05
 # The inline side arrays a run that keeps payloads out of Redis keeps in files until the cut.
 ROWS_OUT_OF_REDIS = ("routed_experts",)
-
-
-class AdmissionRefused(RuntimeError):
-    """A call the run does not admit; nothing of it was written. `reason`: backlog, gate_held
-    or bytes (it passes: `produce(..., timeout=...)` waits), would_be_stale or too_large (it
-    never passes)."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(f"produce refused ({reason}): {message}")
-        self.reason = reason
-
-    @property
-    def passes(self) -> bool:
-        """Whether waiting cures it (backlog, gate held, bytes held): the run admits the call
-        once it has room."""
-        return self.reason in PASSING_REFUSALS
-
-
-PASSING_REFUSALS = frozenset({"backlog", "gate_held", "bytes"})
-
-
-@dataclass(frozen=True)
-class Admission:
-    """What a run admits from its producers: no more outstanding rollouts than its limit,
-    none beyond what the policy gate lets it train soon, and none already stale."""
-
-    limit: int
-    batch_size: int
-    group_size: int
-    first_step: int
-    start_step: int
-    max_async_level: int
-    max_off_policy_steps: int
-    max_held_bytes: int = 0  # 0: no byte budget
-
-    @classmethod
-    def for_run(cls, settings: RunSettings) -> Admission:
-        """The same-named settings; `limit` is the backlog the run allows (`outstanding_limit`)."""
-        return cls(**settings.values_for(cls, limit=settings.outstanding_limit))
-
-    @property
-    def largest_call(self) -> int:
-        """Rollouts one call may hold: a batch (or a group, if larger), within the limit."""
-        return min(self.limit, max(self.batch_size, self.group_size))
-
-    def gate_room(self, version: int, next_step: int) -> int:
-        """The backlog the gate leaves room for: a batch for each step it lets the run cut
-        from `next_step` on at policy `version`, and one more, so that the next step to open
-        finds its batch ready; and one call less a rollout on top, so that a batch one short
-        (some rollouts of a group are discarded) can always be completed. While the gate
-        holds, nothing more is admitted once a batch is pending."""
-        required = required_version(next_step, self.first_step, self.max_async_level)
-        steps = max(0, version - required + 1)
-        return (steps + 1) * self.batch_size + self.largest_call - 1
-
-    def refuse_oversize(self, rollouts: Rollouts, sizes: list[int]) -> None:
-        """A rollout, a call or a step (a batch of rollouts like these) larger than the byte
-        budget could never be admitted: refused at once, naming its size and the budget."""
-        budget = self.max_held_bytes
-        if budget <= 0:
-            return
-        tail = f"more than the run's budget of {budget:,} bytes (max_held_bytes)"
-        for (record, _), size in zip(rollouts, sizes, strict=True):
-            if size > budget:
-                raise AdmissionRefused(
-                    "too_large",
-                    f"rollout {record.rollout_id!r} holds {size:,} bytes (blob and rows files), {tail}",
-                )
-        if sum(sizes) > budget:
-            raise AdmissionRefused(
-                "too_large", f"this call of {len(sizes)} rollouts holds {sum(sizes):,} bytes, {tail}"
-            )
-        step = self.batch_size * sum(sizes) // len(sizes)
-        if step > budget:
-            raise AdmissionRefused(
-                "too_large",
-                f"a step of {self.batch_size} rollouts like these holds about {step:,} bytes, {tail}",
-            )
-
-    def oldest_fresh_version(self, next_step: int) -> int:
-        """The oldest policy version that is not stale at `next_step`, the earliest step a
-        rollout produced now can ship in (`staleness`, the orchestrator's rule)."""
-        return version_after(next_step, self.first_step) - 1 - self.max_off_policy_steps
-
-
-@dataclass(frozen=True)
-class _Gate:
-    """What a producer read of the run before its call: admission's arguments."""
-
-    version: int
-    next_step: int
-    room: int
-    next_step_read: str  # as read ('' if unset): the script admits only while it stands
-
-
-def check_rollouts(
-    rollouts: Rollouts, max_tokens: int, vocab_size: int, side_arrays: SideArrays = ANYWHERE
-) -> list[Mapping[str, Any]]:
-    """The workers' own payload checks, run where the bad data is made (the producer), and
-    one id given twice in the same call; returns each rollout's checked arrays."""
-    problems = {}
-    checked = []
-    seen: set[str] = set()
-    for record, arrays in rollouts:
-        if record.rollout_id in seen:
-            problems[record.rollout_id] = f"rollout_id: {record.rollout_id!r} appears twice in this call"
-            continue
-        seen.add(record.rollout_id)
-        try:
-            flat = flat_arrays(arrays)
-        except SchemaError as exc:
-            problems[record.rollout_id] = str(exc)
-            continue
-        # Arrays as numpy; mm_kwargs tensors and payload segments as they are.
-        arrays = {
-            k: v if isinstance(v, EncodedTensor) or k == PAYLOAD_FIELD else np.asarray(v)
-            for k, v in flat.items()
-        }
-        problem = check_rollout_arrays(arrays, record.num_tokens, max_tokens, vocab_size, side_arrays)
-        if problem is not None:
-            problems[record.rollout_id] = problem
-        checked.append(arrays)
-    if problems:
-        raise RolloutRejected(problems)
-    return checked
+FIXED_KEYS = 8  # the script's keys before the per-rollout ones
 
 
 class _Producer:
     """What both producer APIs share. Records are validated by their pydantic model; arrays
     by the workers' checks against the run's limits (`max_tokens` as its `seq_len`, and its
     vocabulary; by default those of a run with default settings), so a bad rollout fails
-    where it is made, naming its field and value. With an `Admission` (`for_run`), a call
-    is written only if the run admits it (`AdmissionRefused`); without one (a workload
-    written up front, as tests do), every call is written."""
+    where it is made, naming its field and value. Made for a run (`for_run`), it checks
+    against the run's stored settings, refuses what the run would reject for its groups and
+    envs, and writes a call only if the run admits it (`AdmissionRefused`); made directly
+    (a workload written up front, as tests do), every well-formed call is written."""
 
     def __init__(
         self,
@@ -268,34 +151,36 @@ class _Producer:
         self.admission = admission
         self.side_arrays = side_arrays
         self.rows_out_of_redis = rows_out_of_redis
+        self.settings: RunSettings | None = None  # the run's, once known (`for_run`)
         self._produce = client.register_script(_PRODUCE_LUA)
         self._gate_keys = [self.keys.known_policy_version, self.keys.next_step]
 
-    @classmethod
-    def for_run(cls, client: Any, settings: RunSettings, admitted: bool = True) -> Self:
-        """A producer checking rollouts against the run's `seq_len` and vocabulary and, unless
-        `admitted` is False, admitted by the run's limits."""
-        return cls(
-            client,
-            settings.run_id,
-            max_tokens=settings.seq_len,
-            vocab_size=settings.vocab_size,
-            admission=Admission.for_run(settings) if admitted else None,
-            durability=Durability.of(settings, RunKeys(settings.run_id).replication_probe),
-            side_arrays=settings.ship_config().side_arrays,
-            rows_out_of_redis=settings.run_rows() if settings.payload_store == "dir" else None,
-        )
+    def _know_run(self, settings: RunSettings, admitted: bool) -> None:
+        """Check every call against the run's `settings` from now on."""
+        self.settings = settings
+        self.max_tokens = settings.seq_len
+        self.vocab_size = settings.vocab_size
+        self.admission = Admission.for_run(settings) if admitted else None
+        self.durability = Durability.of(settings, self.keys.replication_probe)
+        self.side_arrays = settings.ship_config().side_arrays
+        self.rows_out_of_redis = settings.run_rows() if settings.payload_store == "dir" else None
+
+    @staticmethod
+    def _run_asked(run: str | RunSettings) -> tuple[str, RunSettings | None]:
+        return (run.run_id, run) if isinstance(run, RunSettings) else (run, None)
 
     def _stored(self, keys: list[str]) -> tuple[Any, Any]:
         """The witness that a call's rollouts are stored (their payload keys), for `Durability`."""
-        payload_keys = keys[7:]
+        payload_keys = keys[FIXED_KEYS:]
         return (lambda pipe: pipe.exists(*payload_keys)), (lambda found: found[0] == len(payload_keys))
 
-    def _script_arguments(self, rollouts: Rollouts) -> tuple[list[str], list[Any]]:
+    def _script_arguments(self, rollouts: Rollouts, partial_groups: bool) -> tuple[list[str], list[Any]]:
         """Check every rollout (RolloutRejected, nothing written, if any is bad), then the
         script's keys and per-rollout arguments: arrays before records, so a record never
         points at a payload not there yet."""
-        checked = check_rollouts(rollouts, self.max_tokens, self.vocab_size, self.side_arrays)
+        run = self.settings
+        found = call_problems(rollouts, run.group_size, run.envs, partial_groups) if run is not None else {}
+        checked = check_rollouts(rollouts, self.max_tokens, self.vocab_size, self.side_arrays, found)
         keys = [
             self.keys.rollout_stream,
             self.keys.produced,
@@ -304,6 +189,7 @@ class _Producer:
             self.keys.next_step,
             self.keys.held_bytes,
             self.keys.held_bytes_total,
+            self.keys.finished,
         ]
         args: list[Any] = []
         sizes = []
@@ -332,7 +218,7 @@ class _Producer:
         kept = {name: value for name, value in arrays.items() if name not in moved}
         return kept | {PAYLOAD_FIELD: [*arrays.get(PAYLOAD_FIELD, []), *segments]}
 
-    def _gate(self, rollouts: Rollouts, known: bytes | None, next_step: bytes | None) -> _Gate:
+    def _gate(self, rollouts: Rollouts, known: bytes | None, next_step: bytes | None) -> GateView:
         """Admission's view of the run (the orchestrator's policy version and next step, both
         only ever rising, so a read that is late errs on the safe side); refuses at once what
         waiting cannot cure."""
@@ -355,9 +241,9 @@ class _Producer:
                     f"(max_off_policy_steps {self.admission.max_off_policy_steps})",
                 )
         read = next_step.decode() if next_step is not None else ""
-        return _Gate(version, step, self.admission.gate_room(version, step), read)
+        return GateView(version, step, self.admission.gate_room(version, step), read)
 
-    def _call_arguments(self, gate: _Gate | None, data: list[Any]) -> list[Any]:
+    def _call_arguments(self, gate: GateView | None, data: list[Any]) -> list[Any]:
         """The script's arguments; `data` is the call's bytes, then the per-rollout ones."""
         if gate is None or self.admission is None:
             return [self.ttl, -1, -1, "", -1, 0, *data]
@@ -370,12 +256,17 @@ class _Producer:
         """Whether `produce` waits and tries again: a refusal that passes, before the deadline."""
         return refused.passes and time.monotonic() < deadline
 
-    def _verdict(self, rollouts: Rollouts, gate: _Gate | None, reply: list[Any]) -> bool:
+    def _verdict(self, rollouts: Rollouts, gate: GateView | None, reply: list[Any]) -> bool:
         """Whether the call is done (False: a step was cut meanwhile, admission is worked out
         again); raise what the script refused: the whole call, or some of its ids."""
         verdict, backlog, *refused = reply
         if verdict == b"moved":
             return False
+        if verdict == FINISHED.encode():
+            raise AdmissionRefused(
+                FINISHED,
+                f"run {self.keys.run_id} has finished (it shipped every step): it takes no more rollouts",
+            )
         if verdict == b"backlog":
             assert self.admission is not None
             raise AdmissionRefused(
@@ -417,11 +308,29 @@ class RolloutProducer(_Producer):
 
     client: redis.Redis
 
-    def produce(self, rollouts: Rollouts, timeout: float | None = None) -> None:
-        """Write the rollouts, or raise: RolloutRejected (bad data, a duplicate id), or
-        AdmissionRefused; a refusal that passes (backlog, gate held) is waited out for up
-        to `timeout` seconds, if given."""
-        keys, data = self._script_arguments(rollouts)
+    @classmethod
+    def for_run(
+        cls, client: redis.Redis, run: str | RunSettings, admitted: bool = True, wait: float = 0.0
+    ) -> Self:
+        """A producer for run `run` (its id, or settings naming it) that checks and admits
+        each call by the run's own settings, read from Redis (the orchestrator stores them
+        at start): up to `wait` seconds are waited for a run not started yet, saying so;
+        then `RunNotStarted`. Settings given must agree with the run's (`SettingsDisagree`
+        names each difference); given settings of a run not started yet stand as given. With
+        `admitted` False the run's limits are checked but its admission is not (a workload
+        written up front)."""
+        run_id, given = cls._run_asked(run)
+        producer = cls(client, run_id)
+        producer._know_run(read_run_settings(client, run_id, given, wait), admitted)
+        return producer
+
+    def produce(self, rollouts: Rollouts, timeout: float | None = None, partial_groups: bool = False) -> None:
+        """Write the rollouts, or raise: RolloutRejected (bad data, a duplicate id, a group
+        the run would reject), or AdmissionRefused; a refusal that passes (backlog, gate
+        held, bytes) is waited out for up to `timeout` seconds, if given. A producer made
+        for a run writes whole groups, unless `partial_groups` says the rest of a group
+        comes in later calls."""
+        keys, data = self._script_arguments(rollouts, partial_groups)
         deadline = time.monotonic() + (timeout or 0.0)
 
         def write() -> None:
@@ -440,6 +349,13 @@ class RolloutProducer(_Producer):
         witness, holds = self._stored(keys)
         self.durability.replicate(self.client, write, witness, f"{len(rollouts)} rollouts", holds)
 
+    def outcome(self, rollout_ids: Iterable[str]) -> dict[str, RolloutOutcome]:
+        """What became of each rollout (transport.outcomes): shipped in a step, cut into one
+        not yet published, dropped at the cut and why, discarded or rejected and why,
+        pending, or unknown to the run."""
+        ids = list(rollout_ids)
+        return parse_outcomes(ids, self.client.eval(*_eval_args(outcome_call(self.keys, ids))))
+
     def outstanding(self) -> int:
         """Rollouts appended but not yet accounted for by the orchestrator (shipped or discarded)."""
         produced, accounted = self.client.mget(self.keys.produced, self.keys.accounted)
@@ -452,12 +368,38 @@ class RolloutProducer(_Producer):
 
 
 class AsyncRolloutProducer(_Producer):
-    """The same on `redis.asyncio`, for producers that live on an event loop."""
+    """The same on `redis.asyncio`, for producers that live on an event loop. Made for a run,
+    it reads the run's settings on its first call (or `await producer.ready()`)."""
 
     client: aioredis.Redis
+    # What `for_run` was asked (given settings, admitted, wait) until `ready` reads the run.
+    _asked: tuple[RunSettings | None, bool, float] | None = None
 
-    async def produce(self, rollouts: Rollouts, timeout: float | None = None) -> None:
-        keys, data = self._script_arguments(rollouts)
+    @classmethod
+    def for_run(
+        cls, client: aioredis.Redis, run: str | RunSettings, admitted: bool = True, wait: float = 0.0
+    ) -> Self:
+        """See `RolloutProducer.for_run`; the run's settings are read by `ready`."""
+        run_id, given = cls._run_asked(run)
+        producer = cls(client, run_id)
+        producer._asked = (given, admitted, wait)
+        return producer
+
+    async def ready(self) -> None:
+        """Read the run's settings, once (`RolloutProducer.for_run` says how)."""
+        if self._asked is not None:
+            given, admitted, wait = self._asked
+            self._know_run(
+                await read_run_settings_async(self.client, self.keys.run_id, given, wait), admitted
+            )
+            self._asked = None
+
+    async def produce(
+        self, rollouts: Rollouts, timeout: float | None = None, partial_groups: bool = False
+    ) -> None:
+        """See `RolloutProducer.produce`."""
+        await self.ready()
+        keys, data = self._script_arguments(rollouts, partial_groups)
         deadline = time.monotonic() + (timeout or 0.0)
 
         async def write() -> None:
@@ -475,3 +417,14 @@ class AsyncRolloutProducer(_Producer):
 
         witness, holds = self._stored(keys)
         await self.durability.replicate_async(self.client, write, witness, f"{len(rollouts)} rollouts", holds)
+
+    async def outcome(self, rollout_ids: Iterable[str]) -> dict[str, RolloutOutcome]:
+        """See `RolloutProducer.outcome`."""
+        ids = list(rollout_ids)
+        return parse_outcomes(ids, await self.client.eval(*_eval_args(outcome_call(self.keys, ids))))
+
+
+def _eval_args(call: tuple[str, list[str], list[str]]) -> tuple[Any, ...]:
+    """`client.eval`'s arguments for a script call: the script, how many keys, keys, args."""
+    script, keys, args = call
+    return (script, len(keys), *keys, *args)

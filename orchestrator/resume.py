@@ -46,8 +46,8 @@ def resumed(stored: str, settings: RunSettings, given: Collection[str]) -> tuple
     that differs from the run's and may not change (compared as resolved: a derived value
     of the run counts, a relative path is taken from here)."""
     kept: dict[str, Any] = json.loads(stored)
-    was = _comparable(RunSettings.model_validate({**kept, "redis_url": settings.redis_url}))
-    now = _comparable(settings)
+    was = comparable(RunSettings.model_validate({**kept, "redis_url": settings.redis_url}))
+    now = comparable(settings)
     changed = [name for name in sorted(given) if name not in NOT_STORED and now[name] != was[name]]
     refused = [name for name in changed if name not in CHANGEABLE_ON_RESUME]
     if refused:
@@ -61,7 +61,7 @@ def resumed(stored: str, settings: RunSettings, given: Collection[str]) -> tuple
     return RunSettings.model_validate(values), [f"{n} {was[n]!r} -> {now[n]!r}" for n in changed]
 
 
-def _comparable(settings: RunSettings) -> dict[str, Any]:
+def comparable(settings: RunSettings) -> dict[str, Any]:
     """Every setting's value as JSON, paths made absolute."""
     values = settings.model_dump(mode="json")
     for name in values:

@@ -73,6 +73,7 @@ class ShipConfig:
     wire: str = WIRE_559B447.name  # the trainers' MicroBatch layout (`WIRE_PROFILES`)
     payload_root: str = ""  # where side arrays by handle may be ("": anywhere)
     payload_store: Literal["redis", "dir"] = "redis"  # where per-rank payloads are retained
+    dedupe_horizon: int = 1 << 16  # rollouts whose outcome the run remembers (transport.outcomes)
 
     @property
     def output_path(self) -> Path:

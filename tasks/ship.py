@@ -40,11 +40,12 @@ from tasks.stages.finalize import (
     rollouts_to_read,
     rollouts_with_facts,
     rollouts_with_handles,
+    step_drops,
     step_verdict,
 )
 from tasks.stages.metrics import step_metrics
 from tasks.stages.pack import PackPlan, pack_samples
-from tasks.stages.prune import prune_samples, worker_drops
+from tasks.stages.prune import drop_field, prune_samples, worker_drops
 from tasks.stages.publish import build_record, running_totals
 from tasks.stages.release import trim_process_memory
 from tasks.stages.samples import choose_samples, sample_lines, write_samples
@@ -52,6 +53,7 @@ from transport.base import StepSender
 from transport.checksum import payload_checksum
 from transport.filesystem import ForeignLayout
 from transport.keys import StepValue, stage_field, stage_of_field
+from transport.outcomes import cut_into, dropped_at, record_outcomes
 from transport.payload_dir import PayloadDirectory
 from transport.payload_segments import PAYLOAD_FIELD, RunRows, digests_checksum
 from transport.port_claims import other_claimants, port_holder
@@ -86,6 +88,13 @@ def _finalized(ctx: StepContext) -> dict[str, Any]:
     result = finalize_step(manifest, payloads, handles)
     for rollout_id, reason in result.failures.items():
         log.warning("step %d: rollout %s dropped: %s", ctx.step, rollout_id, reason)
+    # What became of each cut rollout, for its producer (`RolloutProducer.outcome`).
+    drops = step_drops(result)
+    outcomes = dict.fromkeys(manifest.effective.labels["rollout_id"], cut_into(ctx.step))
+    outcomes |= {rid: dropped_at(ctx.step, reason, drop_field(reason)) for rid, reason in drops.items()}
+    pipe = ctx.client.pipeline(transaction=False)
+    record_outcomes(pipe, ctx.keys, outcomes, manifest.config.dedupe_horizon, DEFAULT_TTL_SECONDS)
+    pipe.execute()
     return {
         StepValue.FINALIZED: {"samples": result.samples.to_wire(), "failures": result.failures},
         StepValue.VERDICT: step_verdict(result).to_wire(),

@@ -249,6 +249,22 @@ class RunKeys:
         return self.run_key("alive")
 
     @property
+    def outcomes(self) -> str:
+        """What became of each recent rollout (transport.outcomes): cut into a step, dropped
+        at the cut and why, discarded or rejected; a hash, bounded by `outcome_order`."""
+        return self.run_key("outcomes")
+
+    @property
+    def outcome_order(self) -> str:
+        """The rollout ids of `outcomes`, oldest first: the oldest leave past the run's horizon."""
+        return self.run_key("outcome_order")
+
+    @property
+    def outcome_counts(self) -> str:
+        """How many rollouts had each outcome (`{kind}/{reason}`), each counted once."""
+        return self.run_key("outcome_counts")
+
+    @property
     def finished(self) -> str:
         """Set when the run shipped all its steps: its id is not reused."""
         return self.run_key("finished")

@@ -159,17 +159,24 @@ class StepVerdict:
         return cls(shipped=int(data["shipped"]), dropped={str(k): int(v) for k, v in data["dropped"].items()})
 
 
-def step_verdict(result: FinalizedStep) -> StepVerdict:
-    """What prune will keep of the finalized step: a sample with no trainable token is
-    dropped there, so it counts as dropped here."""
+def step_drops(result: FinalizedStep) -> dict[str, str]:
+    """Every cut rollout the workers will not ship, with its reason: those finalize refused,
+    and those prune will drop (a sample with no trainable token)."""
     trainable = result.samples.numeric["trainable_tokens"] > 0
     pruned = [
         rid for rid, keep in zip(result.samples.labels["rollout_id"], trainable, strict=True) if not keep
     ]
+    return worker_drops(result.failures, pruned)
+
+
+def step_verdict(result: FinalizedStep) -> StepVerdict:
+    """What prune will keep of the finalized step: the dropped rollouts counted by field."""
+    drops = step_drops(result)
     dropped: dict[str, int] = {}
-    for reason in worker_drops(result.failures, pruned).values():
+    for reason in drops.values():
         dropped[drop_field(reason)] = dropped.get(drop_field(reason), 0) + 1
-    return StepVerdict(shipped=int(trainable.sum()), dropped=dropped)
+    shipped = int(np.count_nonzero(result.samples.numeric["trainable_tokens"] > 0))
+    return StepVerdict(shipped=shipped, dropped=dropped)
 
 
 def check_rollout_arrays(

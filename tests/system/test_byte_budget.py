@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orchestrator.producer import Admission, AdmissionRefused, RolloutProducer
+from orchestrator.admission import Admission, AdmissionRefused
+from orchestrator.producer import RolloutProducer
 from tests.support.factories import group
 from transport.keys import RunKeys
 from transport.payload_segments import write_segment_file

@@ -32,9 +32,9 @@ import numpy as np
 import pytest
 
 from orchestrator.accounting import outcome_row
+from orchestrator.admission import Admission
 from orchestrator.groups import TRAINABLE, Outcome, decide_group
 from orchestrator.ingest import Ingest
-from orchestrator.producer import Admission
 from orchestrator.records import RolloutRecord
 from orchestrator.rollout_log import RolloutLog
 from orchestrator.settings import RunSettings

@@ -127,7 +127,7 @@ def test_accounting_by_hand() -> None:
     accounting.discard("zero_advantage", 4)
     accounting.discard("stale")
     accounting.discard("stale", 2)
-    accounting.empty_cut(2)  # two of the six cut came back from a step the workers emptied
+    accounting.empty_cut(2, {"input_ids": 2})  # two of the six cut came back from a step the workers emptied
     assert accounting.accounted == 3 + 9 + 4
     snapshot = accounting.snapshot(pending=3, in_open_groups=1)
     assert snapshot == {
@@ -136,7 +136,7 @@ def test_accounting_by_hand() -> None:
         "accounting/discarded": 9.0, "ingest/rejected/duplicate_rollout": 2.0,
         "ingest/rejected/group_overflow": 1.0, "accounting/discarded/zero_advantage": 4.0,
         "accounting/discarded/stale": 3.0, "accounting/discarded/empty_step": 2.0,
-        "empty_step/total": 1.0, "empty_step/consecutive": 1.0,
+        "empty_step/total": 1.0, "empty_step/consecutive": 1.0, "empty_step/dropped/input_ids": 2.0,
     }  # fmt: skip
     assert all(type(v) is float for v in snapshot.values())
     assert accounting.snapshot(0, 0)["off_policy/stale_dropped"] == 0.0, "a new window for stale drops"
@@ -146,6 +146,6 @@ def test_accounting_by_hand() -> None:
     assert accounting.to_wire() == {
         "arrived": 20, "cut": 4, "rejected": {"duplicate_rollout": 2, "group_overflow": 1},
         "discarded": {"zero_advantage": 4, "stale": 4, "empty_step": 2}, "stale_in_window": 1,
-        "empty_steps": 1, "empty_in_a_row": 1,
+        "empty_steps": 1, "empty_in_a_row": 1, "empty_dropped": {"input_ids": 2},
     }  # fmt: skip
     assert isinstance(again.rejected, Counter) and isinstance(again.discarded, Counter)
