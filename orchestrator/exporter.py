@@ -18,6 +18,7 @@ from orchestrator.run_info import RunInfo
 from orchestrator.status_reader import STAGES, StatusReader, in_flight
 from transport.connection import connect_redis
 from transport.keys import RunKeys
+from transport.outcomes import outcome_counts
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -60,6 +61,7 @@ class RunCollector(Collector):
             published = int(self.client.hlen(self.keys.published))
             payload_bytes = self.payload_bytes()
             held_bytes = int(self.client.get(self.keys.held_bytes_total) or 0)
+            outcomes = outcome_counts(self.client, self.keys)
         status, run = snapshot.status, [self.info.run_id]
         start = self.info.start_step
         values: list[tuple[type[Metric], str, str, float]] = [
@@ -97,10 +99,28 @@ class RunCollector(Collector):
         for stage in STAGES:
             tasks.add_metric([*run, stage], counts[stage])
         yield tasks
+        yield from self._outcome_counters(outcomes, run)
         queued = self._metric(GaugeMetricFamily, "rlship_queue_depth", "messages in a Celery queue", "queue")
         for queue, length in snapshot.queued.items():
             queued.add_metric([*run, queue], length)
         yield queued
+
+
+    def _outcome_counters(self, counts: dict[str, int], run: list[str]) -> Iterator[Metric]:
+        """Rollouts that did not ship, by what became of them and why (transport.outcomes):
+        dropped by the workers at the cut (by offending field), discarded by the orchestrator
+        (by reason), rejected at ingest (by reason); each rollout counted once."""
+        texts = {
+            "dropped": "cut rollouts the workers dropped, by offending field or prune rule",
+            "discarded": "rollouts discarded before a cut (zero_advantage, error, cancelled, stale, ...)",
+            "rejected": "rollout records rejected at ingest, by reason",
+        }
+        for kind, text in texts.items():
+            metric = self._metric(CounterMetricFamily, f"rlship_rollouts_{kind}", text, "reason")
+            for name, count in sorted(counts.items()):
+                if name.startswith(f"{kind}/"):
+                    metric.add_metric([*run, name.removeprefix(f"{kind}/")], count)
+            yield metric
 
 
 def serve_metrics(settings: RunSettings, follower: RecordFollower, probe: LagProbe) -> WSGIServer:

@@ -57,7 +57,8 @@ def check_rollouts(
         }
         problem = check_rollout_arrays(arrays, record.num_tokens, max_tokens, vocab_size, side_arrays)
         if problem is not None:
-            problems.setdefault(record.rollout_id, problem)
+            found = problems.get(record.rollout_id)
+            problems[record.rollout_id] = problem if found is None else f"{problem}; {found}"
         checked.append(arrays)
     if problems:
         raise RolloutRejected(problems)

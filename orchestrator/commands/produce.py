@@ -19,9 +19,10 @@ from typing import Any
 
 import numpy as np
 
+from orchestrator.admission import FINISHED, AdmissionRefused
 from orchestrator.commands.checks import preflight_client
 from orchestrator.logs import configure_logging
-from orchestrator.producer import AdmissionRefused, RolloutProducer, RolloutRejected
+from orchestrator.producer import RolloutProducer, RolloutRejected
 from orchestrator.records import RolloutRecord
 from orchestrator.settings import RunSettings
 from orchestrator.settings_resolution import add_settings_arguments, settings_from_args
@@ -184,6 +185,9 @@ def run_producer(
                         log.warning("producer waits: %s", exc)
                         reported = time.monotonic()
                     continue
+                if exc.reason == FINISHED:
+                    log.info("run %s has finished; the producer stops", settings.run_id)
+                    return written
                 log.warning("%s; group skipped", exc)
             except RolloutRejected as exc:
                 log.warning("%s", exc)

@@ -223,6 +223,8 @@ def check_rollout_arrays(
     if arrays["loss_mask"].dtype.kind != "b":
         return f"loss_mask: dtype {arrays['loss_mask'].dtype}, expected bool"
     for name in FLOAT_ARRAYS:
+        if name in arrays and arrays[name].dtype.kind != "f":
+            return f"{name}: dtype {arrays[name].dtype}, expected floats (float16, float32 or float64)"
         if name in arrays and not np.isfinite(arrays[name]).all():
             bad = arrays[name][~np.isfinite(arrays[name])][0]
             return f"{name}: non-finite value {bad}"

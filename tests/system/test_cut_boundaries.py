@@ -254,9 +254,9 @@ def _run_state(client: redis.Redis, run_id: str, *, backlog: int, version: int, 
     client.set(keys.next_step, next_step)
 
 
-def _outcome(producer: RolloutProducer, rollouts) -> str:
+def _outcome(producer: RolloutProducer, rollouts, partial_groups: bool = False) -> str:
     try:
-        producer.produce(rollouts)
+        producer.produce(rollouts, partial_groups=partial_groups)
     except AdmissionRefused as refused:
         return refused.reason
     return "written"
@@ -377,6 +377,7 @@ def test_a_call_holds_at_most_the_largest_call(client, redis_url, boundary_run, 
     )
     producer = RolloutProducer.for_run(client, settings)
     _run_state(client, boundary_run, backlog=0, version=100, next_step=0)
-    rollouts = [rollout(f"c-r{i}", "c", float(i % 2)) for i in range(size)]
-    assert _outcome(producer, rollouts) == outcome
+    # Groups of two; an odd call leaves its last group to a later call.
+    rollouts = [rollout(f"c-r{i}", f"c{i // 2}", float(i % 2)) for i in range(size)]
+    assert _outcome(producer, rollouts, partial_groups=True) == outcome
     assert _written(client, boundary_run) == ((size, size) if outcome == "written" else (0, 0))
