@@ -178,7 +178,10 @@ def test_gate_held_stale_and_too_large_are_named(client, redis_url, run_id):
         producer.produce(group("e", [1.0, 0.0, 1.0, 0.0], policy_version=1), timeout=30)
     assert stale.value.reason == "would_be_stale"
     with pytest.raises(AdmissionRefused, match=r"too_large.*9 rollouts.*at most 8") as large:
-        producer.produce(group("f", [1.0, 0.0] * 4 + [1.0], policy_version=4), timeout=30)
+        groups = [
+            group(f"f{i}", [1.0, 0.0, 1.0, 0.0][: 4 if i < 2 else 1], policy_version=4) for i in range(3)
+        ]
+        producer.produce([r for g in groups for r in g], timeout=30, partial_groups=True)
     assert large.value.reason == "too_large"
     assert client.xlen(keys.rollout_stream) == 16
     PayloadStore(client, run_id).delete_all_rollouts()

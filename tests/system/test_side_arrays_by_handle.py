@@ -448,7 +448,9 @@ def test_moe_on_the_559b447_wire_is_refused_at_start_up_leaving_nothing(client, 
 def test_a_producer_refuses_handles_into_a_559b447_run_and_writes_nothing(
     api, client, redis_url, run_id, tmp_path
 ):
-    settings = RunSettings(run_id=run_id, redis_url=redis_url, output_dir=tmp_path, wire="prime-rl-559b447")
+    settings = RunSettings(
+        run_id=run_id, redis_url=redis_url, output_dir=tmp_path, wire="prime-rl-559b447", group_size=2
+    )
     (plain, plain_arrays), (record, arrays) = group("g0", [1.0, 0.0])
     path = rollout_rows_path(settings.payload_root, run_id, record.rollout_id)
     path.parent.mkdir(parents=True)
