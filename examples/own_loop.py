@@ -168,7 +168,7 @@ def start_rlship(settings: RunSettings, log_dir: Path) -> list[subprocess.Popen]
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--receivers", choices=("prime", "stock"), default="prime")

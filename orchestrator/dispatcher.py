@@ -81,6 +81,8 @@ class Dispatcher:
         # The newest cut step whose verdict (tasks.stages.finalize.StepVerdict) is not read yet.
         self.unsettled: int | None = None
         self.cut_rollouts: dict[int, list[str]] = {}  # until shipped, for the rollout log
+        # The policy wait of a cut taken back, which the next cut of its number reports.
+        self.taken_back_wait = 0.0
 
     async def resume(self) -> None:
         """Continue after the last cut of a previous orchestrator of the run."""
@@ -130,8 +132,8 @@ class Dispatcher:
                 await self.work.wait()
                 continue
             step = self.next_step
-            await self.gate.wait(step)
-            if not self.stopping.is_set() and await self.cut(step) is not None:
+            waited = await self.gate.wait(step)
+            if not self.stopping.is_set() and await self.cut(step, waited) is not None:
                 self.next_step = step + 1
                 self.unsettled = step
 
@@ -173,8 +175,9 @@ class Dispatcher:
                 )
             )
 
-    async def cut(self, step: int) -> StepManifest | None:
-        """Write step `step`'s manifest and enqueue its first task; None if nothing trainable."""
+    async def cut(self, step: int, policy_wait: float = 0.0) -> StepManifest | None:
+        """Write step `step`'s manifest and enqueue its first task; None if nothing trainable.
+        `policy_wait`: the seconds the gate held this step, for its record."""
         ingest = self.ingest
         stale_ids = ingest.drop_stale(step)
         if stale_ids:
@@ -201,7 +204,9 @@ class Dispatcher:
                 window=ingest.take_window(),
                 counters=ingest.accounting.snapshot(len(ingest.pending), len(ingest.groups)),
                 loop_lag_ms=self.probe.take_window(),
+                policy_wait=policy_wait + self.taken_back_wait,
             )
+            self.taken_back_wait = 0.0
             write = functools.partial(
                 self._write_cut,
                 manifest,
@@ -246,14 +251,15 @@ class Dispatcher:
 
     async def _take_back(self, step: int, dropped: dict[str, int]) -> int:
         """Undo the cut of an empty step: its rollouts are discarded (`empty_step`), its keys
-        deleted, its window of `all` statistics and event-loop lag go to the next cut, and
-        the step number is cut again; its drops by field are counted in the run's record
-        (`empty_step/dropped/{field}`). The manifest is read back from Redis, so a restarted
+        deleted, its window of `all` statistics, event-loop lag and policy wait go to the
+        next cut, and the step number is cut again; its drops by field are counted in the
+        run's record (`empty_step/dropped/{field}`). The manifest is read back from Redis, so a restarted
         orchestrator takes back a cut of its predecessor the same way. Returns the empty
         cuts in a row, this one included."""
         manifest = StepManifest.from_bytes(await self._read_manifest(step))
         in_a_row = self.ingest.put_back(manifest, dropped)
         self.probe.put_back(manifest.loop_lag_ms)
+        self.taken_back_wait += manifest.policy_wait
         # The rollout log knows the rollouts this process cut (not a predecessor's).
         self.rollout_log.dropped_at_cut(self.cut_rollouts.pop(step, []), step, EMPTY_STEP)
         self.next_step = step

@@ -38,8 +38,8 @@ class PolicyGate:
 
     async def wait(self, step: int) -> float:
         """Hold step `step` until the trainers' policy version (from the run's policy source)
-        reaches `required_version`; add the time waited to the run's policy-wait total (the
-        finalizer consumes it). While held, say every few seconds what it waits for."""
+        reaches `required_version`; return the seconds it waited, which the step's manifest
+        carries to its record. While held, say every few seconds what it waits for."""
         needed = required_version(step, self.settings.first_step, self.settings.max_async_level)
         if self.policy.version >= needed:
             return 0.0
@@ -57,9 +57,7 @@ class PolicyGate:
         if reported:
             await self.client.hdel(self.keys.status, "stalled_ranks", "policy_gate")
             log.warning("step %d: the policy gate opened after %.1f s", step, time.perf_counter() - started)
-        waited = time.perf_counter() - started
-        await self.client.incrbyfloat(self.keys.policy_wait, waited)
-        return waited
+        return time.perf_counter() - started
 
     async def _report_wait(self, step: int, needed: int, seconds: float) -> None:
         """Name the source and version the gate waits for and, with rlship's trainers, the

@@ -8,11 +8,15 @@ resume whose `steps` would end the run at or before the steps already shipped.""
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from orchestrator.settings import RunSettings
+from transport.keys import RunKeys
 
 CHANGEABLE_ON_RESUME = frozenset(
     {
@@ -40,9 +44,39 @@ def stored_form(settings: RunSettings) -> str:
     )
 
 
-def resumed(stored: str, settings: RunSettings, given: Collection[str]) -> tuple[RunSettings, list[str]]:
+@dataclass(frozen=True)
+class StoredRun:
+    """A run as Redis holds it, for the commands that name it (`run`, `config show`, `doctor`)."""
+
+    settings: str  # `stored_form`
+    finished: bool
+    running: bool  # an orchestrator of it holds its lease
+    shipped: int
+
+    @classmethod
+    def read(cls, client: redis.Redis, run_id: str) -> StoredRun | None:
+        """The run, or None when Redis holds no settings of it (no orchestrator of it started)."""
+        keys = RunKeys(run_id)
+        pipe = client.pipeline(transaction=False)
+        pipe.get(keys.settings).exists(keys.finished).exists(keys.orchestrator_lease).hlen(keys.published)
+        stored, finished, running, shipped = pipe.execute()
+        return None if stored is None else cls(stored.decode(), bool(finished), bool(running), int(shipped))
+
+    def state(self) -> str:
+        """Where it stands, in a few words."""
+        state = "finished" if self.finished else "running" if self.running else "stopped"
+        return f"{state}, {self.shipped} of {json.loads(self.settings)['steps']} steps shipped"
+
+
+def given_again(sources: Mapping[str, str]) -> set[str]:
+    """The settings a command was given (by any source but the default), the run id aside:
+    what `resumed` applies on top of the run's own."""
+    return {name for name, source in sources.items() if source != "default"} - {"run_id"}
+
+
+def resumed(stored: str, settings: RunSettings, given: Collection[str]) -> tuple[RunSettings, dict[str, str]]:
     """The run's stored settings with the `given` ones (set again for this start) applied,
-    and the changes as `name old -> new`. Raises ResumeRefused naming every given setting
+    and the changes, by name, as `old -> new`. Raises ResumeRefused naming every given setting
     that differs from the run's and may not change (compared as resolved: a derived value
     of the run counts, a relative path is taken from here)."""
     kept: dict[str, Any] = json.loads(stored)
@@ -58,7 +92,7 @@ def resumed(stored: str, settings: RunSettings, given: Collection[str]) -> tuple
         )
     given_values = settings.model_dump(mode="json", include=set(changed))
     values = {**kept, **given_values, "redis_url": settings.redis_url}
-    return RunSettings.model_validate(values), [f"{n} {was[n]!r} -> {now[n]!r}" for n in changed]
+    return RunSettings.model_validate(values), {n: f"{was[n]!r} -> {now[n]!r}" for n in changed}
 
 
 def comparable(settings: RunSettings) -> dict[str, Any]:

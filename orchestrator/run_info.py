@@ -36,6 +36,14 @@ class RunInfo(BaseModel):
         directory.mkdir(parents=True, exist_ok=True)
         (directory / RUN_INFO_FILE).write_text(self.model_dump_json(indent=1))
 
+    @classmethod
+    def of_directory(cls, directory: Path) -> RunInfo | None:
+        """The run whose output directory this is (its `run.json`), or None if it is not one."""
+        try:
+            return cls.model_validate_json((directory / RUN_INFO_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+
     @property
     def queues(self) -> list[str]:
         return [self.cpu_queue, self.ship_queue]

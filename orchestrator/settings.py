@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import json
+from collections.abc import Collection
 from dataclasses import fields
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -14,7 +15,8 @@ from urllib.parse import urlsplit
 from pydantic import AliasChoices, BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from tasks.app import DEFAULT_REDIS_URL
+from tasks.app import DEFAULT_REDIS_URL, VISIBILITY_TIMEOUT_ENV
+from tasks.faults import FAULTS_ENV
 from tasks.logs import mask_secrets
 from tasks.manifest import ShipConfig
 from transport.connection import SENTINEL_SCHEME, RedisAddress
@@ -24,6 +26,11 @@ from transport.payload_segments import RunRows
 from transport.schema import default_wire
 
 CONFIG_ENV = "RLSHIP_CONFIG"
+# `RLSHIP_*` variables that are no setting but are read: by the workers (faults, the broker's
+# visibility timeout), by .ci/run (its venv) and by the tests (the browser the Flower test drives).
+OTHER_VARIABLES = frozenset(
+    {CONFIG_ENV, FAULTS_ENV, VISIBILITY_TIMEOUT_ENV, "RLSHIP_CI_VENV", "RLSHIP_CHROMIUM"}
+)
 REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel")
 # Settings whose values may hold credentials: shown and reported only through `mask_secrets`.
 SECRET_SETTINGS = frozenset({"redis_url"})
@@ -385,6 +392,20 @@ def queue_label(queue: str) -> str:
 def env_name(name: str) -> str:
     """The environment variable a setting is read from."""
     return "REDIS_URL" if name == "redis_url" else f"RLSHIP_{name.upper()}"
+
+
+def unknown_variables(environment: Collection[str]) -> list[str]:
+    """A line for each `RLSHIP_*` variable in `environment` that nothing reads (a typo:
+    `RLSHIP_STEP` for `RLSHIP_STEPS` would otherwise be ignored without a word), naming the
+    closest setting's variable."""
+    variables = [env_name(name) for name in RunSettings.model_fields]
+    lines = []
+    for variable in sorted(key.upper() for key in environment):
+        if variable.startswith("RLSHIP_") and variable not in variables and variable not in OTHER_VARIABLES:
+            close = difflib.get_close_matches(variable, variables, n=1)
+            hint = f"did you mean {close[0]}?" if close else "`rlship config table` lists the settings"
+            lines.append(f"{variable} is no setting's variable and is ignored ({hint})")
+    return lines
 
 
 def shown_value(name: str, value: Any) -> Any:

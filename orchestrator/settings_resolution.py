@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import sys
 import time
 import tomllib
 from collections.abc import Collection, Mapping
@@ -17,7 +18,7 @@ from typing import Any, Literal, get_args, get_origin
 
 from pydantic import ValidationError
 
-from orchestrator.settings import CONFIG_ENV, RunSettings, env_name, shown_value
+from orchestrator.settings import CONFIG_ENV, RunSettings, env_name, shown_value, unknown_variables
 from tasks.logs import mask_secrets
 
 
@@ -101,6 +102,8 @@ class ResolvedSettings:
 
 def resolve_settings(args: argparse.Namespace) -> ResolvedSettings:
     """Environment, then the TOML file, then flags; exits with a message naming the bad setting."""
+    for line in unknown_variables(os.environ):
+        print(f"rlship: warning: {line}", file=sys.stderr)
     flags = {n: v for n in RunSettings.model_fields if (v := getattr(args, n, None)) is not None}
     config = getattr(args, "config", None) or os.environ.get(CONFIG_ENV) or None
     from_file = read_config_file(Path(config)) if config else {}

@@ -18,13 +18,14 @@ from transport.connection import celery_redis_options
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 CPU_QUEUE = "cpu"
 SHIP_QUEUE = "ship"
+VISIBILITY_TIMEOUT_ENV = "RLSHIP_VISIBILITY_TIMEOUT"
 
 
 def visibility_timeout() -> int:
     """Seconds before an unacknowledged task is delivered again. Every stage task is short
     (long waits are retries, not sleeps), so a few minutes bounds the recovery delay of a
     killed worker without re-running live tasks."""
-    return int(os.environ.get("RLSHIP_VISIBILITY_TIMEOUT", "300"))
+    return int(os.environ.get(VISIBILITY_TIMEOUT_ENV, "300"))
 
 
 _environment_url = os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)

@@ -18,10 +18,12 @@ import redis
 
 from transport.keys import RunKeys
 
+FAULTS_ENV = "RLSHIP_FAULTS"
+
 
 @functools.cache
 def enabled() -> bool:
-    return os.environ.get("RLSHIP_FAULTS") == "1"
+    return os.environ.get(FAULTS_ENV) == "1"
 
 
 def fault_field(stage: str, step: int, rank: int | None = None) -> str:

@@ -104,7 +104,9 @@ class StepManifest:
     whose payload is unusable); `window` holds every rollout finalized since the previous
     cut, whatever became of it, for the `all` statistics. `counters` carries the
     orchestrator's accounting and progress totals; `loop_lag_ms` the event-loop lag
-    observations since the previous cut.
+    observations since the previous cut; `policy_wait` the seconds the policy gate held
+    this step before its cut (the record's `time/wait_for_policy`: the step's own wait,
+    whichever step is published meanwhile).
     """
 
     run_id: str
@@ -116,6 +118,7 @@ class StepManifest:
     window: Cohort
     counters: dict[str, float] = field(default_factory=dict)
     loop_lag_ms: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    policy_wait: float = 0.0
 
     @property
     def keys(self) -> RunKeys:
@@ -133,6 +136,7 @@ class StepManifest:
                 "window": self.window.to_wire(),
                 "counters": self.counters,
                 "loop_lag_ms": np.asarray(self.loop_lag_ms, dtype=np.float64).tobytes(),
+                "policy_wait": self.policy_wait,
             }
         )
 
@@ -149,4 +153,5 @@ class StepManifest:
             window=Cohort.from_wire(raw["window"]),
             counters=raw["counters"],
             loop_lag_ms=np.frombuffer(raw["loop_lag_ms"], dtype=np.float64),
+            policy_wait=raw["policy_wait"],
         )

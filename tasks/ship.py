@@ -446,16 +446,16 @@ def _write_record(ctx: StepContext) -> None:
     with ctx.client.pipeline(transaction=True) as pipe:
         while True:
             try:
-                pipe.watch(keys.published, keys.policy_wait, keys.totals)
+                pipe.watch(keys.published, keys.totals)
                 if pipe.hexists(keys.published, step):  # a concurrent copy won the race
                     pipe.unwatch()
                     ctx.skip_redundant("publish", "published")
                     return
-                waited = float(pipe.get(keys.policy_wait) or 0.0)
                 previous = {k.decode(): float(v) for k, v in pipe.hgetall(keys.totals).items()}
                 totals = running_totals(previous, step_record)
+                ship_seconds = time.time() - manifest.cut_time
                 record = build_record(
-                    step, step_record, stage_seconds, time.time() - manifest.cut_time, waited, totals
+                    step, step_record, stage_seconds, ship_seconds, manifest.policy_wait, totals
                 )
                 pipe.multi()
                 pipe.xadd(
@@ -465,7 +465,6 @@ def _write_record(ctx: StepContext) -> None:
                     approximate=True,
                 )
                 pipe.hset(keys.published, step, time.time())
-                pipe.incrbyfloat(keys.policy_wait, -waited)
                 pipe.hset(keys.totals, mapping=totals)
                 pipe.execute()
                 ctx.crash_if_armed("publish")

@@ -269,11 +269,6 @@ class RunKeys:
         """Set when the run shipped all its steps: its id is not reused."""
         return self.run_key("finished")
 
-    @property
-    def policy_wait(self) -> str:
-        """Policy-gate seconds not yet reported in a record."""
-        return self.run_key("policy_wait_seconds")
-
     # The tasks' bookkeeping.
 
     @property

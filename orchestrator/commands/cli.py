@@ -5,12 +5,14 @@ parses its arguments and turns what no command foresaw into one line (secrets ma
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib.metadata
 import os
 import re
 import sys
 import traceback
 from collections.abc import Callable
+from typing import Any, NoReturn
 
 import redis
 from pydantic import ValidationError
@@ -28,10 +30,10 @@ COMMANDS: dict[str, str] = {
     "produce": "the synthetic rollout producer",
     "bench encode": "encoder/decoder memory and speed, against msgpack and msgspec",
     "bench loop": "event-loop lag while shipping: stages inline, in threads, in Celery workers",
-    "config show": "the effective settings (environment < --config TOML < flags), secrets masked",
+    "config show": "the effective settings (environment < --config TOML < flags), or a run's stored ones",
     "config table": "every setting (flag, variable, default, description) as a Markdown table",
     "chaos": "a seeded run while its workers and orchestrator are killed, against a fault-free one",
-    "status": "a run's live status from another terminal; without RUN_ID, the runs Redis holds",
+    "status": "a run's status from another terminal (--follow: live); without RUN_ID, the runs Redis holds",
     "doctor": "what a run needs (Redis, password, eviction, ports, output dir, workers): one line each",
     "report": "report.html and PNG charts of a run from its metrics.jsonl",
 }
@@ -122,8 +124,24 @@ def extras_installing(package: str) -> list[str]:
     return sorted(extras, key=lambda extra: extra == "test")
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser. No abbreviations (`allow_abbrev=False`): `--step 1` is refused,
+    not taken as `--steps 1`, and a flag added later cannot change what a prefix meant. A
+    wrong argument ends in one line naming it (and the closest option), not the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        given = re.match(r"unrecognized arguments: (-[^\s=]+)", message)
+        close = difflib.get_close_matches(given[1], self._option_string_actions, n=1) if given else []
+        hint = f" (did you mean {close[0]}?)" if close else f" (`{self.prog} --help` lists the options)"
+        self.exit(2, f"{self.prog}: {message}{hint}\n")
+
+
+def command_parser(name: str, **options: Any) -> argparse.ArgumentParser:
+    return CommandParser(prog=f"rlship {name}", description=COMMANDS[name], allow_abbrev=False, **options)
+
+
 def run_command(name: str, argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog=f"rlship {name}", description=COMMANDS[name])
+    parser = command_parser(name)
     try:
         add_arguments, command_main = load_command(name)
     except ModuleNotFoundError as exc:

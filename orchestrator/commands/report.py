@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orchestrator.run_info import RUN_INFO_FILE
+from orchestrator.run_info import RunInfo
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -258,10 +258,8 @@ img {{ max-width: 100%; border: 1px solid #ddd; }}
 
 def run_title(run_dir: Path) -> str:
     """The run's id, from the `run.json` its orchestrator writes; else the directory's name."""
-    try:
-        return str(json.loads((run_dir / RUN_INFO_FILE).read_text())["run_id"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return run_dir.resolve().name
+    info = RunInfo.of_directory(run_dir)
+    return run_dir.resolve().name if info is None else info.run_id
 
 
 def write_report(run_dir: Path) -> Path:

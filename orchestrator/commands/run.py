@@ -32,7 +32,7 @@ from orchestrator.commands.processes import (
 )
 from orchestrator.commands.progress import REFRESH_SECONDS, ProgressDisplay
 from orchestrator.logs import configure_logging
-from orchestrator.resume import ResumeRefused, check_steps_left, resumed
+from orchestrator.resume import ResumeRefused, StoredRun, check_steps_left, given_again, resumed
 from orchestrator.settings import RunSettings, run_queue, settings_to_env
 from orchestrator.settings_resolution import (
     RUN_DEFAULTS,
@@ -333,30 +333,26 @@ def resume_with_run_settings(settings: RunSettings, sources: Mapping[str, str]) 
     preflight checks, a running one here."""
     if sources["run_id"] == "default":
         return settings
-    keys = RunKeys(settings.run_id)
     try:
         client = connect_redis(
             settings.redis_url, ride_out_outages=False, socket_connect_timeout=2, socket_timeout=5
         )
-        pipe = client.pipeline(transaction=False)
-        pipe.get(keys.settings).exists(keys.finished).hlen(keys.published).exists(keys.orchestrator_lease)
-        stored, finished, shipped, running = pipe.execute()
+        run = StoredRun.read(client, settings.run_id)
     except (redis.RedisError, OSError):
         return settings
-    if stored is None or finished:
+    if run is None or run.finished:
         return settings
-    if running:
+    if run.running:
         raise ResumeRefused(
             f"run {settings.run_id} is running now (its orchestrator holds the lease): stop it before "
             "resuming it, or choose another --run-id"
         )
-    given = {name for name, source in sources.items() if source != "default"} - {"run_id"}
-    settings, changes = resumed(stored.decode(), settings, given)
-    check_steps_left(settings, shipped)
-    changed = f"; given again: {', '.join(changes)}" if changes else ""
+    settings, changes = resumed(run.settings, settings, given_again(sources))
+    check_steps_left(settings, run.shipped)
+    changed = ", ".join(f"{name} {change}" for name, change in changes.items())
     print(
-        f"rlship run {settings.run_id}: resuming with the run's settings, {shipped} of "
-        f"{steps(settings.steps)} shipped{changed}"
+        f"rlship run {settings.run_id}: resuming with the run's settings, {run.shipped} of "
+        f"{steps(settings.steps)} shipped" + (f"; given again: {changed}" if changed else "")
     )
     return settings
 

@@ -1,5 +1,7 @@
-"""`rlship status [RUN_ID]`: a run followed from another terminal, with the display `rlship
-run` draws (orchestrator.commands.progress); without a run id, the runs Redis holds and their state.
+"""`rlship status [RUN_ID]`: a run seen from another terminal, with the display `rlship run`
+draws (orchestrator.commands.progress): one frame, or with `--follow` live, as `docker logs
+-f` and `kubectl logs -f` follow; without a run id, the runs Redis holds and their state.
+RUN_ID may be the run's output directory (a path: its `run.json` names the run).
 
 A run is `running` while an orchestrator holds its lease (renewed every second, gone
 within `LEASE_SECONDS` of its death), `finished` once it shipped every step, `stopped`
@@ -10,13 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import redis
 
 from orchestrator.commands.checks import probe_redis, require
+from orchestrator.commands.named_run import run_of_directory
 from orchestrator.commands.progress import REFRESH_SECONDS, ProgressDisplay
 from orchestrator.redis_topology import read_topology
 from orchestrator.run_info import RunInfo
@@ -83,9 +88,9 @@ def list_runs(client: redis.Redis) -> list[RunRow]:
     return sorted(rows, key=lambda row: row.started_at)
 
 
-def follow(client: redis.Redis, row: RunRow, info: RunInfo, once: bool) -> None:
-    """The run's live status (records as they are published), until it is no longer
-    running or Ctrl-C; with `once`, one frame."""
+def show(client: redis.Redis, row: RunRow, info: RunInfo, follow: bool) -> None:
+    """The run's status, one frame; with `follow`, live (records as they are published)
+    until it is no longer running or Ctrl-C."""
     reader = StatusReader(client, info.run_id, info.queues, info.ranks)
     # The run's time so far; an ended run's, up to its orchestrator's last status.
     until = time.time() if row.state == RUNNING or row.updated_at is None else row.updated_at
@@ -96,7 +101,7 @@ def follow(client: redis.Redis, row: RunRow, info: RunInfo, once: bool) -> None:
         status=True, elapsed=ended
     )  # where the run stands, at once; an ended run's time as its summary said
     followed = False
-    while not once and (current := run_row(client, info.run_id)) is not None and current.state == RUNNING:
+    while follow and (current := run_row(client, info.run_id)) is not None and current.state == RUNNING:
         time.sleep(REFRESH_SECONDS)
         display.update()
         followed = True
@@ -106,9 +111,10 @@ def follow(client: redis.Redis, row: RunRow, info: RunInfo, once: bool) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", nargs="?", default=None, metavar="RUN_ID",
-                        help="the run to follow; without it, the list of runs")  # fmt: skip
+                        help="the run to show, or its output directory; without it, the runs")  # fmt: skip
     parser.add_argument("--list", action="store_true", help="list the runs Redis holds (the default)")
-    parser.add_argument("--once", action="store_true", help="print the run's status once and exit")
+    follow = "follow the run, live, until it is no longer running (Ctrl-C leaves it)"
+    parser.add_argument("-f", "--follow", action="store_true", help=follow)
     parser.add_argument("--json", action="store_true", help="the list as JSON")
     add_settings_arguments(parser, only={"redis_url"})  # all it reads: the runs are in Redis
 
@@ -130,12 +136,13 @@ def main(args: argparse.Namespace) -> int:
             now = time.time()
             print("\n".join([HEADER, *(row.line(now) for row in rows)]))
         return 0
-    row = run_row(client, args.run)
-    info = RunInfo.read(client, args.run)
+    run_id = run_of_directory("status", Path(args.run)).run_id if os.sep in args.run else args.run
+    row = run_row(client, run_id)
+    info = RunInfo.read(client, run_id)
     if row is None or info is None:
         missing = "no run" if row is None else "no orchestrator's description of run"
         print(
-            f"rlship status: {where} holds {missing} {args.run!r} (`rlship status` lists the runs)",
+            f"rlship status: {where} holds {missing} {run_id!r} (`rlship status` lists the runs)",
             file=sys.stderr,
         )
         return 2
@@ -145,7 +152,7 @@ def main(args: argparse.Namespace) -> int:
     print(HEADER)
     print(row.line(time.time()))
     try:
-        follow(client, row, info, args.once)
+        show(client, row, info, args.follow)
     except KeyboardInterrupt:
         return 130
     return 0

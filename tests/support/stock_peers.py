@@ -299,7 +299,7 @@ def await_every_step(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("transport", choices=("zmq", "fs"))
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--record", required=True, help="JSON lines: one per received step")

@@ -196,7 +196,7 @@ def test_the_report_without_matplotlib_names_the_install_from_a_checkout(tmp_pat
 
 def test_status_help_lists_only_what_status_reads() -> None:
     shown = rlship("status", "--help").stdout
-    assert "--redis-url" in shown and "--once" in shown
+    assert "--redis-url" in shown and "--follow" in shown
     assert "--batch-size" not in shown and "--zmq-port" not in shown, "not the ~40 run settings"
 
 

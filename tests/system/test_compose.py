@@ -10,7 +10,6 @@ checks, and `honcho start` runs it for real."""
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import re
@@ -30,7 +29,7 @@ from celery.app.control import Inspect
 from celery.bin.celery import celery as celery_cli
 from flower.options import options as flower_options
 
-from orchestrator.commands.cli import COMMANDS, load_command
+from orchestrator.commands.cli import COMMANDS, command_parser, load_command
 from orchestrator.settings import CONFIG_ENV, RunSettings, env_name
 from tests.support.compose import InterpolationError, compose, compose_interpolate, container_argv, procfile
 from tests.support.processes import REPO, session_queue
@@ -83,7 +82,7 @@ def check_rlship(argv: list[str]) -> None:
     assert name is not None, f"{argv}: not an rlship command ({', '.join(COMMANDS)})"
     add_arguments, main = load_command(name)
     assert callable(main)
-    parser = argparse.ArgumentParser(prog=f"rlship {name}", exit_on_error=False)
+    parser = command_parser(name, exit_on_error=False)  # the CLI's own: no abbreviation passes
     add_arguments(parser)
     parser.parse_args(argv[1 + len(name.split()) :])
 

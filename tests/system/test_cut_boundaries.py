@@ -184,10 +184,8 @@ def test_the_gate_holds_a_step_until_exactly_its_required_version(
     waited = asyncio.run(scenario())
     if offset >= 0:
         assert waited == 0.0
-        assert client.get(keys.policy_wait) is None, "no wait reported"
     else:
         assert waited >= 0.3
-        assert float(client.get(keys.policy_wait)) == pytest.approx(waited)
 
 
 # -- rule 3: an empty step is cut again --------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+from pathlib import Path
 
 import pytest
 import redis
@@ -149,46 +150,57 @@ def test_empty_batch_publishes_nothing_and_does_not_advance(client, redis_url, r
     assert not list(client.scan_iter(match=state.step(0, "*")))
 
 
-def test_policy_wait_is_reported_with_the_step_it_finished_during(
-    client, redis_url, run_id, workers, tmp_path
-):
-    settings = ship_settings(run_id, redis_url, workers, tmp_path, steps=2, batch_size=4, group_size=2)
-    producer = RolloutProducer(client, run_id)
+def test_policy_wait_is_in_the_held_steps_own_record(client, redis_url, run_id, workers, tmp_path):
+    """The gate holds step 1 while step 0 is still in flight (no trainer reads yet): the wait
+    is step 1's, in its record; step 0's record, published after the wait, has none of it."""
+    settings = ship_settings(
+        run_id, redis_url, workers, tmp_path, steps=2, batch_size=4, group_size=2, first_step=0,
+        max_async_level=1, policy_source="broadcasts",  # the test announces version 0 itself
+    )  # fmt: skip
+    RolloutProducer(client, run_id).produce(
+        [
+            *group("s0a", [1.0, 0.0]),
+            *group("s0b", [0.0, 1.0]),
+            *group("s1a", [1.0, 0.0]),
+            *group("s1b", [0.0, 1.0]),
+        ]
+    )
     state = RunKeys(run_id)
+    held_seconds = 1.5
 
-    async def scenario() -> list[dict]:
+    async def scenario() -> tuple[list[dict], float]:
         aclient = aioredis.Redis.from_url(redis_url)
         orchestrator = Orchestrator(settings, aclient)
         run = asyncio.create_task(orchestrator.run())
         trainers = []
+
+        async def cut(step: int) -> bool:
+            return int(await aclient.get(state.next_step) or 0) > step
+
         try:
-            producer.produce([*group("s0a", [1.0, 0.0]), *group("s0b", [0.0, 1.0])])
-
-            async def cut(step: int) -> bool:
-                return int(await aclient.get(state.next_step) or 0) > step
-
             await _until(lambda: cut(0))
-            # No trainer is listening yet, so step 0 cannot be sent or published: a wait that
-            # finishes now finishes while step 0 is being computed.
-            await aclient.incrbyfloat(state.policy_wait, 1.25)
+            held_from = asyncio.get_running_loop().time()
+            await asyncio.sleep(held_seconds)
+            assert not await cut(1), "step 1 waits for version 0"
+            stable = Path(settings.broadcast_dir, "step_0", "STABLE")
+            stable.parent.mkdir(parents=True)
+            stable.touch()
+            await _until(lambda: cut(1))
+            held = asyncio.get_running_loop().time() - held_from
+            assert not await aclient.hexists(state.published, 0), "step 0 is published after the wait"
             trainers = start_trainers(settings)
-
-            async def published(step: int) -> bool:
-                return len(orchestrator.follower.records) > step
-
-            await _until(lambda: published(0), timeout=60)
-            await aclient.incrbyfloat(state.policy_wait, 0.5)  # after step 0's record
-            producer.produce([*group("s1a", [1.0, 0.0]), *group("s1b", [0.0, 1.0])])
             await asyncio.wait_for(run, 60)
-            return list(orchestrator.follower.records)
+            return list(orchestrator.follower.records), held
         finally:
             run.cancel()
             stop(trainers)
             await aclient.aclose()
 
-    records = asyncio.run(scenario())
-    assert [r["time/wait_for_policy"] for r in records] == [1.25, 0.5]
-    assert float(client.get(state.policy_wait)) == 0.0
+    records, held = asyncio.run(scenario())
+    assert [int(r["step"]) for r in records] == [0, 1]
+    assert records[0]["time/wait_for_policy"] == records[0]["time/wait_for_ckpt"] == 0.0
+    assert held_seconds / 2 <= records[1]["time/wait_for_policy"] <= held
+    assert records[1]["time/wait_for_ckpt"] == records[1]["time/wait_for_policy"]
 
 
 def test_bad_records_are_rejected_naming_field_and_value():

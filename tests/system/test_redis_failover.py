@@ -178,7 +178,7 @@ def test_a_user_run_on_sentinels_shows_the_topology_and_refuses_too_few_replicas
         run = rlship("run", "--steps", "3", "--run-id", "on-sentinels", "--output-dir", str(tmp_path / "run"))
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
         assert "3 steps shipped" in run.stdout
-        status = rlship("status", "on-sentinels", "--once")
+        status = rlship("status", "on-sentinels")
         assert status.returncode == 0, status.stderr
         assert status.stdout.startswith(f"redis: {primary} (master_name 'rlship'); replicas: 127.0.0.1:")
         delete_run_keys(RunSettings(redis_url=cluster.url, run_id="on-sentinels"))

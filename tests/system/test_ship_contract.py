@@ -36,7 +36,6 @@ def test_run_state_key_names_are_the_documented_ones(run_id: str) -> None:
         "published": "published",
         "released": "released",
         "totals": "totals",
-        "policy_wait": "policy_wait_seconds",
         "sent_checksums": "sent_checksums",
         "stage_calls": "stage_calls",
         "redundant": "redundant_deliveries",

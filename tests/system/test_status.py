@@ -98,14 +98,14 @@ def test_status_follows_a_run(
         shipped = shipped_files(settings)
         assert 0 < shipped < STEPS
         assert listed(settings) == ("running", shipped, STEPS)
-        frame = rlship_status(settings, run_id, "--once")
+        frame = rlship_status(settings, run_id)  # one frame, and it returns
         assert re.search(rf"^{run_id} +running +{shipped}/{STEPS} ", frame, re.MULTILINE), frame
         assert f" {shipped}/{STEPS} shipped, {shipped} cut " in frame, frame
         assert "policy gate waits on rank(s) [0, 1]" in frame, frame
         plain = rlship_status(settings)  # the list, as a person reads it
         assert re.search(rf"^{run_id} +running +{shipped}/{STEPS} ", plain, re.MULTILINE), plain
         live = subprocess.Popen(
-            python_command("status", run_id, "--redis-url", settings.redis_url),
+            python_command("status", run_id, "--follow", "--redis-url", settings.redis_url),
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         # The run goes on only once the follower shows its first status: it follows from there.
@@ -125,7 +125,7 @@ def test_status_follows_a_run(
     assert f" {STEPS}/{STEPS} shipped, {STEPS} cut " in followed.splitlines()[-1], followed
     assert shipped_files(settings) == metrics_lines(settings) == STEPS
     assert listed(settings) == ("finished", STEPS, STEPS)
-    frame = rlship_status(settings, run_id)  # a finished run: one frame, then it returns
+    frame = rlship_status(settings, run_id, "--follow")  # a finished run: one frame, then it returns
     assert f" {STEPS}/{STEPS} shipped, {STEPS} cut " in frame, frame
     assert frame.count("status: ") == 1, f"the frame once: {frame}"
     status = {k.decode(): float(v) for k, v in client.hgetall(f"rlship:{run_id}:status").items()}

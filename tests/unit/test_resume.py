@@ -27,7 +27,7 @@ def test_the_stored_form_keeps_what_was_given_not_the_password_nor_derived_value
 def test_nothing_given_again_resumes_with_the_runs_settings(tmp_path: Path) -> None:
     stored = started(tmp_path, steps=10, ranks=3, batch_size=16)
     settings, changes = resumed(stored, RunSettings(run_id="r", redis_url="redis://h:1/0"), given=set())
-    assert (settings.steps, settings.ranks, settings.batch_size, changes) == (10, 3, 16, [])
+    assert (settings.steps, settings.ranks, settings.batch_size, changes) == (10, 3, 16, {})
     assert settings.output_dir == tmp_path / "runs" / "r" and settings.redis_url == "redis://h:1/0"
 
 
@@ -37,7 +37,7 @@ def test_what_may_change_changes_and_is_said(tmp_path: Path) -> None:
     settings, changes = resumed(stored, given, given={"steps", "ranks", "zmq_port"})
     assert (settings.steps, settings.ranks, settings.zmq_port) == (20, 3, 7000)
     assert settings.output_dir == tmp_path / "runs" / "r", "not given: the run's"
-    assert changes == ["steps 10 -> 20", "zmq_port 5555 -> 7000"]
+    assert changes == {"steps": "10 -> 20", "zmq_port": "5555 -> 7000"}
 
 
 def test_what_may_not_change_stops_the_resume_naming_each(tmp_path: Path) -> None:
@@ -59,7 +59,7 @@ def test_a_derived_value_of_the_run_counts_and_a_relative_path_is_resolved(
         resumed(stored, RunSettings(run_id="r", first_step=1), given={"first_step"})
     monkeypatch.chdir(tmp_path)
     same_place = RunSettings(run_id="r", output_dir=Path("runs/r"))
-    assert resumed(stored, same_place, given={"output_dir"})[1] == []
+    assert resumed(stored, same_place, given={"output_dir"})[1] == {}
 
 
 @pytest.mark.parametrize(("steps", "refused"), [(6, True), (7, True), (8, False)])

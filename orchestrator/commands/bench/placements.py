@@ -304,9 +304,9 @@ class TimedOrchestrator(Orchestrator):
         self.arrivals: dict[int, float] = {}  # none: its rollouts come from the bench's feed
         self.dispatcher.cut = self._timed_cut  # type: ignore[method-assign]
 
-    async def _timed_cut(self, step: int) -> StepManifest | None:
+    async def _timed_cut(self, step: int, policy_wait: float = 0.0) -> StepManifest | None:
         started = asyncio.get_running_loop().time()
-        manifest = await Dispatcher.cut(self.dispatcher, step)
+        manifest = await Dispatcher.cut(self.dispatcher, step, policy_wait)
         if manifest is not None:
             self.windows[step] = [started, started]
         return manifest
