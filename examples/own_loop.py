@@ -69,17 +69,21 @@ def sample_group(rng: np.random.Generator, group_id: str, size: int, version: in
     return group
 
 
-def inference_loop(settings: RunSettings, stop: threading.Event) -> None:
+def inference_loop(redis_url: str, run_id: str, stop: threading.Event) -> None:
     """Produce whole groups as the run admits them, each stamped with the trainers'
-    current policy version, until told to stop."""
-    producer = RolloutProducer.for_run(connect_redis(settings.redis_url), settings)
-    rng = np.random.default_rng(settings.seed)
+    current policy version, until the run has finished (or told to stop). The producer
+    knows the run by its id: its settings are the ones its orchestrator stored."""
+    producer = RolloutProducer.for_run(connect_redis(redis_url), run_id, wait=60)  # the run may start later
+    run = producer.settings
+    rng = np.random.default_rng(run.seed)
     groups = 0
     while not stop.is_set():
-        group = sample_group(rng, f"g{groups}", settings.group_size, producer.policy_version())
+        group = sample_group(rng, f"g{groups}", run.group_size, producer.policy_version())
         try:
             producer.produce(group, timeout=1.0)  # waits while the run has enough buffered
         except AdmissionRefused as refused:
+            if refused.reason == "finished":
+                return  # every step shipped: the run takes nothing more
             if refused.passes:
                 continue  # still full after the timeout: sample again later
             raise
@@ -197,7 +201,9 @@ def main() -> int:
         for rank in range(settings.ranks)
     ]
     stop = threading.Event()
-    producer = threading.Thread(target=inference_loop, args=(settings, stop), daemon=True)
+    producer = threading.Thread(
+        target=inference_loop, args=(settings.redis_url, settings.run_id, stop), daemon=True
+    )
     try:
         for thread in [*ranks, producer]:
             thread.start()

@@ -2,8 +2,10 @@
 (docs/integrators.md). The ship path itself lives in `orchestrator`, `tasks` and `transport`.
 
 - `RolloutRecord` (`InvalidRecord`: a bad field), `RolloutProducer`, `AsyncRolloutProducer`:
-  how rollouts enter a run;
-  `RolloutRejected` (bad data, named) and `AdmissionRefused` (the run has enough for now).
+  how rollouts enter a run, made for it by its id (`for_run`: `RunNotStarted`, no such run in
+  Redis yet; `SettingsDisagree`, settings given that the run was not started with);
+  `RolloutRejected` (bad data, named) and `AdmissionRefused` (the run has enough for now, or
+  has finished); `RolloutOutcome`: what became of a rollout (`producer.outcome`).
 - `REQUIRED_ARRAYS`, `OPTIONAL_TOKEN_ARRAYS`: the per-token arrays a rollout carries.
 - `PayloadSegment`, `write_segment_file`, `rollout_rows_path`: per-token side arrays (routed
   experts, sampling masks) passed by handle, their rows in files under the run's payload root.
@@ -17,8 +19,10 @@
 from orchestrator.producer import AdmissionRefused, AsyncRolloutProducer, RolloutProducer, RolloutRejected
 from orchestrator.records import InvalidRecord, RolloutRecord
 from orchestrator.settings import RunSettings
+from orchestrator.stored_settings import RunNotStarted, SettingsDisagree
 from tasks.stages.finalize import OPTIONAL_TOKEN_ARRAYS, REQUIRED_ARRAYS
 from transport.connection import connect_redis, connect_redis_async
+from transport.outcomes import RolloutOutcome
 from transport.payload_segments import PayloadSegment, rollout_rows_path, write_segment_file
 from transport.prime_receivers import FileSystemMicroBatchReceiver, ZMQMicroBatchReceiver
 
@@ -30,10 +34,13 @@ __all__ = [
     "FileSystemMicroBatchReceiver",
     "InvalidRecord",
     "PayloadSegment",
+    "RolloutOutcome",
     "RolloutProducer",
     "RolloutRecord",
     "RolloutRejected",
+    "RunNotStarted",
     "RunSettings",
+    "SettingsDisagree",
     "ZMQMicroBatchReceiver",
     "connect_redis",
     "connect_redis_async",
