@@ -18,6 +18,7 @@ from orchestrator.policy import NO_VERSION, PolicyVersion
 from orchestrator.settings import RunSettings
 from transport.keys import RunKeys
 from transport.numbering import required_version, step_reaching
+from transport.store import DEFAULT_TTL_SECONDS
 
 log = logging.getLogger("rlship.orchestrator")
 
@@ -58,7 +59,10 @@ class PolicyGate:
             await self.client.hdel(self.keys.status, "stalled_ranks", "policy_gate")
             log.warning("step %d: the policy gate opened after %.1f s", step, time.perf_counter() - started)
         waited = time.perf_counter() - started
-        await self.client.incrbyfloat(self.keys.policy_wait, waited)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.incrbyfloat(self.keys.policy_wait, waited)
+        pipe.expire(self.keys.policy_wait, DEFAULT_TTL_SECONDS)
+        await pipe.execute()
         return waited
 
     async def _report_wait(self, step: int, needed: int, seconds: float) -> None:
@@ -69,11 +73,15 @@ class PolicyGate:
             f"step {step} held by the policy gate: waiting for version {needed} from "
             f"{self.policy.describe()} (have {have}) for {seconds:.1f} s"
         )
+        report: dict[str, str] = {}
         if self.settings.trainers == "builtin" and self.policy.source != "broadcasts":
             awaited_step = step_reaching(needed, self.settings.first_step)
             acknowledged = {int(r) for r in await self.client.smembers(self.keys.trained(awaited_step))}
             stalled = sorted(set(range(self.settings.ranks)) - acknowledged)
-            await self.client.hset(self.keys.status, "stalled_ranks", json.dumps(stalled))
+            report["stalled_ranks"] = json.dumps(stalled)
             held += f"; rank(s) {stalled} have not acknowledged step {awaited_step}"
-        await self.client.hset(self.keys.status, "policy_gate", held)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(self.keys.status, mapping={**report, "policy_gate": held})
+        pipe.expire(self.keys.status, DEFAULT_TTL_SECONDS)
+        await pipe.execute()
         log.warning("%s", held)
