@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import psutil
 import pytest
 
-from tests.support.processes import REPO, wait_for
+from tests.support.processes import REPO, python_command, wait_for
 from tests.support.runs import forget_run, keys_without_expiry, own_queue_traces, processes_of, run_command
 from transport.zmq_sockets import free_port_pair
 
@@ -32,14 +32,15 @@ class Stop:
     signum: signal.Signals
     when: str  # "starting" (its orchestrator not yet under way) or "running" (steps published)
     says: str | None  # what `rlship run` says stopped it; None: it was killed and says nothing
+    again: bool = False  # the signal sent twice, as an impatient Ctrl-C, Ctrl-C
 
     def __str__(self) -> str:
-        return f"{self.signum.name}-{self.target}-{self.when}"
+        return f"{self.signum.name}{'-twice' * self.again}-{self.target}-{self.when}"
 
 
 STOPS = [
     Stop("group", signal.SIGTERM, "running", "interrupted (SIGTERM) while running"),
-    Stop("group", signal.SIGINT, "running", "interrupted (SIGINT) while running"),
+    Stop("group", signal.SIGINT, "running", "interrupted (SIGINT) while running", again=True),
     Stop("group", signal.SIGTERM, "starting", "interrupted (SIGTERM) while starting"),
     Stop("group", signal.SIGKILL, "running", None),
     Stop("run", signal.SIGINT, "starting", "interrupted (SIGINT) while starting"),
@@ -99,6 +100,9 @@ def test_a_stopped_run_leaves_every_key_expiring_and_says_where_it_was(client, r
         else:
             wait_for("two steps published", lambda: steps_published(2), timeout=90)
         send(run, stop)
+        if stop.again:
+            time.sleep(0.5)
+            send(run, stop)
         if stop.target == "cpu-worker":  # restarted: the run goes on, then is stopped
             wait_for("a step after the restart", lambda: steps_published(client.hlen(published) + 1), 90)
             os.killpg(run.pid, signal.SIGTERM)
@@ -154,3 +158,27 @@ def test_a_producer_of_a_users_script_killed_mid_call_leaves_every_key_expiring(
             user.kill()
             user.wait()
         forget_run(client, run_id)
+
+
+@pytest.mark.timeout(60)
+def test_rlship_produce_stopped_by_ctrl_c_says_one_line_and_leaves_every_key_expiring(client, redis_url):
+    run_id = f"stop-{uuid.uuid4().hex[:8]}"
+    produce = subprocess.Popen(
+        [*python_command("produce"), "--run-id", run_id, "--batch-size", "16", "--group-size", "4",
+         "--seq-len", "512"],
+        env={**os.environ, "REDIS_URL": redis_url}, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        wait_for("rollouts written", lambda: int(client.get(f"rlship:{run_id}:produced") or 0) >= 8)
+        produce.send_signal(signal.SIGINT)
+        stdout, stderr = produce.communicate(timeout=30)
+    finally:
+        if produce.poll() is None:
+            produce.kill()
+            produce.wait()
+    assert produce.returncode == 130
+    assert "Traceback" not in stdout + stderr, stderr
+    assert stderr.splitlines()[-1] == "rlship produce: interrupted", stderr
+    assert keys_without_expiry(client, run_id) == []
+    forget_run(client, run_id)
