@@ -239,9 +239,9 @@ class Dispatcher:
             pipe.set(manifest_key, manifest.to_bytes(), ex=self.store.ttl)
             pipe.sadd(self.keys.step_keys(step), manifest_key, *(self.keys.rollout(r) for r in batch_ids))
             pipe.expire(self.keys.step_keys(step), self.store.ttl)
-            pipe.set(self.keys.next_step, step + 1)
-            pipe.set(self.keys.checkpoint, checkpoint.to_bytes())
-            pipe.set(self.keys.accounted, accounted)
+            pipe.set(self.keys.next_step, step + 1, ex=self.store.ttl)
+            pipe.set(self.keys.checkpoint, checkpoint.to_bytes(), ex=self.store.ttl)
+            pipe.set(self.keys.accounted, accounted, ex=self.store.ttl)
             pipe.xtrim(self.keys.rollout_stream, minid=oldest_held)
             pipe.execute()
 
@@ -265,8 +265,8 @@ class Dispatcher:
         self.next_step = step
         pipe = self.client.pipeline(transaction=True)
         await unlink_step_keys(pipe, self.keys, step)
-        pipe.set(self.keys.next_step, step)
-        pipe.set(self.keys.checkpoint, self.ingest.checkpoint().to_bytes())
+        pipe.set(self.keys.next_step, step, ex=self.store.ttl)
+        pipe.set(self.keys.checkpoint, self.ingest.checkpoint().to_bytes(), ex=self.store.ttl)
         await pipe.execute()
         return in_a_row
 

@@ -20,6 +20,7 @@ from orchestrator.ingest import READ_BLOCK_MS
 from orchestrator.monitors import Monitors
 from orchestrator.settings import RunSettings
 from transport.keys import RunKeys
+from transport.store import DEFAULT_TTL_SECONDS
 
 RECENT_RECORDS = 8
 
@@ -100,7 +101,7 @@ class RecordFollower:
                 self.tokens_shipped += int(record.get("progress/tokens", 0.0))
                 self.last_published = step
                 await self.on_published(step)
-                await self.client.set(self.keys.followed, step)
+                await self.client.set(self.keys.followed, step, ex=DEFAULT_TTL_SECONDS)
 
     def close(self) -> None:
         if self.monitors is not None:

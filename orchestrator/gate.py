@@ -18,6 +18,7 @@ from orchestrator.policy import NO_VERSION, PolicyVersion
 from orchestrator.settings import RunSettings
 from transport.keys import RunKeys
 from transport.numbering import required_version, step_reaching
+from transport.store import DEFAULT_TTL_SECONDS
 
 log = logging.getLogger("rlship.orchestrator")
 
@@ -67,11 +68,15 @@ class PolicyGate:
             f"step {step} held by the policy gate: waiting for version {needed} from "
             f"{self.policy.describe()} (have {have}) for {seconds:.1f} s"
         )
+        report: dict[str, str] = {}
         if self.settings.trainers == "builtin" and self.policy.source != "broadcasts":
             awaited_step = step_reaching(needed, self.settings.first_step)
             acknowledged = {int(r) for r in await self.client.smembers(self.keys.trained(awaited_step))}
             stalled = sorted(set(range(self.settings.ranks)) - acknowledged)
-            await self.client.hset(self.keys.status, "stalled_ranks", json.dumps(stalled))
+            report["stalled_ranks"] = json.dumps(stalled)
             held += f"; rank(s) {stalled} have not acknowledged step {awaited_step}"
-        await self.client.hset(self.keys.status, "policy_gate", held)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(self.keys.status, mapping={**report, "policy_gate": held})
+        pipe.expire(self.keys.status, DEFAULT_TTL_SECONDS)
+        await pipe.execute()
         log.warning("%s", held)

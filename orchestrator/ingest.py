@@ -109,8 +109,9 @@ class Ingest:
             # done): the status says what was cut and published since (`rlship status`), and
             # an `accounted` held back during a cut is written, or producers could wait on it.
             if not self._cut_unwritten:
-                pipe.set(self.keys.accounted, self.accounting.accounted)
+                pipe.set(self.keys.accounted, self.accounting.accounted, ex=DEFAULT_TTL_SECONDS)
             pipe.hset(self.keys.status, mapping=self.status())
+            pipe.expire(self.keys.status, DEFAULT_TTL_SECONDS)
             await pipe.execute()
             if release_ids and self.rows.exists():
                 await asyncio.to_thread(self.rows.unlink, release_ids)

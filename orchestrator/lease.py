@@ -2,9 +2,14 @@
 
 A second orchestrator of the same run (a restart racing a live one) waits for the lease
 instead of cutting the same steps. While held, the lease also renews the run-alive mark
-that keeps the run's queued tasks worth running and the run's claim of its ZMQ port pair
-(transport.port_claims: another run of this Redis holding it stops this one), and notices
-a Redis that came back empty.
+that keeps the run's queued tasks worth running, the run's claim of its ZMQ port pair
+(transport.port_claims: another run of this Redis holding it stops this one) and the
+expiry of every key of the run, and notices a Redis that came back empty.
+
+Every key of a run is written with an expiry (`DEFAULT_TTL_SECONDS`), because a SIGKILL
+runs no handler: what a killed run leaves expires, late enough to resume it. A key a live
+run keeps but seldom writes (its start marker, its settings, a counter) would expire under
+it, so the lease renews them all every `RENEW_SECONDS` (`AsyncPayloadStore.expire_run`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import redis.asyncio as aioredis
 from orchestrator.errors import CannotShip, LeaseLost, RunStateLost
 from transport.keys import RunKeys
 from transport.port_claims import claim_call, claim_holder, release_call
+from transport.store import DEFAULT_TTL_SECONDS, AsyncPayloadStore
 
 log = logging.getLogger("rlship.orchestrator")
 
@@ -30,6 +36,7 @@ LEASE_SECONDS = 5  # a killed orchestrator's successor waits at most this long t
 # The run-alive mark outlives its orchestrator by this much: a restarted one (which waits out
 # the lease) finds its tasks still running; a run killed for good has its tasks dropped after.
 ALIVE_SECONDS = 30
+RENEW_SECONDS = 600  # far below DEFAULT_TTL_SECONDS: a renewal missed or late loses nothing
 
 
 class Lease:
@@ -46,6 +53,7 @@ class Lease:
         self.ports = ports  # the ZMQ (host, port) whose pair the run claims; None: no ZMQ
         self.run_id = run_id
         self.keys = RunKeys(run_id)
+        self.store = AsyncPayloadStore(client, run_id)
         self.stopping = stopping
         self.on_lost = on_lost  # stops the run with the error that ended the lease
         self.loss_report = loss_report  # what a Redis that came back empty took with it
@@ -53,8 +61,8 @@ class Lease:
         self.acquired = asyncio.Event()
 
     async def hold(self) -> None:
-        """Take the lease (waiting while another orchestrator holds it), then renew it and
-        the alive mark until stopped; release it at the end."""
+        """Take the lease (waiting while another orchestrator holds it), then renew it, the
+        alive mark and the run's keys until stopped; release it at the end."""
         token = self.token
         waiting_logged = False
         while not self.acquired.is_set():
@@ -62,7 +70,7 @@ class Lease:
                 if not await self._claim_ports():
                     await self.client.delete(self.keys.orchestrator_lease)
                     return
-                await self.client.set(self.keys.run_marker, time.time(), nx=True)
+                await self.client.set(self.keys.run_marker, time.time(), nx=True, ex=DEFAULT_TTL_SECONDS)
                 await self.client.set(self.keys.alive, token, ex=ALIVE_SECONDS)
                 self.acquired.set()
                 break
@@ -70,6 +78,8 @@ class Lease:
                 log.warning("run %s: another orchestrator holds the lease; waiting", self.run_id)
                 waiting_logged = True
             await asyncio.sleep(LEASE_SECONDS / 5)
+        await self.store.expire_run()  # a resumed run's keys live as long as a new run's
+        renewed = time.monotonic()
         while not self.stopping.is_set():
             pipe = self.client.pipeline(transaction=False)
             pipe.exists(self.keys.run_marker)
@@ -86,6 +96,9 @@ class Lease:
             await self.client.expire(self.keys.orchestrator_lease, LEASE_SECONDS)
             if not await self._claim_ports():
                 return
+            if time.monotonic() - renewed >= RENEW_SECONDS:
+                await self.store.expire_run()
+                renewed = time.monotonic()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), LEASE_SECONDS / 5)
         await self.client.delete(self.keys.orchestrator_lease)

@@ -67,7 +67,7 @@ from orchestrator.watchdog import StallWatchdog
 from tasks.app import use_redis
 from tasks.ship import prepare
 from transport.numbering import version_after
-from transport.store import AsyncPayloadStore
+from transport.store import DEFAULT_TTL_SECONDS, AsyncPayloadStore
 
 log = logging.getLogger("rlship.orchestrator")
 
@@ -194,7 +194,7 @@ class Orchestrator:
         await self.follower.resume()
         resumed_version = version_after(self.start_step - 1, self.settings.first_step)
         if resumed_version > 0:  # trainers resumed at start_step hold the steps before it
-            await self.client.set(self.keys.policy_version, resumed_version, nx=True)
+            await self.client.set(self.keys.policy_version, resumed_version, nx=True, ex=DEFAULT_TTL_SECONDS)
         raw = await self.client.get(self.keys.checkpoint)
         if raw is None:
             return
@@ -226,10 +226,10 @@ class Orchestrator:
         stored = await self.client.get(self.keys.settings)
         if stored is not None:  # a resume may change only what the steps so far allow
             resumed(stored.decode(), self.settings, given=self.settings.model_fields_set)
-        await self.client.set(self.keys.settings, stored_form(self.settings))
+        await self.client.set(self.keys.settings, stored_form(self.settings), ex=DEFAULT_TTL_SECONDS)
         await self.resume()
         info = RunInfo.from_settings(self.settings)
-        await self.client.set(self.keys.info, info.model_dump_json())
+        await self.client.set(self.keys.info, info.model_dump_json(), ex=DEFAULT_TTL_SECONDS)
         info.write_beside_outputs()
         await self.policy.update()  # the first gate decision needs no wait for the follower
         # The imports' and setup's objects (tens of thousands of functions, tuples, dicts)
@@ -261,7 +261,10 @@ class Orchestrator:
             probe.cancel()
             await asyncio.gather(probe, *loops, return_exceptions=True)
             with contextlib.suppress(redis.RedisError):  # the frame `rlship status` shows of the run's end
-                await self.client.hset(self.keys.status, mapping=self.status())
+                pipe = self.client.pipeline(transaction=True)
+                pipe.hset(self.keys.status, mapping=self.status())
+                pipe.expire(self.keys.status, DEFAULT_TTL_SECONDS)
+                await pipe.execute()
             self.publisher.close()
             self.watchdog.close()
             self.follower.close()
@@ -285,7 +288,7 @@ class Orchestrator:
             "steps_shipped": self.follower.records_published,
             "tokens_shipped": self.follower.tokens_shipped,
             "empty_steps": self.ingest.accounting.empty_steps,
-            "wall_seconds": time.perf_counter() - started,
+            "orchestrator_seconds": time.perf_counter() - started,
             "loop_lag_max_ms": self.probe.max_ms,
         }
 
@@ -294,7 +297,7 @@ class Orchestrator:
         id is marked used, and every key it leaves expires (`DEFAULT_TTL_SECONDS`)."""
         pipe = self.client.pipeline(transaction=True)
         pipe.unlink(self.keys.alive)
-        pipe.set(self.keys.finished, time.time())
+        pipe.set(self.keys.finished, time.time(), ex=DEFAULT_TTL_SECONDS)
         await pipe.execute()
         await self.store.expire_run()
 

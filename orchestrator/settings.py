@@ -20,6 +20,7 @@ from tasks.faults import FAULTS_ENV
 from tasks.logs import mask_secrets
 from tasks.manifest import ShipConfig
 from transport.connection import SENTINEL_SCHEME, RedisAddress
+from transport.keys import is_run_queue, run_queue
 from transport.numbering import PRIME_RL_FIRST_STEP
 from transport.payload_dir import PayloadDirectory
 from transport.payload_segments import RunRows
@@ -377,16 +378,9 @@ class RunSettings(BaseSettings):
         return self.max_outstanding_rollouts or 4 * self.batch_size
 
 
-def run_queue(run_id: str, kind: str) -> str:
-    """A run's own Celery queue of `kind` (cpu, ship): runs on one Redis never share one
-    unless an operator names it."""
-    return f"rlship.{run_id}.{kind}"
-
-
 def queue_label(queue: str) -> str:
     """How a display names a queue: a run's own (`run_queue`) by its kind, another by its name."""
-    prefix, _, kind = queue.rpartition(".")
-    return kind if prefix.startswith("rlship.") and kind in ("cpu", "ship") else queue
+    return queue.rpartition(".")[2] if is_run_queue(queue) else queue
 
 
 def env_name(name: str) -> str:

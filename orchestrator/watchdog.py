@@ -28,6 +28,7 @@ from tasks.ship import finalize
 from tasks.stages.finalize import StepVerdict
 from transport.connection import connect_redis
 from transport.keys import RunKeys, StepValue
+from transport.store import DEFAULT_TTL_SECONDS
 
 log = logging.getLogger("rlship.orchestrator")
 
@@ -143,7 +144,10 @@ class StallWatchdog:
         if reason != self.stall_reason:
             log.warning("%s", reason)
         self.stall_reason = reason
-        await self.client.hset(self.keys.status, "stall_reason", reason)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(self.keys.status, "stall_reason", reason)
+        pipe.expire(self.keys.status, DEFAULT_TTL_SECONDS)
+        await pipe.execute()
         if "Redis is out of memory" in reason:
             self.on_fatal(RedisOutOfMemory(reason))
 

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Any
 
-from celery import Celery
+from celery import Celery, signals
+from celery.app.amqp import AMQP, Queues
+from kombu import Queue
 
 from tasks import logs  # noqa: F401  (connects the worker logging hooks)
 from transport.connection import celery_redis_options
+from transport.keys import is_run_queue
+from transport.store import DEFAULT_TTL_SECONDS
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 CPU_QUEUE = "cpu"
@@ -28,8 +33,36 @@ def visibility_timeout() -> int:
     return int(os.environ.get(VISIBILITY_TIMEOUT_ENV, "300"))
 
 
+class RunQueues(Queues):
+    """A run's own queue (`transport.keys.run_queue`) is declared to expire (kombu's
+    x-expires) `DEFAULT_TTL_SECONDS` after its last put or get, and its binding table is
+    swept by kombu's consumers twice that after its last refresh: however a run stops, its
+    queues do not stay in Redis for ever. A queue an operator names is Celery's as before."""
+
+    def new_missing(self, name: str) -> Queue:
+        queue = super().new_missing(name)
+        if is_run_queue(name):
+            queue.expires = DEFAULT_TTL_SECONDS
+        return queue
+
+
+class RunAMQP(AMQP):
+    queues_cls = RunQueues
+
+
+@signals.worker_shutdown.connect
+def expire_run_queues(sender: Any, **_: Any) -> None:
+    """A stopping worker puts the messages it held (a retry's countdown) back on their
+    queue without kombu's expiry: give the run's own queues theirs back."""
+    queues = [queue.name for queue in sender.app.amqp.queues.consume_from.values()]
+    with sender.app.connection_for_write() as connection:
+        client = connection.default_channel.client
+        for queue in filter(is_run_queue, queues):
+            client.expire(queue, DEFAULT_TTL_SECONDS)
+
+
 _environment_url = os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
-app = Celery("rlship", include=["tasks.ship"])
+app = Celery("rlship", include=["tasks.ship"], amqp=RunAMQP)
 app.conf.update(
     task_serializer="msgpack",
     result_serializer="msgpack",

@@ -104,8 +104,11 @@ class StepContext:
     def count_call(self, stage: str, pipe: Any = None) -> None:
         """Count that this process ran `stage` (`stage_calls`: nothing runs twice), on `pipe`
         if given (a pipeline with no command yet is falsy, hence the explicit test)."""
-        target = self.client if pipe is None else pipe
+        target = self.client.pipeline(transaction=True) if pipe is None else pipe
         target.hincrby(self.keys.stage_calls, f"{socket.gethostname()}:{os.getpid()}:{stage}", 1)
+        target.expire(self.keys.stage_calls, self.store.ttl)
+        if pipe is None:
+            target.execute()
 
     def run_stage(
         self,
@@ -140,6 +143,7 @@ class StepContext:
                 )
                 pipe.sadd(self.keys.step_keys(self.step), self.keys.step(self.step, output))
             pipe.hset(self.keys.times(self.step), name, seconds)
+            pipe.expire(self.keys.times(self.step), self.store.ttl)
             pipe.sadd(self.keys.step_keys(self.step), self.keys.times(self.step))
             pipe.set(mark, seconds, ex=self.store.ttl)
             pipe.sadd(self.keys.step_keys(self.step), mark)
@@ -153,7 +157,10 @@ class StepContext:
 
     def skip_redundant(self, task: str, done: str) -> None:
         log.info("step %d: %s arrived after the step was %s; nothing to do", self.step, task, done)
-        self.client.hincrby(self.keys.redundant, task, 1)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hincrby(self.keys.redundant, task, 1)
+        pipe.expire(self.keys.redundant, self.store.ttl)
+        pipe.execute()
 
     def skip(self, task: str) -> bool:
         """Whether the task has nothing to do: its step is published, or its run has ended

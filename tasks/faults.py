@@ -17,6 +17,7 @@ import signal
 import redis
 
 from transport.keys import RunKeys
+from transport.store import DEFAULT_TTL_SECONDS
 
 FAULTS_ENV = "RLSHIP_FAULTS"
 
@@ -31,7 +32,11 @@ def fault_field(stage: str, step: int, rank: int | None = None) -> str:
 
 
 def arm(client: redis.Redis, run_id: str, stage: str, step: int, rank: int | None = None) -> None:
-    client.hset(RunKeys(run_id).faults, fault_field(stage, step, rank), 1)
+    faults = RunKeys(run_id).faults
+    pipe = client.pipeline(transaction=True)
+    pipe.hset(faults, fault_field(stage, step, rank), 1)
+    pipe.expire(faults, DEFAULT_TTL_SECONDS)
+    pipe.execute()
 
 
 def crash_if_armed(client: redis.Redis, run_id: str, stage: str, step: int, rank: int | None = None) -> None:

@@ -186,9 +186,11 @@ def encode(ctx: StepContext, rank: int) -> None:
     ctx.store.put_payload(ctx.step, rank, payload, config.payload_directory(ctx.run_id), checksum, rows_bytes)
     pipe = ctx.client.pipeline(transaction=False)
     pipe.hset(ctx.keys.sent_checksums, f"{ctx.step}:{rank}", checksum)
+    pipe.expire(ctx.keys.sent_checksums, ctx.store.ttl)
     if segments and all(segment.digest for segment in segments):
         rows = digests_checksum(segment.digest for segment in segments)
         pipe.hset(ctx.keys.sent_rows_checksums, f"{ctx.step}:{rank}", rows)
+        pipe.expire(ctx.keys.sent_rows_checksums, ctx.store.ttl)
     pipe.execute()
     # Their work is in the payload now: Redis holds them no longer than that (a redelivered
     # encode builds the rank from the arrays, which stay until the step's release).
@@ -259,12 +261,13 @@ def send(ctx: StepContext, rank: int) -> None:
         # The rank acknowledged it (a send that died before marking it): a trainer that has
         # its last step may have left, and must not be waited for.
         log.info("step %d rank %d: acknowledged by the rank already; not sent again", step, rank)
-        ctx.client.set(ctx.keys.last_sent(rank), step)
+        ctx.client.set(ctx.keys.last_sent(rank), step, ex=ctx.store.ttl)
     elif last_sent < step and not _send_now(ctx, rank):
         return  # the run cannot ship: its orchestrator stops it
     sent_key = ctx.keys.sent(step)
     pipe = ctx.client.pipeline(transaction=True)
     pipe.sadd(sent_key, rank)
+    pipe.expire(sent_key, ctx.store.ttl)
     pipe.sadd(ctx.keys.step_keys(step), sent_key)
     pipe.execute()
 
@@ -313,8 +316,9 @@ def _send_now(ctx: StepContext, rank: int) -> bool:
 
     def mark_sent() -> None:
         pipe = ctx.client.pipeline(transaction=True)
-        pipe.set(ctx.keys.last_sent(rank), step)
+        pipe.set(ctx.keys.last_sent(rank), step, ex=ctx.store.ttl)
         pipe.hset(ctx.keys.times(step), stage_field("send", rank), seconds)
+        pipe.expire(ctx.keys.times(step), ctx.store.ttl)
         pipe.unlink(ctx.keys.ship_problem)
         pipe.execute()
 
@@ -375,14 +379,17 @@ def _mark_intent(ctx: StepContext, step: int, rank: int) -> None:
     # Sent only once a replica holds the mark: the worker that follows a failover must know.
     previous = ctx.durability.replicate(
         ctx.client,
-        lambda: ctx.client.getset(sending, step),
+        lambda: ctx.client.set(sending, step, ex=ctx.store.ttl, get=True),
         _reads(sending),
         f"step {step} rank {rank}'s sending mark",
         _at_least(step),
     )
     _intents.add(intent)
     if previous is not None and int(previous) == step:
-        ctx.client.hincrby(ctx.keys.interrupted_sends, f"{step}:{rank}", 1)
+        pipe = ctx.client.pipeline(transaction=True)
+        pipe.hincrby(ctx.keys.interrupted_sends, f"{step}:{rank}", 1)
+        pipe.expire(ctx.keys.interrupted_sends, ctx.store.ttl)
+        pipe.execute()
         log.warning(
             "step %d rank %d: the previous send died before marking it sent; sending again "
             "(a receiver without duplicate checks gets it twice only if that process died "
@@ -466,6 +473,8 @@ def _write_record(ctx: StepContext) -> None:
                 )
                 pipe.hset(keys.published, step, time.time())
                 pipe.hset(keys.totals, mapping=totals)
+                for written in (keys.metrics_stream, keys.published, keys.totals):
+                    pipe.expire(written, ctx.store.ttl)
                 pipe.execute()
                 ctx.crash_if_armed("publish")
                 return
@@ -487,7 +496,10 @@ def _released_already(ctx: StepContext, task: str) -> bool:
 def _report_evicted(ctx: StepContext, steps: list[int]) -> None:
     """Count steps evicted unacknowledged; a warning the first time in a run, then info:
     ranks that never acknowledge (prime-rl's stock receivers) make it every step."""
-    evicted = ctx.client.hincrby(ctx.keys.evicted, "steps", len(steps))
+    pipe = ctx.client.pipeline(transaction=True)
+    pipe.hincrby(ctx.keys.evicted, "steps", len(steps))
+    pipe.expire(ctx.keys.evicted, ctx.store.ttl)
+    evicted = pipe.execute()[0]
     what = "steps %s evicted from the replay window before every rank acknowledged them (%d in this run)"
     if evicted > len(steps):
         log.info(what, steps, evicted)
@@ -543,6 +555,9 @@ def release(ctx: StepContext, ranks: int, replay_steps: int) -> None:
         _report_evicted(ctx, payloads.evicted_unacknowledged)
     ctx.crash_if_armed("release")
     trim_process_memory()
-    ctx.client.hset(ctx.keys.released, step, time.time())
-    ctx.count_call("release")
+    pipe = ctx.client.pipeline(transaction=True)
+    pipe.hset(ctx.keys.released, step, time.time())
+    pipe.expire(ctx.keys.released, ctx.store.ttl)
+    ctx.count_call("release", pipe)
+    pipe.execute()
     log.info("step %d released: %d keys deleted, payloads of %d steps", step, deleted, payloads.steps)

@@ -346,6 +346,12 @@ class RunKeys:
         return self.run_key("ship_problem")
 
     @property
+    def self_expiring(self) -> frozenset[str]:
+        """Keys written each time with a short expiry of their own (a lease, a liveness mark, a
+        passing problem, a probe): renewing the run's keys leaves them to it."""
+        return frozenset({self.orchestrator_lease, self.alive, self.ship_problem, self.replication_probe})
+
+    @property
     def faults(self) -> str:
         """Armed faults (tests, `rlship chaos`), read by workers started with RLSHIP_FAULTS=1."""
         return self.run_key("faults")
@@ -373,6 +379,21 @@ def ship_port_of_claim(key: str) -> tuple[str, int]:
 
 
 PAYLOAD = "payload"  # a per-rank payload is `step:{n}:payload:{rank}` (the release script too)
+
+
+RUN_QUEUE_KINDS = ("cpu", "ship")
+
+
+def run_queue(run_id: str, kind: str) -> str:
+    """A run's own Celery queue of `kind` (cpu, ship), a Redis list of that name: runs on one
+    Redis never share one unless an operator names it."""
+    return f"rlship.{run_id}.{kind}"
+
+
+def is_run_queue(queue: str) -> bool:
+    """Whether `queue` is some run's own (`run_queue`), not one an operator named."""
+    prefix, _, kind = queue.rpartition(".")
+    return prefix.startswith("rlship.") and kind in RUN_QUEUE_KINDS
 
 
 def run_markers_pattern() -> str:

@@ -229,6 +229,7 @@ class PayloadStore:
             client=pipe,
         )
         pipe.zadd(self.keys.retained_payloads, {str(step): step})
+        pipe.expire(self.keys.retained_payloads, self.ttl)
         pipe.execute()
         return key
 
@@ -284,14 +285,15 @@ class PayloadStore:
             for key in self.client.scan_iter(match=pattern, count=1000)
         )
 
-    def expire_run(self, seconds: int = DEFAULT_TTL_SECONDS) -> int:
-        """Give every key of the run that has no expiry one (`seconds`): an ended run leaves
-        nothing in Redis forever. Returns how many keys got one."""
+    def expire_run(self, seconds: int = DEFAULT_TTL_SECONDS) -> None:
+        """Every key of the run lives `seconds` from now, or longer if it already would: at a
+        run's end, and renewed while it lives (`orchestrator.lease`), so that no key of a run
+        lives forever, nor expires under a run that lives (or pauses) for less than that.
+        Keys with short expiries of their own (`RunKeys.self_expiring`) are left to them."""
         keys = list(self.client.scan_iter(match=self.keys.prefix + "*", count=1000))
         pipe = self.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.expire(key, seconds, nx=True)
-        return sum(pipe.execute()) if keys else 0
+        _renew(pipe, self.keys, keys, seconds)
+        pipe.execute()
 
     def delete_all_rollouts(self) -> int:
         """Unlink every rollout payload of the run: at teardown, whatever is left never ships."""
@@ -344,13 +346,12 @@ class AsyncPayloadStore:
         """Steps whose payloads are still retained (some rank has not acknowledged them)."""
         return [int(s) for s in await self.client.zrange(self.keys.retained_payloads, 0, -1)]
 
-    async def expire_run(self, seconds: int = DEFAULT_TTL_SECONDS) -> int:
+    async def expire_run(self, seconds: int = DEFAULT_TTL_SECONDS) -> None:
         """See `PayloadStore.expire_run`."""
         keys = [key async for key in self.client.scan_iter(match=self.keys.prefix + "*", count=1000)]
         pipe = self.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.expire(key, seconds, nx=True)
-        return sum(await pipe.execute()) if keys else 0
+        _renew(pipe, self.keys, keys, seconds)
+        await pipe.execute()
 
     async def delete_all_rollouts(self) -> int:
         """Unlink every rollout payload of the run (see `PayloadStore.delete_all_rollouts`)."""
@@ -432,6 +433,16 @@ end
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 """
+
+
+def _renew(pipe: Any, keys: RunKeys, found: list[bytes], seconds: int) -> None:
+    """Queue on `pipe` the expiry `expire_run` gives each key found: `seconds` for a key
+    without one (NX) or expiring sooner (GT)."""
+    skipped = keys.self_expiring
+    for key in found:
+        if key.decode() not in skipped:
+            pipe.expire(key, seconds, nx=True)
+            pipe.expire(key, seconds, gt=True)
 
 
 def payload_holder(step: int, rank: int) -> str:

@@ -23,25 +23,28 @@ from transport.keys import RunKeys
 from transport.numbering import version_after
 from transport.payload_segments import read_side_arrays
 from transport.schema import WIRE_559B447, WireProfile
+from transport.store import DEFAULT_TTL_SECONDS
 
 log = logging.getLogger("rlship.trainer")
 
 # Record that `rank` trained `step` (and count deliveries and log their order, so a
 # duplicate or a step out of order that reached the trainer would show); the rank that
 # completes the step raises the policy version to ARGV[5], the version after the step
-# (never lowers it, so a replayed step cannot move it back).
+# (never lowers it, so a replayed step cannot move it back). Every key written expires
+# ARGV[6] seconds after.
 _MARK_TRAINED_LUA = """
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
 redis.call('HINCRBY', KEYS[5], ARGV[1], 1)
 redis.call('RPUSH', KEYS[6], ARGV[1])
-redis.call('EXPIRE', KEYS[6], 86400)
 redis.call('SADD', KEYS[2], ARGV[2])
-redis.call('EXPIRE', KEYS[2], 86400)
+for _, key in ipairs({KEYS[1], KEYS[2], KEYS[5], KEYS[6]}) do
+  redis.call('EXPIRE', key, ARGV[6])
+end
 if redis.call('SCARD', KEYS[2]) >= tonumber(ARGV[4]) then
   local version = tonumber(redis.call('GET', KEYS[3]) or '0')
   local trained = tonumber(ARGV[5])
   if trained > version then
-    redis.call('SET', KEYS[3], trained)
+    redis.call('SET', KEYS[3], trained, 'EX', ARGV[6])
     redis.call('PUBLISH', KEYS[4], trained)
   end
   return trained
@@ -68,14 +71,21 @@ class Acknowledgements:
         summary: a rank pointed at the wrong port is noticed there, not only in its log."""
         dropped = receiver.foreign_dropped
         if dropped != self._foreign_reported:
-            self.client.hset(self.keys.foreign_dropped, str(receiver.rank), dropped)
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hset(self.keys.foreign_dropped, str(receiver.rank), dropped)
+            pipe.expire(self.keys.foreign_dropped, DEFAULT_TTL_SECONDS)
+            pipe.execute()
             self._foreign_reported = dropped
 
     def record_rows(self, message: ReceivedStep, rows_checksum: str | None) -> None:
         """Put the checksum of the side-array rows the rank read for `message` in Redis,
         before acknowledging it (a step acknowledged has been read whole)."""
         if rows_checksum is not None:
-            self.client.hset(self.keys.received_rows(message.rank), message.step, rows_checksum)
+            key = self.keys.received_rows(message.rank)
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hset(key, message.step, rows_checksum)
+            pipe.expire(key, DEFAULT_TTL_SECONDS)
+            pipe.execute()
 
     def acknowledge(self, message: ReceivedStep) -> str:
         """Record that `message` reached its rank; returns the payload's checksum."""
@@ -95,6 +105,7 @@ class Acknowledgements:
                 checksum,
                 self.ranks,
                 version_after(message.step, self.first_step),
+                DEFAULT_TTL_SECONDS,
             ],
         )
         return checksum

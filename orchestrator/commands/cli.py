@@ -158,6 +158,9 @@ def run_command(name: str, argv: list[str]) -> int:
             print(mask_secrets(exc.code), file=sys.stderr)
             return 2
         raise
+    except KeyboardInterrupt:  # Ctrl-C: a stop asked for, not a failure to show a traceback of
+        print(f"rlship {name}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # `rlship ... | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
         return 1

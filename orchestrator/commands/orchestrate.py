@@ -16,7 +16,6 @@ from typing import Any
 import redis
 
 from orchestrator.commands.checks import preflight_client
-from orchestrator.commands.run import interrupt_on_sigterm
 from orchestrator.diagnosis import RedisOutOfMemory
 from orchestrator.errors import CannotShip, EmptySteps, LeaseLost, RunStateLost
 from orchestrator.lease import ALIVE_SECONDS
@@ -40,6 +39,11 @@ async def _orchestrate(settings: RunSettings) -> dict[str, Any]:
         return await Orchestrator(settings, client).run()
     finally:
         await client.aclose()
+
+
+def interrupt_on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM stops the orchestrator as Ctrl-C does: one line, the run's keys kept."""
+    raise KeyboardInterrupt
 
 
 def main(args: argparse.Namespace) -> int:

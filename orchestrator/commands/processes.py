@@ -1,8 +1,14 @@
 """Child processes of a local run: started with their own settings in the environment,
-stopped by PID (SIGTERM, then SIGKILL after a grace period), never by name."""
+stopped by PID (SIGTERM, then SIGKILL after a grace period), never by name.
+
+Each child has a process group of its own, so a signal to the run's group (Ctrl-C, a
+supervisor's SIGTERM) reaches `rlship run` alone, which stops its children in order; and
+each gets SIGTERM from the kernel if `rlship run` dies without doing so (SIGKILL)."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import os
 import signal
@@ -23,6 +29,18 @@ from transport.keys import RunKeys
 
 # Where children start: `python -m orchestrator.commands.cli` finds the packages here.
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
+# kombu's sorted set of when each expiring queue's binding table may be swept.
+BINDING_DEADLINES = "_kombu.binding_deadlines"
+PR_SET_PDEATHSIG = 1
+
+
+def stop_with_parent(parent: int) -> None:
+    """In a child before it runs its command: SIGTERM when its parent dies (Linux), and at
+    once if the parent (`parent`, its pid) died before this call."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def rlship_command(*args: str) -> list[str]:
@@ -75,6 +93,8 @@ class ProcessGroup:
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
             cwd=SOURCE_ROOT,
+            process_group=0,
+            preexec_fn=functools.partial(stop_with_parent, os.getpid()),
         )
         self.processes[name] = process
         return process
@@ -173,14 +193,15 @@ def wait_for_workers(settings: RunSettings, group: ProcessGroup, timeout: float 
 
 
 def delete_queues(client: redis.Redis, queues: Collection[str]) -> None:
-    """Every trace of one-off Celery queues: the lists, kombu's bindings of them, and the
-    messages a killed worker left unacknowledged for them (a live worker would restore
-    those, making the queue again, with no expiry)."""
+    """Every trace of one-off Celery queues: the lists, kombu's bindings of them (and the
+    deadline of an expiring one's), and the messages a killed worker left unacknowledged
+    for them (a live worker would restore those, making the queue again, with no expiry)."""
     owned = set(queues)
     if not owned:
         return
     bindings = [f"_kombu.binding{kind}.{queue}" for kind in ("", "_permanent") for queue in owned]
     client.unlink(*owned, *bindings)
+    client.zrem(BINDING_DEADLINES, *owned)
     # kombu keeps each unacknowledged message as JSON [message, exchange, routing key].
     left = [tag for tag, entry in client.hscan_iter("unacked") if json.loads(entry)[-1] in owned]
     if left:

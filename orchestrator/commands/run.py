@@ -31,6 +31,13 @@ from orchestrator.commands.processes import (
     worker_commands,
 )
 from orchestrator.commands.progress import REFRESH_SECONDS, ProgressDisplay
+from orchestrator.commands.run_report import (
+    KEYS_KEPT_SECONDS,
+    orchestrator_error,
+    print_summary,
+    steps,
+    summarize,
+)
 from orchestrator.logs import configure_logging
 from orchestrator.resume import ResumeRefused, StoredRun, check_steps_left, given_again, resumed
 from orchestrator.settings import RunSettings, run_queue, settings_to_env
@@ -45,7 +52,7 @@ from tasks.logs import mask_secrets
 from transport.connection import connect_redis
 from transport.keys import RunKeys
 from transport.port_claims import claim_call, claim_holder, release_call
-from transport.store import DEFAULT_TTL_SECONDS, PayloadStore
+from transport.store import PayloadStore
 from transport.zmq_sockets import free_port_pair
 
 log = logging.getLogger("rlship.run")
@@ -53,30 +60,12 @@ log = logging.getLogger("rlship.run")
 TRAINER_DRAIN_SECONDS = 60.0
 RESTARTABLE = frozenset({"redis", "cpu-worker", "ship-worker"})
 QUEUE_DRAIN_SECONDS = 5.0
-KEYS_KEPT_SECONDS = DEFAULT_TTL_SECONDS
 MAX_RESTARTS = 10
 # The claim of the run's port pair outlives `rlship run`'s start-up by this much; its
 # orchestrator renews it from its start (orchestrator.lease).
 PORT_CLAIM_SECONDS = 60
 PORT_PAIR_TRIES = 20
-
-
-def received_by_rank(client: redis.Redis, run_id: str, ranks: int) -> dict[str, dict[str, Any]]:
-    """What each trainer rank recorded as received: its steps in order, their checksums, and
-    the checksums of the side-array rows it read by handle (by step)."""
-    keys = RunKeys(run_id)
-    out = {}
-    for rank in range(ranks):
-        received = {int(k): v.decode() for k, v in client.hgetall(keys.received(rank)).items()}
-        steps = sorted(received)
-        rows = {k.decode(): v.decode() for k, v in client.hgetall(keys.received_rows(rank)).items()}
-        out[str(rank)] = {"steps": steps, "checksums": [received[s] for s in steps], "rows_checksums": rows}
-    return out
-
-
-def sent_checksums(client: redis.Redis, run_id: str, key: str | None = None) -> dict[str, str]:
-    """`{step}:{rank}` to the checksum encode wrote: of the payload, or of another hash (`key`)."""
-    return {k.decode(): v.decode() for k, v in client.hgetall(key or RunKeys(run_id).sent_checksums).items()}
+INTERRUPTED = "interrupted"  # by a signal (`StopSignals`): the summary says which, and where the run was
 
 
 def _wait_for_trainers(group: ProcessGroup, ranks: int, timeout: float) -> None:
@@ -151,9 +140,24 @@ def own_queues(settings: RunSettings) -> list[str]:
     return [queue for queue, kind in queues if queue == run_queue(settings.run_id, kind)]
 
 
+class StopSignals:
+    """SIGINT (Ctrl-C) and SIGTERM ask `rlship run` to stop: noted, never raised, so that the
+    stop runs whole whatever it was doing when one came (a second one changes nothing)."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._note)
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.received = self.received or signal.Signals(signum).name
+
+
 def run_local(
-    settings: RunSettings, summary_path: Path | None, *, port_movable: bool = False
-) -> dict[str, Any]:
+    settings: RunSettings, summary_path: Path | None, stop: StopSignals, *, port_movable: bool = False
+) -> dict[str, Any] | None:
+    """The run, from start to summary; None if stopped before a Redis answered (nothing of
+    the run is in Redis to report, and what was started is stopped)."""
     # The children run in the repository (`ProcessGroup`): a relative path would be theirs.
     given = {
         name: Path(path).resolve()
@@ -169,7 +173,6 @@ def run_local(
     started_at = time.time()  # the run's time: from here to the end of its shipping (`run_seconds`)
     orchestrator_summary = output_dir / "orchestrator-summary.json"
     orchestrator_summary.unlink(missing_ok=True)
-    stopped = "done"
     client: redis.Redis | None = None
     try:
         if ensure_redis(settings.redis_url, group, output_dir / "redis"):
@@ -178,18 +181,14 @@ def run_local(
                 f"so this run started its own there (data in {output_dir / 'redis'}); it stops with the "
                 "run, and `rlship status` sees the run only while it runs"
             )
+        if stop.received:
+            return None
         client = connect_redis(settings.redis_url, socket_timeout=5)
         settings = claim_ship_ports(client, settings, port_movable)
         group.env = settings_to_env(settings)
         status_key = RunKeys(settings.run_id).status
         client.hdel(status_key, "run_seconds")  # an earlier start's; this one's is written at its end
         shipped_before = int(client.hlen(RunKeys(settings.run_id).published))
-        for name, command in worker_commands(settings).items():
-            group.start(name, command)
-        if settings.trainers == "builtin":
-            for rank in range(settings.ranks):
-                group.start(f"trainer-{rank}", rlship_command("trainer", "--rank", str(rank)))
-        group.start("producer", rlship_command("produce"))
         display = ProgressDisplay(
             StatusReader(client, settings.run_id, [settings.cpu_queue, settings.ship_queue], settings.ranks),
             sys.stdout,
@@ -197,29 +196,12 @@ def run_local(
             settings.ranks,
             elapsed=time.time() - started_at,
         )
-        orchestrator = group.start(
-            "orchestrator", rlship_command("orchestrate", "--summary-out", str(orchestrator_summary))
-        )
-        try:
-            while orchestrator.poll() is None:
-                _restart_or_fail(group)
-                display.update()
-                time.sleep(REFRESH_SECONDS)
-            if orchestrator.returncode != 0:
-                cause = _orchestrator_error(group.log_dir / "orchestrator.log")
-                stopped = (
-                    f"the orchestrator exited with {orchestrator.returncode}{cause} "
-                    f"(log in {group.log_dir / 'orchestrator.log'})"
-                )
-            else:
-                _wait_for_trainers(group, settings.ranks, TRAINER_DRAIN_SECONDS)
-        except KeyboardInterrupt:
-            stopped = "interrupted (Ctrl-C or SIGTERM)"
-        except ChildFailed as exc:
-            stopped = str(exc)
+        stopped = _start_and_wait(group, settings, orchestrator_summary, display, stop)
+        if stopped == INTERRUPTED:
+            stopped = f"interrupted ({stop.received}) {_where(client, settings.run_id, started_at)}"
         group.stop("orchestrator")
         # The run's one orchestrator (a second start of a running run is refused) is gone, even
-        # if a Ctrl-C ended it before it let go of its lease: a resume must not wait that out.
+        # if a signal ended it before it let go of its lease: a resume must not wait that out.
         client.delete(RunKeys(settings.run_id).orchestrator_lease)
         run_seconds = time.time() - started_at
         client.hset(status_key, "run_seconds", run_seconds)
@@ -229,7 +211,7 @@ def run_local(
         for name in [n for n in reversed(list(group.processes)) if n != "redis"]:
             group.stop(name)
         delete_queues(client, own_queues(settings))
-        summary = _summarize(settings, orchestrator_summary, stopped, shipped_before)
+        summary = summarize(client, settings, orchestrator_summary, stopped, shipped_before)
         summary["run_seconds"] = run_seconds
         store = PayloadStore(client, settings.run_id)
         if stopped == "done":
@@ -242,19 +224,61 @@ def run_local(
             with contextlib.suppress(redis.RedisError):
                 release_ship_ports(client, settings)
         group.stop_all()
-    summary.update({"wall_seconds": time.perf_counter() - started})
+    summary["wall_seconds"] = time.perf_counter() - started
     if summary_path is not None:
         summary_path.parent.mkdir(parents=True, exist_ok=True)
         summary_path.write_text(json.dumps(summary, indent=2, sort_keys=True))
     return summary
 
 
-def _orchestrator_error(log_path: Path) -> str:
-    """`: {cause}` from the orchestrator's last error line (`rlship orchestrate: ...`), if any."""
-    prefix = "rlship orchestrate: "
-    lines = log_path.read_text(errors="replace").splitlines() if log_path.exists() else []
-    causes = [line.removeprefix(prefix) for line in lines if line.startswith(prefix)]
-    return f": {causes[-1]}" if causes else ""
+def _start_and_wait(
+    group: ProcessGroup,
+    settings: RunSettings,
+    orchestrator_summary: Path,
+    display: ProgressDisplay,
+    stop: StopSignals,
+) -> str:
+    """Start the run's children, the orchestrator last, and follow the run until it ends,
+    a child fails or a signal stops it (`INTERRUPTED`); what stopped it (`done`: it
+    shipped every step)."""
+    children = {
+        **worker_commands(settings),
+        **{
+            f"trainer-{rank}": rlship_command("trainer", "--rank", str(rank))
+            for rank in range(settings.ranks if settings.trainers == "builtin" else 0)
+        },
+        "producer": rlship_command("produce"),
+        "orchestrator": rlship_command("orchestrate", "--summary-out", str(orchestrator_summary)),
+    }
+    for name, command in children.items():
+        if stop.received:
+            return INTERRUPTED
+        group.start(name, command)
+    orchestrator = group.processes["orchestrator"]
+    try:
+        while orchestrator.poll() is None and not stop.received:
+            _restart_or_fail(group)
+            display.update()
+            time.sleep(REFRESH_SECONDS)
+    except ChildFailed as exc:
+        return str(exc)
+    if stop.received:
+        return INTERRUPTED
+    if orchestrator.returncode != 0:
+        cause = orchestrator_error(group.log_dir / "orchestrator.log")
+        return (
+            f"the orchestrator exited with {orchestrator.returncode}{cause} "
+            f"(log in {group.log_dir / 'orchestrator.log'})"
+        )
+    _wait_for_trainers(group, settings.ranks, TRAINER_DRAIN_SECONDS)
+    return "done"
+
+
+def _where(client: redis.Redis, run_id: str, started_at: float) -> str:
+    """Where a run interrupted was: running once this start's orchestrator has written its
+    status (it holds the run and cuts steps), starting before."""
+    updated = client.hget(RunKeys(run_id).status, "updated_at")
+    return "while running" if updated is not None and float(updated) >= started_at else "while starting"
 
 
 def _end_tasks(client: redis.Redis, settings: RunSettings) -> None:
@@ -285,45 +309,6 @@ def _restart_or_fail(group: ProcessGroup) -> None:
             raise ChildFailed(f"{name} exited with {code} (log in {group.log_dir / (name + '.log')})")
         log.warning("%s exited with %s; starting it again (restart %d)", name, code, restarts + 1)
         group.restart(name)
-
-
-def _summarize(
-    settings: RunSettings, orchestrator_summary: Path, stopped: str, shipped_before: int
-) -> dict[str, Any]:
-    """What the run shipped, from Redis (the one source whatever stopped the run): a step is
-    shipped when its record is published, which needs every rank's send first."""
-    client = connect_redis(settings.redis_url)
-    shipped = int(client.hlen(RunKeys(settings.run_id).published))
-    summary: dict[str, Any] = {"run_id": settings.run_id}
-    if orchestrator_summary.exists():
-        summary.update(json.loads(orchestrator_summary.read_text()))
-    stream = client.xrange(RunKeys(settings.run_id).metrics_stream)  # the last RECORDS_KEPT
-    records = [json.loads(fields[b"record"]) for _, fields in stream]
-    lag_ms = [record.get("event_loop_lag/max_ms", 0.0) for record in records]
-    summary.update(
-        {
-            "tokens_shipped": int(records[-1]["progress/total_tokens"]) if records else 0,
-            "loop_lag_max_ms": max([summary.get("loop_lag_max_ms", 0.0), *lag_ms]),
-            "steps_wanted": settings.steps,
-            "steps_shipped": shipped,
-            "steps_shipped_before": shipped_before,
-            "stopped": stopped,
-            "ranks": received_by_rank(client, settings.run_id, settings.ranks),
-            "sent_checksums": sent_checksums(client, settings.run_id),
-            "sent_rows_checksums": sent_checksums(
-                client, settings.run_id, RunKeys(settings.run_id).sent_rows_checksums
-            ),
-            "tasks_dropped": _counts(client, RunKeys(settings.run_id).tasks_dropped),
-            "served_by": _counts(client, RunKeys(settings.run_id).served_by),
-            "foreign_dropped": _counts(client, RunKeys(settings.run_id).foreign_dropped),
-            "zmq_port": settings.zmq_port if settings.transport == "zmq" else None,
-        }
-    )
-    return summary
-
-
-def _counts(client: redis.Redis, key: str) -> dict[str, int]:
-    return {k.decode(): int(v) for k, v in client.hgetall(key).items()}
 
 
 def resume_with_run_settings(settings: RunSettings, sources: Mapping[str, str]) -> RunSettings:
@@ -357,44 +342,13 @@ def resume_with_run_settings(settings: RunSettings, sources: Mapping[str, str]) 
     return settings
 
 
-def steps(count: int) -> str:
-    return f"{count} step" if count == 1 else f"{count} steps"
-
-
-def print_summary(summary: dict[str, Any]) -> None:
-    run_id = summary["run_id"]
-    before = summary.get("steps_shipped_before", 0)
-    resumed = f", {before} of them before this start" if before else ""
-    print(
-        f"\nrlship run {run_id}: {steps(summary['steps_shipped'])} shipped{resumed}, "
-        f"{summary.get('tokens_shipped', 0):,} tokens in "
-        f"{summary['run_seconds']:.1f} s; event-loop lag max {summary.get('loop_lag_max_ms', 0.0):.1f} ms"
-    )
-    for rank, received in sorted(summary.get("ranks", {}).items()):
-        print(f"  rank {rank}: received steps {received['steps']}")
-    for rank, dropped in sorted(summary.get("foreign_dropped", {}).items()):
-        print(f"  rank {rank}: dropped {dropped} steps of another run (pointed at another run's port)")
-    if summary.get("tasks_dropped"):
-        print(f"  tasks dropped after the run ended (not retried): {summary['tasks_dropped']}")
-    if summary["stopped"] != "done":
-        print(
-            f"  stopped: {summary['stopped']}, {summary['steps_wanted'] - summary['steps_shipped']} of "
-            f"{summary['steps_wanted']} steps not shipped; the run's keys expire in "
-            f"{KEYS_KEPT_SECONDS // 3600} h: `rlship run --run-id {run_id}` resumes it with its settings"
-        )
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings_arguments(parser, RUN_DEFAULTS)
     parser.add_argument("--summary-json", type=Path, default=None, help="write the summary here")
 
 
-def interrupt_on_sigterm(signum: int, frame: Any) -> None:
-    """SIGTERM stops the run as Ctrl-C does: children stopped by PID, summary printed."""
-    raise KeyboardInterrupt
-
-
 def main(args: argparse.Namespace) -> int:
+    stop = StopSignals()
     resolved = resolve_settings(args)
     try:
         settings = resume_with_run_settings(run_defaults(resolved), resolved.sources)
@@ -402,19 +356,18 @@ def main(args: argparse.Namespace) -> int:
         print(f"rlship run: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_json, logging.INFO, run_id=settings.run_id)
-    signal.signal(signal.SIGTERM, interrupt_on_sigterm)
     # External trainers are configured with the port themselves: only rlship's may be moved.
     port_movable = resolved.sources["zmq_port"] == "default" and settings.trainers == "builtin"
     for check in preflight_run(settings, port_movable=port_movable):
         if not check.ok:
             log.warning("%s", check.line())
     try:
-        summary = run_local(settings, args.summary_json, port_movable=port_movable)
-    except KeyboardInterrupt:
-        print(f"rlship run {settings.run_id}: interrupted while starting; what it started is stopped")
-        return 130
+        summary = run_local(settings, args.summary_json, stop, port_movable=port_movable)
     except PortsTaken as exc:
         print(f"rlship run {settings.run_id}: {exc}", file=sys.stderr)
         return 2
+    if summary is None:
+        print(f"rlship run {settings.run_id}: interrupted ({stop.received}) before Redis answered")
+        return 130
     print_summary(summary)
     return 0 if summary.get("steps_shipped", 0) == settings.steps else 1

@@ -22,6 +22,7 @@ from tasks.ship import StepContext
 from tasks.stages.finalize import FinalizedStep, StepVerdict, step_verdict
 from tests.support.factories import group
 from tests.support.processes import REPO, python_command
+from tests.support.runs import keys_without_expiry
 from tests.support.shiprun import (
     delivered,
     metrics_lines,
@@ -53,10 +54,6 @@ def produce_groups(client: redis.Redis, run_id: str, count: int, corrupt: set[in
                 damaged = {**arrays, "input_ids": arrays["input_ids"][:-1]}
                 client.set(store.keys.rollout(record.rollout_id), pack_arrays(damaged), keepttl=True)
     return first_ids
-
-
-def keys_without_expiry(client: redis.Redis, run_id: str) -> list[str]:
-    return [k.decode() for k in client.scan_iter(f"{RunKeys(run_id).prefix}*") if client.ttl(k) == -1]
 
 
 @pytest.mark.timeout(180)

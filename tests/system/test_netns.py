@@ -24,7 +24,7 @@ import pytest
 import redis
 
 from orchestrator.commands.processes import ProcessGroup, redis_answers, rlship_command, worker_commands
-from orchestrator.commands.run import received_by_rank, sent_checksums
+from orchestrator.commands.run_report import received_by_rank, sent_checksums
 from orchestrator.settings import RunSettings, settings_to_env
 from tests.support.processes import require
 from transport.keys import RunKeys

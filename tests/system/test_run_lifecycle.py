@@ -16,43 +16,14 @@ import uuid
 import psutil
 import pytest
 
-from orchestrator.commands.processes import delete_queues
 from tasks.cohort import CohortBuilder
 from tasks.manifest import ShipConfig, StepManifest
 from tasks.ship import send
-from tests.support.processes import REPO, python_command, session_queue, wait_for
+from tests.support.processes import REPO, python_command, wait_for
+from tests.support.runs import forget_run, keys_without_expiry, processes_of, run_command
 from transport.zmq_sockets import free_port_pair
 
 DEADLINE_SECONDS = 180
-
-
-def run_command(run_id: str, steps: int, tmp_path, port: int) -> list[str]:
-    return [
-        *python_command(), "run", "--steps", str(steps), "--run-id", run_id,
-        "--batch-size", "16", "--group-size", "4", "--seq-len", "512", "--zmq-port", str(port),
-        "--output-dir", str(tmp_path), "--cpu-queue", session_queue(f"cpu-{run_id}"),
-        "--ship-queue", session_queue(f"ship-{run_id}"),
-    ]  # fmt: skip
-
-
-def processes_of(run_id: str) -> list[str]:
-    """Processes naming the run in their command line or environment (the run's children)."""
-    found = []
-    for process in psutil.process_iter(["cmdline", "environ"]):
-        command = " ".join(process.info["cmdline"] or [])
-        if run_id in command or (process.info["environ"] or {}).get("RLSHIP_RUN_ID") == run_id:
-            found.append(command)
-    return found
-
-
-def forget_run(client, run_id: str) -> None:
-    """The run's keys and the traces of its queues (its queues are its own)."""
-    client.delete(*client.keys(f"rlship:{run_id}:*"))
-    delete_queues(client, [f"cpu-{run_id}", f"ship-{run_id}"])
-
-
-def keys_without_expiry(client, run_id: str) -> list[str]:
-    return [k.decode() for k in client.scan_iter(match=f"rlship:{run_id}:*") if client.ttl(k) == -1]
 
 
 @pytest.mark.timeout(420)

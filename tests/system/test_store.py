@@ -8,8 +8,11 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
+from orchestrator.lease import Lease
 from tests.support.factories import store_rollout_arrays
+from transport.keys import RunKeys
 from transport.store import (
+    DEFAULT_TTL_SECONDS,
     AsyncPayloadStore,
     PayloadCorruptError,
     PayloadMissingError,
@@ -115,3 +118,34 @@ def test_async_store(client, redis_url, run_id):
             await aclient.aclose()
 
     asyncio.run(scenario())
+
+
+def test_expire_run_gives_every_key_the_run_keeps_its_time_and_leaves_short_lived_marks_alone(
+    client, redis_url, run_id
+):
+    """What a run's end, and its lease every `RENEW_SECONDS` (from the start), apply: a key
+    without an expiry and one expiring sooner get the time; one expiring later keeps it; a
+    short-lived mark keeps its seconds (else a killed run's lease would hold its successor
+    off for a day). Through the lease, as an orchestrator takes the run."""
+    keys = RunKeys(run_id)
+    client.set(keys.run_marker, 1)  # as an earlier version left it: no expiry
+    client.set(keys.settings, "{}", ex=100)  # a paused run's keys, nearly expired
+    client.sadd(keys.announced_ranks, 0)
+    client.expire(keys.announced_ranks, 7 * DEFAULT_TTL_SECONDS)
+    client.set(keys.ship_problem, "rank 1 not READY", ex=10)
+
+    async def take_the_run() -> None:
+        async_client = aioredis.Redis.from_url(redis_url)
+        stopping = asyncio.Event()
+        lease = Lease(async_client, run_id, stopping, on_lost=lambda exc: None, loss_report=dict)
+        holding = asyncio.create_task(lease.hold())
+        await lease.acquired.wait()
+        stopping.set()
+        await holding
+        await async_client.aclose()
+
+    asyncio.run(take_the_run())
+    assert DEFAULT_TTL_SECONDS - 60 < client.ttl(keys.run_marker) <= DEFAULT_TTL_SECONDS
+    assert DEFAULT_TTL_SECONDS - 60 < client.ttl(keys.settings) <= DEFAULT_TTL_SECONDS
+    assert client.ttl(keys.announced_ranks) > DEFAULT_TTL_SECONDS
+    assert 0 < client.ttl(keys.ship_problem) <= 10

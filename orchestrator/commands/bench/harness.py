@@ -37,7 +37,7 @@ from orchestrator.commands.processes import (
     wait_for_workers,
     worker_commands,
 )
-from orchestrator.commands.run import received_by_rank
+from orchestrator.commands.run_report import received_by_rank
 from orchestrator.commands.sentinel_cluster import LocalSentinelCluster, start_redis_server
 from orchestrator.producer import RolloutProducer
 from orchestrator.settings import RunSettings, settings_to_env

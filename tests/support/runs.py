@@ -1,0 +1,71 @@
+"""Helpers for tests of whole `rlship run` processes: the command of a small run, the
+processes and queue traces a run leaves, and its keys without an expiry."""
+
+from __future__ import annotations
+
+import psutil
+import redis
+
+from orchestrator.commands.processes import BINDING_DEADLINES, delete_queues
+from tests.support.processes import python_command, session_queue
+from transport.keys import RunKeys, run_queue
+
+# One atomic look at the run's keys (a SCAN would let a key be written between two TTLs).
+_UNEXPIRING_LUA = """
+local found = {}
+for _, key in ipairs(redis.call('KEYS', ARGV[1])) do
+  if redis.call('TTL', key) == -1 then table.insert(found, key) end
+end
+return found
+"""
+
+
+def run_command(run_id: str, steps: int, output_dir, port: int, own_queues: bool = False) -> list[str]:
+    """A small `rlship run`, on the session's queues, or with `own_queues` on the run's own."""
+    queues = [] if own_queues else [
+        "--cpu-queue", session_queue(f"cpu-{run_id}"), "--ship-queue", session_queue(f"ship-{run_id}"),
+    ]  # fmt: skip
+    return [
+        *python_command(), "run", "--steps", str(steps), "--run-id", run_id,
+        "--batch-size", "16", "--group-size", "4", "--seq-len", "512", "--zmq-port", str(port),
+        "--output-dir", str(output_dir), *queues,
+    ]  # fmt: skip
+
+
+def processes_of(run_id: str) -> list[str]:
+    """Processes naming the run in their command line or environment (the run's children)."""
+    found = []
+    for process in psutil.process_iter(["cmdline", "environ"]):
+        command = " ".join(process.info["cmdline"] or [])
+        if run_id in command or (process.info["environ"] or {}).get("RLSHIP_RUN_ID") == run_id:
+            found.append(command)
+    return found
+
+
+def keys_without_expiry(client: redis.Redis, run_id: str) -> list[str]:
+    return sorted(key.decode() for key in client.eval(_UNEXPIRING_LUA, 0, RunKeys(run_id).prefix + "*"))
+
+
+def own_queue_traces(client: redis.Redis, run_id: str) -> dict[str, str]:
+    """What is left of the run's own queues, each trace with how it goes: `expires` (a key
+    with an expiry), `swept` (a binding table kombu's consumers sweep at its deadline) or
+    `forever`."""
+    deadlines = {member.decode() for member in client.zrange(BINDING_DEADLINES, 0, -1)}
+    traces = {}
+    for kind in ("cpu", "ship"):
+        queue = run_queue(run_id, kind)
+        for key in (queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}"):
+            ttl = client.ttl(key)
+            if ttl != -2:
+                swept = key == f"_kombu.binding.{queue}" and queue in deadlines
+                traces[key] = "expires" if ttl > 0 else "swept" if swept else "forever"
+    return traces
+
+
+def forget_run(client: redis.Redis, run_id: str) -> None:
+    """The run's keys and the traces of its queues (the session's, or its own)."""
+    keys = client.keys(f"{RunKeys(run_id).prefix}*")
+    if keys:
+        client.delete(*keys)
+    own = [run_queue(run_id, kind) for kind in ("cpu", "ship")]
+    delete_queues(client, [f"cpu-{run_id}", f"ship-{run_id}", *own])
