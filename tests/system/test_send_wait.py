@@ -18,7 +18,7 @@ import redis
 from tasks.app import app
 from tasks.cohort import CohortBuilder
 from tasks.manifest import ShipConfig, StepManifest
-from tasks.ship import RETRY_SECONDS, SEND_WAIT_MAX_SECONDS, send
+from tasks.send import RETRY_SECONDS, SEND_WAIT_MAX_SECONDS, send
 from tests.support.processes import Workers, wait_for
 from transport.keys import RunKeys
 

@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from tasks import faults, ship
+from tasks import send as sending
 from tasks.app import app
 from tasks.graph import STAGES
 from transport.keys import RunKeys
@@ -181,25 +182,25 @@ def test_the_sending_mark_counts_a_resend_only_after_another_process_died_mid_se
     mark, interrupted = f"rlship:{run_id}:sending:1", f"rlship:{run_id}:interrupted_sends"
     ctx = ship.StepContext(run_id, 5)
     ctx.durability = Durability(0, 1000, f"rlship:{run_id}:replication_probe")  # no manifest here: one Redis
-    monkeypatch.setattr(ship, "_intents", set())  # a fresh process
-    ship._mark_intent(ctx, 5, 1)
+    monkeypatch.setattr(sending, "_intents", set())  # a fresh process
+    sending._mark_intent(ctx, 5, 1)
     assert client.get(mark) == b"5"
-    ship._mark_intent(ctx, 5, 1)  # this process's own retry
-    ship._mark_intent(ctx, 6, 1)  # this process's next step
+    sending._mark_intent(ctx, 5, 1)  # this process's own retry
+    sending._mark_intent(ctx, 6, 1)  # this process's next step
     assert client.get(mark) == b"6"
     assert not client.exists(interrupted)
     assert messages(caplog, logging.WARNING) == []
 
-    monkeypatch.setattr(ship, "_intents", set())  # a new process finds step 6 marked, not sent
-    ship._mark_intent(ctx, 6, 1)
-    ship._mark_intent(ctx, 6, 1)
+    monkeypatch.setattr(sending, "_intents", set())  # a new process finds step 6 marked, not sent
+    sending._mark_intent(ctx, 6, 1)
+    sending._mark_intent(ctx, 6, 1)
     assert client.hgetall(interrupted) == {b"6:1": b"1"}
     assert messages(caplog, logging.WARNING) == [
         "step 6 rank 1: the previous send died before marking it sent; sending again (a receiver "
         "without duplicate checks gets it twice only if that process died after the message left it)"
     ]
-    monkeypatch.setattr(ship, "_intents", set())  # another new process, at the next step
-    ship._mark_intent(ctx, 7, 1)
+    monkeypatch.setattr(sending, "_intents", set())  # another new process, at the next step
+    sending._mark_intent(ctx, 7, 1)
     assert client.get(mark) == b"7" and client.hgetall(interrupted) == {b"6:1": b"1"}
 
 
@@ -207,7 +208,7 @@ def test_a_ship_problem_is_noted_for_ten_seconds_and_logged(
     client: redis.Redis, run_id: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger=LOGGER)
-    ship._report_ship_problem(ship.StepContext(run_id, 9), "rank 1 has not announced its address")
+    sending._report_ship_problem(ship.StepContext(run_id, 9), "rank 1 has not announced its address")
     key = f"rlship:{run_id}:ship_problem"
     assert client.get(key) == b"rank 1 has not announced its address"
     assert 0 < client.ttl(key) <= 10

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from tasks.ship import _stage_seconds
+from tasks.publish import _stage_seconds
 from tasks.stages.publish import build_record, conservation_error, running_totals
 from transport.checksum import payload_checksum
 

@@ -1,0 +1,237 @@
+"""The send task: one rank's step to its trainer, exactly once and in order per rank, over
+the run's transport (ZMQ or files). What makes it exactly-once (the `sending` and
+`last_sent` marks around a send) and in order (a step waits until the previous one left
+for that rank) is here; the sender itself is `transport.zmq_sender` / `transport.filesystem`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from tasks.context import StepContext, redis_client, stage_task
+from tasks.manifest import ShipConfig
+from transport.base import StepSender
+from transport.filesystem import ForeignLayout
+from transport.keys import stage_field
+from transport.port_claims import other_claimants, port_holder
+from transport.store import DEFAULT_TTL_SECONDS
+
+log = logging.getLogger("rlship.tasks")
+
+RETRY_SECONDS = 0.05
+# A send waiting for its rank's previous step retries after 0.05, 0.1, 0.2, ... s, at most
+# this long: a short wait (the previous step's encode finishing late) still ends within
+# tens of ms, and a rank held for minutes costs one retry a second, not twenty.
+SEND_WAIT_MAX_SECONDS = 1.0
+READY_WAIT_SECONDS = 1.0
+BIND_RETRY_SECONDS = 1.0  # a port held by another process, within the run's bind_wait_seconds
+SHIP_PROBLEM_SECONDS = 10
+# A trainer whose queue stays full this long makes the send fail and retry later, so a
+# stuck rank holds back its own step instead of blocking the ship worker forever.
+SEND_TIMEOUT_SECONDS = 30.0
+
+
+@functools.cache
+def _sender(run_id: str, config: ShipConfig) -> StepSender:
+    """The process's sender for a run's transport; the ZMQ one binds once per process and
+    knows every rank that announced READY to an earlier ship worker of the run."""
+    if config.transport == "zmq":
+        from transport.announcements import RedisAnnouncements
+        from transport.zmq_sender import ZMQSender
+
+        return ZMQSender(
+            config.zmq_host,
+            config.zmq_port,
+            config.ranks,
+            run_id=run_id,
+            send_timeout=SEND_TIMEOUT_SECONDS,
+            announcements=RedisAnnouncements(redis_client(), run_id),
+        )
+    from transport.filesystem import FileSender
+
+    return FileSender(config.output_path, run_id=run_id)
+
+
+# (run_id, step, rank) whose `sending` mark this process wrote: a retry here is not a crash.
+_intents: set[tuple[str, int, int]] = set()
+
+
+@stage_task("send", computes=False, max_retries=None)
+def send(ctx: StepContext, rank: int) -> None:
+    """Send one rank its step, once: the step before must have left (per-rank order), and a
+    step already marked `last_sent` (it left the process) or acknowledged is not sent again.
+
+    Exactly-once to a receiver that neither drops duplicates nor replays (prime-rl's)
+    rests on two marks around a send that returns only once the message has left the
+    process (transport.zmq_sender: in the kernel's socket buffer, delivered even if this
+    process dies next): `sending` before it, `last_sent` after. A ship worker killed before
+    the message left loses it with its libzmq queue; the redelivered task finds `sending`
+    above `last_sent` and sends it again, correctly. The one window left: killed after the
+    message left and before `last_sent` reached Redis (one Redis round trip; measured in
+    docs/reliability.md), the step is delivered and sent again, a duplicate to a stock receiver
+    (rlship's receivers drop it). Every such resend is counted in the run's
+    `interrupted_sends` hash, field `{step}:{rank}`, so a run reports how often the
+    window may have been hit.
+    """
+    step = ctx.step
+    manifest = ctx.manifest
+    last_sent_raw = ctx.client.get(ctx.keys.last_sent(rank))
+    last_sent = int(last_sent_raw) if last_sent_raw is not None else -1
+    if last_sent < manifest.prev_step:
+        # Backing off, not blocking: the single ship process must stay free to send the
+        # step this one waits for (and every other rank's steps) meanwhile.
+        wait = min(RETRY_SECONDS * 2 ** min(ctx.retries, 10), SEND_WAIT_MAX_SECONDS)
+        raise ctx.retry(countdown=wait, queue=manifest.config.ship_queue)
+    if last_sent < step and ctx.client.hexists(ctx.keys.received(rank), step):
+        # The rank acknowledged it (a send that died before marking it): a trainer that has
+        # its last step may have left, and must not be waited for.
+        log.info("step %d rank %d: acknowledged by the rank already; not sent again", step, rank)
+        ctx.client.set(ctx.keys.last_sent(rank), step, ex=ctx.store.ttl)
+    elif last_sent < step and not _send_now(ctx, rank):
+        return  # the run cannot ship: its orchestrator stops it
+    sent_key = ctx.keys.sent(step)
+    pipe = ctx.client.pipeline(transaction=True)
+    pipe.sadd(sent_key, rank)
+    pipe.expire(sent_key, ctx.store.ttl)
+    pipe.sadd(ctx.keys.step_keys(step), sent_key)
+    pipe.execute()
+
+
+def _send_now(ctx: StepContext, rank: int) -> bool:
+    """Send the step to `rank` between the two marks (see `send`), once the sender is bound
+    and the rank has announced READY; retried while either is not so. False: the run cannot
+    ship at all (its ports stay held past `bind_wait_seconds`, its directory is another
+    run's), said in `ship_fatal`."""
+    step, run_id, config = ctx.step, ctx.run_id, ctx.manifest.config
+    try:
+        sender = _sender(run_id, config)
+    except ForeignLayout as exc:
+        _stop_run(ctx, f"the ship worker on {socket.gethostname()} cannot write the steps: {exc}")
+        return False
+    except zmq.ZMQError as exc:
+        problem = _bind_problem(ctx, config, exc)
+        waited = time.monotonic() - _unbindable_since.setdefault(run_id, time.monotonic())
+        if waited >= config.bind_wait_seconds:
+            _stop_run(ctx, problem)
+            return False
+        _report_ship_problem(
+            ctx, f"{problem}; waiting up to {config.bind_wait_seconds:.0f} s (bind_wait_seconds)"
+        )
+        raise ctx.retry(countdown=BIND_RETRY_SECONDS, queue=config.ship_queue) from None
+    _unbindable_since.pop(run_id, None)
+    wait_ready = getattr(sender, "wait_ready", None)
+    if wait_ready is not None and not wait_ready(timeout=READY_WAIT_SECONDS, rank=rank):
+        log.info("step %d rank %d: waiting for trainer ranks to announce READY", step, rank)
+        _report_ship_problem(
+            ctx,
+            f"trainer rank {rank} has not announced READY to {config.zmq_host}:{config.zmq_port + 1} "
+            "(not started, or pointed at another host or port?)",
+        )
+        raise ctx.retry(countdown=RETRY_SECONDS, queue=config.ship_queue)
+    _mark_intent(ctx, step, rank)
+    ctx.crash_if_armed("sending", rank)  # marked, not sent: the redelivery sends it, once
+    started = time.perf_counter()
+    try:
+        sender.send(step, rank, ctx.store.get_payload(step, rank))
+    except TimeoutError:
+        log.warning("step %d rank %d: trainer not reading; retrying", step, rank)
+        raise ctx.retry(countdown=RETRY_SECONDS, queue=config.ship_queue) from None
+    seconds = time.perf_counter() - started
+    ctx.crash_if_armed("send", rank)  # left the process, not yet marked: the window
+
+    def mark_sent() -> None:
+        pipe = ctx.client.pipeline(transaction=True)
+        pipe.set(ctx.keys.last_sent(rank), step, ex=ctx.store.ttl)
+        pipe.hset(ctx.keys.times(step), stage_field("send", rank), seconds)
+        pipe.expire(ctx.keys.times(step), ctx.store.ttl)
+        pipe.unlink(ctx.keys.ship_problem)
+        pipe.execute()
+
+    # The next step is sent only once a replica holds this mark: lost in a failover, it would
+    # have the step sent again (a duplicate to a stock receiver).
+    ctx.durability.replicate(
+        ctx.client, mark_sent, _reads(ctx.keys.last_sent(rank)), f"step {step} rank {rank}'s last_sent mark",
+        _at_least(step),
+    )  # fmt: skip
+    _intents.discard((run_id, step, rank))
+    return True
+
+
+def _reads(key: str) -> Callable[[Any], None]:
+    return lambda pipe: pipe.get(key)
+
+
+def _at_least(step: int) -> Callable[[list[Any]], bool]:
+    """Whether a mark read back (`_reads`) says `step` or later."""
+    return lambda found: found[0] is not None and int(found[0]) >= step
+
+
+# Per run, since when this process has failed to bind the run's ports (bind_wait_seconds).
+_unbindable_since: dict[str, float] = {}
+
+
+def _bind_problem(ctx: StepContext, config: ShipConfig, exc: zmq.ZMQError) -> str:
+    """The one line that says which address cannot be bound and who holds it: the process
+    listening there, and another run claiming the ports in Redis."""
+    holders = [
+        f"{port}: {holder}"
+        for port in (config.zmq_port, config.zmq_port + 1)
+        if (holder := port_holder(port))
+    ]
+    held = f"; held by {', '.join(holders)}" if holders else ""
+    claimants = other_claimants(ctx.client, ctx.run_id, config.zmq_host, config.zmq_port)
+    claimed = f"; claimed by live run {', '.join(claimants)}" if claimants else ""
+    return (
+        f"the ship worker on {socket.gethostname()} cannot bind {config.zmq_host}:{config.zmq_port} "
+        f"and the READY port {config.zmq_port + 1}: {exc}{held}{claimed}"
+    )
+
+
+def _stop_run(ctx: StepContext, problem: str) -> None:
+    """The run cannot ship: say why where its orchestrator looks every second (it stops the
+    run naming it); this send ends without a retry."""
+    log.error("step %d: %s; the run stops", ctx.step, problem)
+    ctx.client.set(ctx.keys.ship_fatal, problem, ex=DEFAULT_TTL_SECONDS)
+
+
+def _mark_intent(ctx: StepContext, step: int, rank: int) -> None:
+    """Write the `sending` mark; if an earlier process wrote it for this step and died
+    before `last_sent`, count the resend that follows (see `send`)."""
+    intent = (ctx.run_id, step, rank)
+    if intent in _intents:
+        return  # this process's own retry: its message is tracked by the sender
+    sending = ctx.keys.sending(rank)
+    # Sent only once a replica holds the mark: the worker that follows a failover must know.
+    previous = ctx.durability.replicate(
+        ctx.client,
+        lambda: ctx.client.set(sending, step, ex=ctx.store.ttl, get=True),
+        _reads(sending),
+        f"step {step} rank {rank}'s sending mark",
+        _at_least(step),
+    )
+    _intents.add(intent)
+    if previous is not None and int(previous) == step:
+        pipe = ctx.client.pipeline(transaction=True)
+        pipe.hincrby(ctx.keys.interrupted_sends, f"{step}:{rank}", 1)
+        pipe.expire(ctx.keys.interrupted_sends, ctx.store.ttl)
+        pipe.execute()
+        log.warning(
+            "step %d rank %d: the previous send died before marking it sent; sending again "
+            "(a receiver without duplicate checks gets it twice only if that process died "
+            "after the message left it)",
+            step,
+            rank,
+        )
+
+
+def _report_ship_problem(ctx: StepContext, problem: str) -> None:
+    """Say why sends do not go out, for the orchestrator's diagnosis of a stuck step."""
+    log.info("step %d: %s", ctx.step, problem)
+    ctx.client.set(ctx.keys.ship_problem, problem, ex=SHIP_PROBLEM_SECONDS)
