@@ -17,7 +17,7 @@ from kombu import Queue
 
 from tasks import logs  # noqa: F401  (connects the worker logging hooks)
 from transport.connection import celery_redis_options
-from transport.keys import is_run_queue
+from transport.keys import is_run_queue, queue_traces
 from transport.store import DEFAULT_TTL_SECONDS
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -50,15 +50,19 @@ class RunAMQP(AMQP):
     queues_cls = RunQueues
 
 
+@signals.worker_ready.connect
 @signals.worker_shutdown.connect
 def expire_run_queues(sender: Any, **_: Any) -> None:
-    """A stopping worker puts the messages it held (a retry's countdown) back on their
-    queue without kombu's expiry: give the run's own queues theirs back."""
+    """The run's own queues this worker consumes expire, however the run stops: kombu gives
+    the binding tables it made at start-up no expiry, and a stopping worker puts the
+    messages it held (a retry's countdown) back on their queue without one. The run's lease
+    renews them with its other keys while it lives (`transport.store.expire_run`)."""
     queues = [queue.name for queue in sender.app.amqp.queues.consume_from.values()]
     with sender.app.connection_for_write() as connection:
         client = connection.default_channel.client
-        for queue in filter(is_run_queue, queues):
-            client.expire(queue, DEFAULT_TTL_SECONDS)
+        for key in [key for queue in filter(is_run_queue, queues) for key in queue_traces(queue)]:
+            client.expire(key, DEFAULT_TTL_SECONDS, nx=True)
+            client.expire(key, DEFAULT_TTL_SECONDS, gt=True)
 
 
 _environment_url = os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)

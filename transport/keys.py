@@ -249,6 +249,12 @@ class RunKeys:
         return self.run_key("alive")
 
     @property
+    def own_queue_traces(self) -> list[str]:
+        """The keys of the run's own Celery queues (`run_queue`): given the run's expiry with
+        its other keys, so a killed run's queues go too (kombu gives its binding tables none)."""
+        return [key for kind in RUN_QUEUE_KINDS for key in queue_traces(run_queue(self.run_id, kind))]
+
+    @property
     def outcomes(self) -> str:
         """What became of each recent rollout (transport.outcomes): cut into a step, dropped
         at the cut and why, discarded or rejected; a hash, bounded by `outcome_order`."""
@@ -388,6 +394,11 @@ def run_queue(run_id: str, kind: str) -> str:
     """A run's own Celery queue of `kind` (cpu, ship), a Redis list of that name: runs on one
     Redis never share one unless an operator names it."""
     return f"rlship.{run_id}.{kind}"
+
+
+def queue_traces(queue: str) -> tuple[str, str, str]:
+    """The keys a Celery queue is on Redis: its list and kombu's two binding tables of it."""
+    return queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}"
 
 
 def is_run_queue(queue: str) -> bool:

@@ -436,10 +436,10 @@ redis.call('EXPIRE', KEYS[2], ARGV[3])
 
 
 def _renew(pipe: Any, keys: RunKeys, found: list[bytes], seconds: int) -> None:
-    """Queue on `pipe` the expiry `expire_run` gives each key found: `seconds` for a key
-    without one (NX) or expiring sooner (GT)."""
+    """Queue on `pipe` the expiry `expire_run` gives each key found and the run's own queues'
+    (`RunKeys.own_queue_traces`): `seconds` for a key without one (NX) or expiring sooner (GT)."""
     skipped = keys.self_expiring
-    for key in found:
+    for key in [*found, *(name.encode() for name in keys.own_queue_traces)]:
         if key.decode() not in skipped:
             pipe.expire(key, seconds, nx=True)
             pipe.expire(key, seconds, gt=True)

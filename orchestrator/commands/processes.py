@@ -25,7 +25,7 @@ from orchestrator.settings import RunSettings
 from orchestrator.worker_queries import answering_workers
 from tasks.logs import mask_secrets
 from transport.connection import RedisAddress, connect_redis
-from transport.keys import RunKeys
+from transport.keys import RunKeys, queue_traces
 
 # Where children start: `python -m orchestrator.commands.cli` finds the packages here.
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
@@ -199,8 +199,7 @@ def delete_queues(client: redis.Redis, queues: Collection[str]) -> None:
     owned = set(queues)
     if not owned:
         return
-    bindings = [f"_kombu.binding{kind}.{queue}" for kind in ("", "_permanent") for queue in owned]
-    client.unlink(*owned, *bindings)
+    client.unlink(*(key for queue in owned for key in queue_traces(queue)))
     client.zrem(BINDING_DEADLINES, *owned)
     # kombu keeps each unacknowledged message as JSON [message, exchange, routing key].
     left = [tag for tag, entry in client.hscan_iter("unacked") if json.loads(entry)[-1] in owned]

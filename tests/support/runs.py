@@ -6,7 +6,7 @@ from __future__ import annotations
 import psutil
 import redis
 
-from orchestrator.commands.processes import BINDING_DEADLINES, delete_queues
+from orchestrator.commands.processes import delete_queues
 from tests.support.processes import python_command, session_queue
 from transport.keys import RunKeys, run_queue
 
@@ -48,17 +48,12 @@ def keys_without_expiry(client: redis.Redis, run_id: str) -> list[str]:
 
 def own_queue_traces(client: redis.Redis, run_id: str) -> dict[str, str]:
     """What is left of the run's own queues, each trace with how it goes: `expires` (a key
-    with an expiry), `swept` (a binding table kombu's consumers sweep at its deadline) or
-    `forever`."""
-    deadlines = {member.decode() for member in client.zrange(BINDING_DEADLINES, 0, -1)}
+    with an expiry) or `forever`."""
     traces = {}
-    for kind in ("cpu", "ship"):
-        queue = run_queue(run_id, kind)
-        for key in (queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}"):
-            ttl = client.ttl(key)
-            if ttl != -2:
-                swept = key == f"_kombu.binding.{queue}" and queue in deadlines
-                traces[key] = "expires" if ttl > 0 else "swept" if swept else "forever"
+    for key in RunKeys(run_id).own_queue_traces:
+        ttl = client.ttl(key)
+        if ttl != -2:
+            traces[key] = "expires" if ttl > 0 else "forever"
     return traces
 
 

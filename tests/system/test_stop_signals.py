@@ -118,9 +118,9 @@ def test_a_stopped_run_leaves_every_key_expiring_and_says_where_it_was(client, r
     assert keys_without_expiry(client, run_id) == []
     logs = {path.name: path.read_text(errors="replace") for path in (tmp_path / "logs").glob("*.log")}
     assert {name: log for name, log in logs.items() if "Traceback" in log} == {}
-    if stop.says is None:  # killed: it printed nothing; its queues expire or are swept
+    if stop.says is None:  # killed: it printed nothing; its queues expire
         assert run.returncode == -signal.SIGKILL
-        assert set(own_queue_traces(client, run_id).values()) <= {"expires", "swept"}
+        assert set(own_queue_traces(client, run_id).values()) <= {"expires"}
     else:
         assert run.returncode == 1, stdout[-2000:]
         stopped = next(line for line in stdout.splitlines() if line.startswith("  stopped: "))
