@@ -17,7 +17,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from orchestrator.resume import NOT_STORED, comparable
+from orchestrator.resume import CHANGEABLE_ON_RESUME, NOT_STORED, comparable
 from orchestrator.settings import RunSettings
 from transport.keys import RunKeys
 
@@ -41,25 +41,29 @@ def _sentinel_managed(client: Any) -> bool:
 
 
 def run_settings(stored: str, client: Any, given: RunSettings | None) -> RunSettings:
-    """The run's settings from their stored form. Every setting `given` sets must be the
-    run's (compared as resolved), or `SettingsDisagree` names each that is not; the client's
-    way to Redis (given, or the client's own: Sentinels wait for a replica) is kept."""
+    """The run's settings from their stored form. A setting `given` sets that the run's
+    steps depend on must be the run's (compared as resolved), or `SettingsDisagree` names
+    each that is not; one a resume may change (`CHANGEABLE_ON_RESUME`: the backlog, the byte
+    budget, how long it runs) is taken as given, since the run being resumed with it has
+    not stored it yet. The client's way to Redis is kept (Sentinels wait for a replica)."""
     values = json.loads(stored)
     if given is not None:
         values["redis_url"] = given.redis_url
     run = RunSettings.model_validate(values)
-    if given is None and _sentinel_managed(client) and "redis_wait_replicas" not in values:
-        run = run.with_changes(redis_wait_replicas=1)
-    if given is not None:
-        was, now = comparable(run), comparable(given)
-        differ = [name for name in sorted(given.model_fields_set - NOT_STORED) if was[name] != now[name]]
-        if differ:
-            listed = "; ".join(f"{name}: {was[name]!r} in the run, {now[name]!r} given" for name in differ)
-            raise SettingsDisagree(
-                f"run {run.run_id} was started with other settings ({listed}): build the producer "
-                f"with the run id alone (for_run(client, {run.run_id!r})) to take the run's"
-            )
-    return run
+    if given is None:
+        if _sentinel_managed(client) and "redis_wait_replicas" not in values:
+            run = run.with_changes(redis_wait_replicas=1)
+        return run
+    was, now = comparable(run), comparable(given)
+    differ = [name for name in sorted(given.model_fields_set - NOT_STORED) if was[name] != now[name]]
+    refused = [name for name in differ if name not in CHANGEABLE_ON_RESUME]
+    if refused:
+        listed = "; ".join(f"{name}: {was[name]!r} in the run, {now[name]!r} given" for name in refused)
+        raise SettingsDisagree(
+            f"run {run.run_id} was started with other settings ({listed}): build the producer "
+            f"with the run id alone (for_run(client, {run.run_id!r})) to take the run's"
+        )
+    return run.with_changes(**{name: getattr(given, name) for name in differ}) if differ else run
 
 
 def _not_started(run_id: str, waited: float) -> RunNotStarted:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from orchestrator.producer import RolloutProducer, RolloutRejected
 from orchestrator.records import RolloutRecord
 from orchestrator.settings import RunSettings
 from orchestrator.settings_resolution import add_settings_arguments, settings_from_args
+from orchestrator.stored_settings import RunNotStarted, SettingsDisagree
 from transport.connection import connect_redis
 from transport.payload_segments import PAYLOAD_FIELD, rollout_rows_path, write_segment_file
 
@@ -205,5 +207,9 @@ def main(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     configure_logging(settings.log_json, logging.INFO, run_id=settings.run_id)
     preflight_client("produce", settings).close()
-    run_producer(settings, groups=args.groups)
+    try:
+        run_producer(settings, groups=args.groups)
+    except (RunNotStarted, SettingsDisagree) as exc:
+        print(f"rlship produce: {exc}", file=sys.stderr)
+        return 2
     return 0

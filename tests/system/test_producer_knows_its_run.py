@@ -97,6 +97,11 @@ def test_a_producer_knows_its_run_and_learns_what_became_of_its_rollouts(
     assert "seq_len: 64 in the run, 2048 given" in str(disagree.value)
     assert "group_size" not in str(disagree.value)
     assert RolloutProducer.for_run(client, RunSettings(run_id=run_id)).max_tokens == 64
+    # What a resume may change is taken as given (the run being resumed has not stored it yet).
+    resuming = RolloutProducer.for_run(
+        client, RunSettings(run_id=run_id, steps=40, max_outstanding_rollouts=64)
+    )
+    assert resuming.admission is not None and resuming.admission.limit == 64 and resuming.max_tokens == 64
 
     # A group written by other code and damaged behind the producer's back: the workers
     # drop it at the cut; a group of equal rewards is discarded (no advantage).
