@@ -19,14 +19,17 @@ import pytest
 import redis.asyncio as aioredis
 
 from orchestrator.admission import AdmissionRefused
+from orchestrator.exporter import serve_metrics
 from orchestrator.producer import AsyncRolloutProducer, RolloutProducer, RolloutRejected
 from orchestrator.settings import RunSettings
 from orchestrator.stored_settings import RunNotStarted, SettingsDisagree
 from tests.support.factories import group
+from tests.support.prometheus import scrape
 from tests.support.shiprun import metrics_lines, ship, ship_settings
 from transport.keys import RunKeys
 from transport.outcomes import cut_into, dropped_at, record_outcomes
 from transport.store import PayloadStore, pack_arrays
+from transport.zmq_sockets import free_port_pair
 
 GROUP = 4
 
@@ -146,8 +149,20 @@ def test_a_producer_knows_its_run_and_learns_what_became_of_its_rollouts(
     records = metrics_lines(settings)
     dropped = sum(r.get("progress/dropped_by_workers/input_ids", 0.0) for r in records)
     assert dropped == 4.0
-    counts = {k.decode(): int(v) for k, v in client.hgetall(RunKeys(run_id).outcome_counts).items()}
-    assert counts == {"dropped/input_ids": 4, "discarded/zero_advantage": 4}, counts
+    orchestrator = shipping[0].orchestrator
+    port = free_port_pair()
+    server = serve_metrics(
+        settings.with_changes(metrics_port=port), orchestrator.follower, orchestrator.probe
+    )
+    try:
+        samples = scrape(port, run_id)
+    finally:
+        server.shutdown()
+    outcomes = {name: value for name, value in samples.items() if name.startswith("rlship_rollouts_d")}
+    assert outcomes == {
+        "rlship_rollouts_dropped_total:input_ids": 4.0,
+        "rlship_rollouts_discarded_total:zero_advantage": 4.0,
+    }, outcomes
 
     # The run has finished: it takes nothing more, in one line.
     with pytest.raises(AdmissionRefused) as finished:

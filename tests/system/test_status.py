@@ -14,16 +14,15 @@ import json
 import re
 import subprocess
 import threading
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
-from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.settings import RunSettings
 from tests.support.processes import REPO, Workers, python_command, wait_for
+from tests.support.prometheus import scrape
 from tests.support.shiprun import ShipResult, ship, ship_settings, start_trainers, stop
 from transport.keys import RunKeys
 from transport.zmq_sockets import free_port_pair
@@ -140,19 +139,6 @@ def test_status_of_an_unknown_run_is_one_line(redis_url: str) -> None:
     )  # fmt: skip
     assert process.returncode == 2 and process.stdout == ""
     assert process.stderr.count("\n") == 1 and "holds no run 'no-such-run'" in process.stderr
-
-
-def scrape(port: int, run_id: str) -> dict[str, float]:
-    """The endpoint's samples of the run's metrics: `name` or `name:label_value` -> value."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = dict(sample.labels)
-            if sample.name.startswith("rlship_") and labels.pop("run_id") == run_id:
-                samples[":".join([sample.name, *labels.values()])] = sample.value
-    return samples
 
 
 @pytest.mark.timeout(300)
