@@ -349,7 +349,7 @@ class RunSettings(BaseSettings):
             raise ValueError(
                 "zmq_curve: stock prime-rl ranks speak no CURVE; give --external-ranks rlship if "
                 "they receive with transport.prime_receivers, else see docs/trainers.md, "
-                "\"On a shared network\""
+                '"On a shared network"'
             )
         return self
 

@@ -87,7 +87,7 @@ def make_keys(directory: Path, ranks: int) -> list[tuple[str, bool]]:
 
 
 def _load(path: Path, secret: bool) -> tuple[bytes, bytes | None]:
-    hint = "(`rlship keys` makes them; docs/scale-out.md, \"On a shared network\")"
+    hint = '(`rlship keys` makes them; docs/scale-out.md, "On a shared network")'
     try:
         mode = path.stat().st_mode
         public, secret_key = zmq.auth.load_certificate(path)
