@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -64,21 +65,31 @@ def keys(tmp_path: Path) -> Path:
 
 
 def test_only_the_runs_rank_receives(keys: Path) -> None:
+    """Two peers without a run key and one with rank 0's (a control, connected with them)
+    subscribe to everything; once the control's subscription is in, so would theirs be."""
     port, ctx = free_port_pair(), zmq.Context()
     server = server_keys(keys, 1)
     try:
         with (
-            peers(ctx, zmq.SUB, port, [None, stranger(server.public)]) as eavesdroppers,
             ZMQSender(HOST, port, 1, run_id="t", curve=server, send_timeout=WAIT) as sender,
+            peers(ctx, zmq.SUB, port, [None, stranger(server.public), client_keys(keys, 0)]) as subs,
             ZMQReceiver(HOST, port, 0, run_id="t", next_step=0, curve=client_keys(keys, 0)) as rank,
         ):
+            *eavesdroppers, control = subs
             assert sender.wait_ready(WAIT)
+            deadline = time.monotonic() + WAIT
+            while sender.subscribers(0) < 2 and time.monotonic() < deadline:
+                sender.wait_ready(0.1)
+            time.sleep(QUIET_MS / 1000)  # the eavesdroppers' handshakes, had they been admitted
             for step in range(5):
                 sender.send(step, 0, b"step %d" % step)
             got = [rank.receive(WAIT) for _ in range(5)]
             assert [(g.step, bytes(g.payload)) for g in got if g] == [(s, b"step %d" % s) for s in range(5)]
-            assert sender.subscribers(0) == 1, "the eavesdroppers never subscribed"
+            assert [control.poll(int(WAIT * 1000)) and control.recv_multipart()[1] for _ in range(5)] == [
+                b"step %d" % s for s in range(5)
+            ]
             assert [sock.poll(QUIET_MS) for sock in eavesdroppers] == [0, 0]
+            assert sender.subscribers(0) == 2, "the eavesdroppers never subscribed"
     finally:
         ctx.destroy(linger=0)
 
