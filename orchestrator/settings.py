@@ -38,7 +38,7 @@ SECRET_SETTINGS = frozenset({"redis_url"})
 # Settings that, left unset, follow others (`RunSettings._resolve_derived`).
 DERIVED_SETTINGS = (
     "first_step", "start_step", "policy_source", "broadcast_dir", "cpu_queue", "ship_queue",
-    "redis_wait_replicas", "wire", "payload_root",
+    "redis_wait_replicas", "wire", "payload_root", "zmq_keys_dir",
 )  # fmt: skip
 
 
@@ -89,6 +89,21 @@ class RunSettings(BaseSettings):
     zmq_host: str = Field(default="127.0.0.1", description="the address the ship worker binds its sockets on")
     zmq_port: int = Field(
         default=5555, ge=1, le=65534, description="the ship worker's data port; the next one takes READY"
+    )
+    zmq_curve: bool = Field(
+        default=False,
+        description="encrypt the ZMQ sockets and admit only the run's ranks (CURVE, keys made by "
+        "`rlship keys`): on a shared network no one else receives the steps or announces READY",
+    )
+    zmq_keys_dir: Path | None = Field(
+        default=None,
+        description="the run's CURVE key files (`rlship keys`; each host needs only its side's); "
+        "unset: output_dir/keys",
+    )
+    external_ranks: Literal["stock", "rlship"] = Field(
+        default="stock",
+        description="what external trainer ranks receive with: prime-rl's stock receivers, or rlship's "
+        "(transport.prime_receivers), which zmq_curve needs",
     )
     batch_size: int = Field(default=64, ge=1, description="rollouts per step")
     group_size: int = Field(default=8, ge=1, description="rollouts per prompt (one advantage group)")
@@ -244,6 +259,7 @@ class RunSettings(BaseSettings):
         "redis_wait_replicas",
         "wire",
         "payload_root",
+        "zmq_keys_dir",
         mode="before",
     )
     @classmethod
@@ -296,6 +312,8 @@ class RunSettings(BaseSettings):
             self.broadcast_dir = Path(self.output_dir) / "broadcasts"
         if self.payload_root is None:
             self.payload_root = Path(self.output_dir) / "payloads"
+        if self.zmq_keys_dir is None:
+            self.zmq_keys_dir = Path(self.output_dir) / "keys"
         if self.wire is None:
             self.wire = default_wire(self.workload).name  # type: ignore[assignment]
         if self.cpu_queue is None:
@@ -320,6 +338,18 @@ class RunSettings(BaseSettings):
             raise ValueError(
                 "wire: prime-rl-559b447 cannot carry the field payload (the moe workload passes "
                 "routed experts by handle); use --wire prime-rl-0f59b24"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _curve_needs_rlship_ranks(self) -> RunSettings:
+        """Stock prime-rl ranks speak no CURVE: they would wait for steps that never come."""
+        stock = self.trainers == "external" and self.external_ranks == "stock"
+        if self.zmq_curve and self.transport == "zmq" and stock:
+            raise ValueError(
+                "zmq_curve: stock prime-rl ranks speak no CURVE; give --external-ranks rlship if "
+                "they receive with transport.prime_receivers, else see docs/trainers.md, "
+                '"On a shared network"'
             )
         return self
 
@@ -359,11 +389,14 @@ class RunSettings(BaseSettings):
         return RunRows(Path(str(self.payload_root)), self.run_id)
 
     def ship_config(self) -> ShipConfig:
-        """What the workers need of the settings. `output_dir` travels as text: the manifest
-        is msgpack, which has no paths."""
+        """What the workers need of the settings. Paths travel as text: the manifest is
+        msgpack, which has no paths."""
         return ShipConfig(
             **self.values_for(
-                ShipConfig, output_dir=str(self.output_dir), payload_root=str(self.payload_root)
+                ShipConfig,
+                output_dir=str(self.output_dir),
+                payload_root=str(self.payload_root),
+                zmq_keys_dir=str(self.zmq_keys_dir),
             )
         )
 

@@ -59,6 +59,8 @@ class ShipConfig:
     transport: Literal["zmq", "fs"] = "zmq"
     zmq_host: str = "127.0.0.1"
     zmq_port: int = 5555
+    zmq_curve: bool = False  # CURVE sockets admitting only the keys in zmq_keys_dir (transport.zmq_curve)
+    zmq_keys_dir: str = ""
     output_dir: str = "runs/default"
     pad_to_multiple: int = 1
     vocab_size: int = 1 << 31

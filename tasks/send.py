@@ -11,6 +11,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -22,6 +23,7 @@ from transport.filesystem import ForeignLayout
 from transport.keys import stage_field
 from transport.port_claims import other_claimants, port_holder
 from transport.store import DEFAULT_TTL_SECONDS
+from transport.zmq_curve import MissingKey
 
 log = logging.getLogger("rlship.tasks")
 
@@ -40,10 +42,12 @@ SEND_TIMEOUT_SECONDS = 30.0
 
 @functools.cache
 def _sender(run_id: str, config: ShipConfig) -> StepSender:
-    """The process's sender for a run's transport; the ZMQ one binds once per process and
-    knows every rank that announced READY to an earlier ship worker of the run."""
+    """The process's sender for a run's transport; the ZMQ one binds once per process,
+    knows every rank that announced READY to an earlier ship worker of the run and, with
+    `zmq_curve`, admits only the run's rank keys."""
     if config.transport == "zmq":
         from transport.announcements import RedisAnnouncements
+        from transport.zmq_curve import server_keys
         from transport.zmq_sender import ZMQSender
 
         return ZMQSender(
@@ -53,6 +57,7 @@ def _sender(run_id: str, config: ShipConfig) -> StepSender:
             run_id=run_id,
             send_timeout=SEND_TIMEOUT_SECONDS,
             announcements=RedisAnnouncements(redis_client(), run_id),
+            curve=server_keys(Path(config.zmq_keys_dir), config.ranks) if config.zmq_curve else None,
         )
     from transport.filesystem import FileSender
 
@@ -108,12 +113,15 @@ def _send_now(ctx: StepContext, rank: int) -> bool:
     """Send the step to `rank` between the two marks (see `send`), once the sender is bound
     and the rank has announced READY; retried while either is not so. False: the run cannot
     ship at all (its ports stay held past `bind_wait_seconds`, its directory is another
-    run's), said in `ship_fatal`."""
+    run's, its CURVE keys are not there), said in `ship_fatal`."""
     step, run_id, config = ctx.step, ctx.run_id, ctx.manifest.config
     try:
         sender = _sender(run_id, config)
     except ForeignLayout as exc:
         _stop_run(ctx, f"the ship worker on {socket.gethostname()} cannot write the steps: {exc}")
+        return False
+    except MissingKey as exc:
+        _stop_run(ctx, f"the ship worker on {socket.gethostname()} cannot serve CURVE: {exc}")
         return False
     except zmq.ZMQError as exc:
         problem = _bind_problem(ctx, config, exc)

@@ -19,7 +19,9 @@ releases its retained payloads, and the policy version moves when every rank has
 The run is named by arguments or by the environment rlship's processes share:
 `RLSHIP_RUN_ID`, `REDIS_URL`, `RLSHIP_RANKS`, `RLSHIP_FIRST_STEP` (default 1: prime-rl
 numbers its steps from 1, and the policy version acknowledged after step s is s) and
-`RLSHIP_WIRE` (unset: as the run derives it from `RLSHIP_WORKLOAD`). `receive()` returns
+`RLSHIP_WIRE` (unset: as the run derives it from `RLSHIP_WORKLOAD`); the ZMQ receiver also
+`RLSHIP_ZMQ_CURVE` and `RLSHIP_ZMQ_KEYS_DIR` (a run's CURVE: it connects with the rank's key
+pair and the ship worker's public key from that directory). `receive()` returns
 what `decode` makes of the payload: prime-rl's own `MicroBatch` structs when prime-rl is
 installed (its msgspec decoder, as its receivers do), rlship's `MicroBatch` list otherwise.
 Side arrays the step points at by handle (wire prime-rl-0f59b24) are read once on receipt,
@@ -45,6 +47,7 @@ from transport.payload_segments import read_side_arrays
 from transport.replay import RetainedPayloads
 from transport.schema import WIRE_559B447, WIRE_PROFILES, WireProfile, default_wire
 from transport.trainer import Acknowledgements
+from transport.zmq_curve import client_keys
 from transport.zmq_receiver import ZMQReceiver
 
 log = logging.getLogger("rlship.trainer")
@@ -174,9 +177,19 @@ class ExactlyOnceReceiver:
         self.client.close()
 
 
+def curve_setting(zmq_curve: bool | None) -> bool:
+    """Whether the run's ZMQ sockets speak CURVE: the argument, else `RLSHIP_ZMQ_CURVE` (as
+    rlship passes a setting on: `True`/`False`, or 1, yes)."""
+    if zmq_curve is not None:
+        return zmq_curve
+    return os.environ.get("RLSHIP_ZMQ_CURVE", "").strip().lower() in ("1", "true", "yes")
+
+
 class ZMQMicroBatchReceiver(ExactlyOnceReceiver):
     """prime-rl's ZMQMicroBatchReceiver(output_dir, data_rank, current_step, transport),
-    `transport` being its ZMQ transport config (`host`, `port`, `hwm`)."""
+    `transport` being its ZMQ transport config (`host`, `port`, `hwm`). With `zmq_curve`
+    (else `RLSHIP_ZMQ_CURVE`) it connects as a CURVE client with `rank-{r}.key_secret` and
+    `server.key` from `zmq_keys_dir` (else `RLSHIP_ZMQ_KEYS_DIR`, else `{output_dir}/keys`)."""
 
     def __init__(
         self,
@@ -186,10 +199,13 @@ class ZMQMicroBatchReceiver(ExactlyOnceReceiver):
         transport: Any,
         *,
         replay_after: float = 1.0,
+        zmq_curve: bool | None = None,
+        zmq_keys_dir: Path | None = None,
         **run: Unpack[ReceiverRunSettings],
     ) -> None:
         self.output_dir = Path(output_dir)
         run["run_id"] = run_id_setting(run)
+        keys_dir = Path(_setting(zmq_keys_dir, "RLSHIP_ZMQ_KEYS_DIR", self.output_dir / "keys"))
         receiver = ZMQReceiver(
             transport.host,
             transport.port,
@@ -198,6 +214,7 @@ class ZMQMicroBatchReceiver(ExactlyOnceReceiver):
             next_step=current_step,
             hwm=getattr(transport, "hwm", 64),
             replay_after=replay_after,
+            curve=client_keys(keys_dir, data_rank) if curve_setting(zmq_curve) else None,
         )
         super().__init__(receiver, data_rank, **run)
         receiver.replay = RetainedPayloads(self.client, self.run_id)

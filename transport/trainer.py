@@ -13,6 +13,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import redis
 
@@ -24,6 +25,9 @@ from transport.numbering import version_after
 from transport.payload_segments import read_side_arrays
 from transport.schema import WIRE_559B447, WireProfile
 from transport.store import DEFAULT_TTL_SECONDS
+
+if TYPE_CHECKING:
+    from transport.zmq_curve import ClientKeys
 
 log = logging.getLogger("rlship.trainer")
 
@@ -168,12 +172,14 @@ def open_receiver(
     output_dir: Path,
     next_step: int,
     replay: ReplaySource | None = None,
+    curve: ClientKeys | None = None,
 ) -> StepReceiver:
-    """The rank's receiver for the configured transport (files need no replay: they stay)."""
+    """The rank's receiver for the configured transport (files need no replay: they stay;
+    `curve`: the rank's CURVE keys, for ZMQ)."""
     if transport == "zmq":
         from transport.zmq_receiver import ZMQReceiver
 
-        return ZMQReceiver(host, port, rank, run_id=run_id, next_step=next_step, replay=replay)
+        return ZMQReceiver(host, port, rank, run_id=run_id, next_step=next_step, replay=replay, curve=curve)
     if transport == "fs":
         from transport.filesystem import FileReceiver
 

@@ -24,6 +24,7 @@ from collections import deque
 import zmq
 
 from transport.base import ReceivedStep, ReplaySource, SequencedReceiver, StepSequencer
+from transport.zmq_curve import ClientKeys, connect_as_client
 from transport.zmq_sockets import endpoint, parse_topic, poll_ms, rank_prefix, ready_message
 
 logger = logging.getLogger("rlship.transport")
@@ -33,7 +34,8 @@ class ZMQReceiver(SequencedReceiver):
     """One trainer rank's receiving end; delivers each step once, in order (StepSequencer).
 
     Payloads are returned as memoryviews of the received frame (no copy); the frame stays
-    alive as long as the memoryview does, also after `close()`.
+    alive as long as the memoryview does, also after `close()`. With `curve` both sockets
+    connect as CURVE clients with the rank's key pair (transport/zmq_curve.py).
     """
 
     def __init__(
@@ -48,6 +50,7 @@ class ZMQReceiver(SequencedReceiver):
         announce_interval: float = 1.0,
         replay: ReplaySource | None = None,
         replay_after: float = 1.0,
+        curve: ClientKeys | None = None,
     ) -> None:
         if rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
@@ -73,12 +76,16 @@ class ZMQReceiver(SequencedReceiver):
             self._sub.setsockopt(zmq.RCVHWM, hwm)
             self._sub.setsockopt(zmq.LINGER, 0)
             self._sub.setsockopt(zmq.SUBSCRIBE, rank_prefix(rank))
+            if curve is not None:
+                connect_as_client(self._sub, curve)
             self._sub.connect(endpoint(host, port))
             # READY is idempotent and repeated, so it must never make the trainer wait:
             # a tiny queue, non-blocking sends, nothing kept at close.
             self._push = self._ctx.socket(zmq.PUSH)
             self._push.setsockopt(zmq.SNDHWM, 1)
             self._push.setsockopt(zmq.LINGER, 0)
+            if curve is not None:
+                connect_as_client(self._push, curve)
             self._push.connect(endpoint(host, port + 1))
         except BaseException:
             self._ctx.destroy(linger=0)

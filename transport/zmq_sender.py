@@ -43,6 +43,7 @@ from typing import Protocol
 import zmq
 
 from transport.base import Closeable, Payload
+from transport.zmq_curve import ServerKeys, serve, start_authenticator
 from transport.zmq_sockets import endpoint, parse_ready, poll_ms, rank_prefix, topic
 
 logger = logging.getLogger("rlship.transport")
@@ -67,6 +68,8 @@ class ZMQSender(Closeable):
     until it resubscribes, so `send` waits rather than publish into the void.
     `announcements` carries READY announcements across senders (module docstring).
     `foreign_ready` counts the READYs of other runs' ranks this sender ignored.
+    With `curve` both sockets are CURVE servers admitting only the run's rank keys
+    (transport/zmq_curve.py): a peer without one neither subscribes nor announces READY.
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class ZMQSender(Closeable):
         linger_ms: int = 1000,
         send_timeout: float | None = None,
         announcements: AnnouncementLog | None = None,
+        curve: ServerKeys | None = None,
     ) -> None:
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
@@ -103,8 +107,14 @@ class ZMQSender(Closeable):
         self._ready = False
         self._closed = False
         self._ctx = zmq.Context()
+        self._authenticator = None
         try:
+            if curve is not None:
+                where = f"run {run_id} on {endpoint(host, port)} and {port + 1}"
+                self._authenticator = start_authenticator(self._ctx, curve, where)
             self._pub = self._ctx.socket(zmq.XPUB)
+            if curve is not None:
+                serve(self._pub, curve)
             self._pub.setsockopt(zmq.XPUB_VERBOSER, 1)  # every (un)subscription (docstring)
             self._pub.setsockopt(zmq.XPUB_NODROP, 1)
             self._pub.setsockopt(zmq.SNDHWM, hwm)
@@ -114,9 +124,12 @@ class ZMQSender(Closeable):
                 self._pub.setsockopt(zmq.SNDTIMEO, poll_ms(send_timeout))
             self._pub.bind(endpoint(host, port))
             self._pull = self._ctx.socket(zmq.PULL)
+            if curve is not None:
+                serve(self._pull, curve)
             self._pull.setsockopt(zmq.LINGER, 0)
             self._pull.bind(endpoint(host, port + 1))
         except BaseException:
+            self._stop_authenticator()
             self._ctx.destroy(linger=0)
             self._closed = True
             raise
@@ -190,7 +203,12 @@ class ZMQSender(Closeable):
         self._closed = True
         self._pub.close(linger=self.linger_ms)
         self._pull.close(linger=0)
+        self._stop_authenticator()
         self._ctx.term()
+
+    def _stop_authenticator(self) -> None:
+        if self._authenticator is not None:
+            self._authenticator.stop()
 
     def _check_open(self) -> None:
         if self._closed:

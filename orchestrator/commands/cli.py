@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "orchestrate": "the orchestrator alone (what `run` starts)",
     "trainer": "one reference trainer rank: receive, check, acknowledge each step",
     "produce": "the synthetic rollout producer",
+    "keys": "a run's CURVE key pairs for --zmq-curve (ship worker's, one per rank) and where each goes",
     "bench encode": "encoder/decoder memory and speed, against msgpack and msgspec",
     "bench loop": "event-loop lag while shipping: stages inline, in threads, in Celery workers",
     "config show": "the effective settings (environment < --config TOML < flags), or a run's stored ones",
@@ -51,6 +52,8 @@ def load_command(name: str) -> CommandEntry:
             from orchestrator.commands.trainer import add_arguments, main
         case "produce":
             from orchestrator.commands.produce import add_arguments, main
+        case "keys":
+            from orchestrator.commands.keys import add_arguments, main
         case "bench encode":
             from orchestrator.commands.bench.encode import add_arguments, main
         case "bench loop":

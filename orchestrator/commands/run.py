@@ -53,6 +53,7 @@ from transport.connection import connect_redis
 from transport.keys import RunKeys
 from transport.port_claims import claim_call, claim_holder, release_call
 from transport.store import PayloadStore
+from transport.zmq_curve import make_keys
 from transport.zmq_sockets import free_port_pair
 
 log = logging.getLogger("rlship.run")
@@ -161,13 +162,18 @@ def run_local(
     # The children run in the repository (`ProcessGroup`): a relative path would be theirs.
     given = {
         name: Path(path).resolve()
-        for name in ("record_rollouts", "broadcast_dir")
+        for name in ("record_rollouts", "broadcast_dir", "zmq_keys_dir")
         if name in settings.model_fields_set and (path := getattr(settings, name)) is not None
     }
     # A derived broadcast_dir follows the resolved output_dir.
     settings = settings.with_changes(output_dir=Path(settings.output_dir).resolve(), **given)
     output_dir = Path(settings.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    if settings.zmq_curve and settings.transport == "zmq":
+        keys_dir = Path(str(settings.zmq_keys_dir))
+        made = [name for name, fresh in make_keys(keys_dir, settings.ranks) if fresh]
+        if made:
+            print(f"rlship run {settings.run_id}: made CURVE keys {', '.join(made)} in {keys_dir}")
     group = ProcessGroup(env=settings_to_env(settings), log_dir=output_dir / "logs")
     started = time.perf_counter()
     started_at = time.time()  # the run's time: from here to the end of its shipping (`run_seconds`)

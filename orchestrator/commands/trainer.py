@@ -17,6 +17,7 @@ from transport.keys import RunKeys
 from transport.replay import RetainedPayloads
 from transport.schema import WIRE_PROFILES
 from transport.trainer import TrainerRank, open_receiver
+from transport.zmq_curve import MissingKey, client_keys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +33,10 @@ def main(args: argparse.Namespace) -> int:
     configure_logging(settings.log_json, logging.INFO, run_id=settings.run_id, rank=args.rank)
     require("trainer", [rank_in_run(args.rank, settings.ranks)])
     preflight_client("trainer", settings).close()
+    try:
+        curve = client_keys(Path(str(settings.zmq_keys_dir)), args.rank) if settings.zmq_curve else None
+    except MissingKey as exc:
+        raise SystemExit(f"rlship trainer: {exc}") from None
     client = connect_redis(settings.redis_url)
     received = client.hkeys(RunKeys(settings.run_id).received(args.rank))
     next_step = max((int(s) + 1 for s in received), default=settings.start_step)
@@ -44,6 +49,7 @@ def main(args: argparse.Namespace) -> int:
         output_dir=Path(settings.output_dir),
         next_step=next_step,
         replay=RetainedPayloads(client, settings.run_id),
+        curve=curve,
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
