@@ -31,6 +31,7 @@ COMMANDS: dict[str, str] = {
     "keys": "a run's CURVE key pairs for --zmq-curve (ship worker's, one per rank) and where each goes",
     "bench encode": "encoder/decoder memory and speed, against msgpack and msgspec",
     "bench loop": "event-loop lag while shipping: stages inline, in threads, in Celery workers",
+    "bench curve": "what CURVE costs the ZMQ transport: sender and ranks' CPU a step, plain and with CURVE",
     "config show": "the effective settings (environment < --config TOML < flags), or a run's stored ones",
     "config table": "every setting (flag, variable, default, description) as a Markdown table",
     "chaos": "a seeded run while its workers and orchestrator are killed, against a fault-free one",
@@ -58,6 +59,8 @@ def load_command(name: str) -> CommandEntry:
             from orchestrator.commands.bench.encode import add_arguments, main
         case "bench loop":
             from orchestrator.commands.bench.loop import add_arguments, main
+        case "bench curve":
+            from orchestrator.commands.bench.curve import add_arguments, main
         case "config show":
             from orchestrator.commands.config import add_arguments, main
         case "config table":

@@ -1,9 +1,9 @@
-"""What CURVE costs the ZMQ transport: the sender's and the receivers' CPU a step, plain and
-with CURVE, side by side (BENCHMARKS.md, "CURVE"). The sender is this process (user +
-system of every thread: libzmq's I/O thread does the encryption); each rank is a spawned
-process reporting its own. Variants alternate, `--rounds` times each.
+"""`rlship bench curve`: what CURVE costs the ZMQ transport: the sender's and the receivers'
+CPU a step, plain and with CURVE, side by side (BENCHMARKS.md, "CURVE"). The sender is this
+process (user + system of every thread: libzmq's I/O thread does the encryption); each rank
+is a spawned process reporting its own. Variants alternate, `--rounds` times each.
 
-    python tools/bench_curve.py --steps 30 --rank-mib 11.2 --ranks 2 --rounds 3
+    rlship bench curve --steps 30 --rank-mib 11.2 --ranks 2 --rounds 3
 """
 
 from __future__ import annotations
@@ -67,13 +67,14 @@ def one_round(steps: int, ranks: int, payload: bytes, keys: Path | None) -> tupl
     return sender_cpu / steps, ranks_cpu / steps
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--rank-mib", type=float, default=11.2, help="payload per rank a step")
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
     payload = os.urandom(int(args.rank_mib * (1 << 20)))
     with tempfile.TemporaryDirectory() as tmp:
         keys = Path(tmp) / "keys"
@@ -91,7 +92,4 @@ def main() -> None:
         print(f"{name}: sender {sender * 1000:.1f} ms a step (rounds {rounds}); ranks {ranks * 1000:.1f} ms")
     (plain, _), (curve, _) = medians["plain"], medians["curve"]
     print(f"curve - plain, sender: {(curve - plain) * 1000:.1f} ms a step; ratio {curve / plain:.2f}x")
-
-
-if __name__ == "__main__":
-    main()
+    return 0
