@@ -168,6 +168,7 @@ def open_receiver(
     output_dir: Path,
     next_step: int,
     replay: ReplaySource | None = None,
+    file_mode: str = "owner",
 ) -> StepReceiver:
     """The rank's receiver for the configured transport (files need no replay: they stay)."""
     if transport == "zmq":
@@ -177,5 +178,5 @@ def open_receiver(
     if transport == "fs":
         from transport.filesystem import FileReceiver
 
-        return FileReceiver(output_dir, rank, run_id=run_id, next_step=next_step)
+        return FileReceiver(output_dir, rank, run_id=run_id, next_step=next_step, file_mode=file_mode)
     raise ValueError(f"transport: {transport!r} is not one of 'zmq', 'fs'")

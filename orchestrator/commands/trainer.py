@@ -44,6 +44,7 @@ def main(args: argparse.Namespace) -> int:
         output_dir=Path(settings.output_dir),
         next_step=next_step,
         replay=RetainedPayloads(client, settings.run_id),
+        file_mode=settings.file_mode,
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
