@@ -202,14 +202,20 @@ def run_producer(
 
 
 def stop_the_run(settings: RunSettings, problem: str) -> None:
-    """A producer that cannot write stops its run (its orchestrator names why), then waits up
-    to `ALIVE_SECONDS` for that orchestrator to stop: so `rlship run` reports the run's stop,
-    not a producer's exit."""
+    """A producer that cannot write stops its run: it states why where the orchestrator looks
+    (again and again: an orchestrator that starts meanwhile clears an earlier start's reason)
+    until the run has ended, its alive mark gone (`rlship run` removes it once its orchestrator
+    has exited), so that `rlship run` reports the run's stop, not a producer's exit."""
     client = connect_redis(settings.redis_url)
-    PayloadStore(client, settings.run_id).stop_run(problem)
-    lease = RunKeys(settings.run_id).orchestrator_lease
-    deadline = time.monotonic() + ALIVE_SECONDS
-    while client.exists(lease) and time.monotonic() < deadline:
+    store, alive = PayloadStore(client, settings.run_id), RunKeys(settings.run_id).alive
+    lived = False
+    deadline = time.monotonic() + 2 * ALIVE_SECONDS
+    while time.monotonic() < deadline:
+        store.stop_run(problem)
+        if client.exists(alive):
+            lived = True
+        elif lived:
+            return
         time.sleep(0.2)
 
 
