@@ -25,7 +25,8 @@ class EmptySteps(RuntimeError):
 
 class CannotShip(RuntimeError):
     """The run cannot ship at all: its ZMQ ports are another run's, or stayed held past
-    `bind_wait_seconds`, or its output directory holds another run's steps."""
+    `bind_wait_seconds`, or its output directory holds another run's steps, or a disk it
+    writes is full (`transport.run_files.DiskFull`)."""
 
 
 class LeaseLost(RuntimeError):

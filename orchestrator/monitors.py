@@ -11,10 +11,12 @@ x-axis of every chart.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Protocol
 
 from orchestrator.settings import RunSettings
+from transport.run_files import space_for
 
 
 class Monitor(Protocol):
@@ -25,18 +27,29 @@ class Monitor(Protocol):
 
 class JsonlMonitor:
     """Appends one line per record. A restarted orchestrator may hand it again a record it
-    wrote just before dying; steps at or below the file's last one are skipped."""
+    wrote just before dying; steps at or below the file's last one are skipped. A line the
+    disk has no room for is taken back whole and raises `DiskFull` (the run stops; resumed,
+    it writes the line again)."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
         self._last_step = last_logged_step(path)
-        self._sink = path.open("a")
+        self._sink = path.open("ab", buffering=0)
 
     def log(self, record: dict[str, float]) -> None:
         if record["step"] <= self._last_step:
             return
-        self._sink.write(json.dumps(record, sort_keys=True) + "\n")
-        self._sink.flush()
+        line = (json.dumps(record, sort_keys=True) + "\n").encode()
+        end = self._sink.seek(0, os.SEEK_END)
+        with space_for(self.path, len(line)):
+            try:
+                written = 0
+                while written < len(line):
+                    written += self._sink.write(line[written:]) or 0
+            except OSError:
+                self._sink.truncate(end)
+                raise
         self._last_step = record["step"]
 
     def close(self) -> None:

@@ -213,7 +213,6 @@ class _Producer:
             return arrays
         rows = self.rows_out_of_redis
         path = rollout_rows_path(rows.root, rows.run_id, rollout_id, inline=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
         segments = write_segment_file(path, moved, inline=True)
         kept = {name: value for name, value in arrays.items() if name not in moved}
         return kept | {PAYLOAD_FIELD: [*arrays.get(PAYLOAD_FIELD, []), *segments]}

@@ -24,6 +24,7 @@ from transport.keys import is_run_queue, run_queue
 from transport.numbering import PRIME_RL_FIRST_STEP
 from transport.payload_dir import PayloadDirectory
 from transport.payload_segments import RunRows
+from transport.run_files import FileMode
 from transport.schema import default_wire
 
 CONFIG_ENV = "RLSHIP_CONFIG"
@@ -113,6 +114,12 @@ class RunSettings(BaseSettings):
     seed: int = Field(default=0, description="seeds the synthetic producer")
     output_dir: Path = Field(
         default=Path("runs/default"), description="metrics.jsonl, samples/, logs/ and checkpoints of the run"
+    )
+    file_mode: FileMode = Field(
+        default="owner",
+        description="who may read the files and directories the run creates (output_dir, payload_root, "
+        "rows, payload and rank files): owner (0700 directories, 0600 files) or group (0750, 0640); rows "
+        "and rank files another user could have written are refused either way",
     )
     envs: Annotated[list[str] | None, NoDecode] = Field(
         default=None, description="the run's envs, comma-separated; others are rejected (unset: any)"

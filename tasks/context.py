@@ -31,6 +31,7 @@ from tasks.manifest import StepManifest
 from transport.connection import connect_redis
 from transport.keys import StepValue, stage_field
 from transport.replication import Durability
+from transport.run_files import DiskFull, restrict
 from transport.store import PayloadStore
 
 log = logging.getLogger("rlship.tasks")
@@ -63,7 +64,11 @@ class StepContext:
 
     @functools.cached_property
     def manifest(self) -> StepManifest:
-        return _decoded_manifest(bytes(self.store.get_step_value(self.step, StepValue.MANIFEST)))
+        """The step's manifest. Every task reads it before it writes a file, so the process
+        creates files with the run's `file_mode` from here (a worker may serve several runs)."""
+        manifest = _decoded_manifest(bytes(self.store.get_step_value(self.step, StepValue.MANIFEST)))
+        restrict(manifest.config.file_mode)
+        return manifest
 
     @functools.cached_property
     def durability(self) -> Durability:
@@ -155,6 +160,12 @@ class StepContext:
                 return False
         return True
 
+    def stop_run(self, problem: str) -> None:
+        """The run cannot go on (`PayloadStore.stop_run`); the task ends without a retry, its
+        step's marks as they were, so the run resumes where it stopped."""
+        log.error("step %d: %s; the run stops", self.step, problem)
+        self.store.stop_run(problem)
+
     def skip_redundant(self, task: str, done: str) -> None:
         log.info("step %d: %s arrived after the step was %s; nothing to do", self.step, task, done)
         pipe = self.client.pipeline(transaction=True)
@@ -236,7 +247,8 @@ def stage_task(
 
     Per delivery: the step's context; `skip` (by default: the step is published or the run
     has ended), which also counts the worker in the run's `served_by` (`count_served`: which
-    workers took its tasks); the body; then the stage's successors in the graph. A body that
+    workers took its tasks); the body (a write it makes that finds its disk full stops the
+    run: `StepContext.stop_run`); then the stage's successors in the graph. A body that
     `computes` is the stage's computation, run once per step by `StepContext.run_stage`
     (timed, marked, the fault hook before the mark); any other runs its stage itself and
     returns False when the step goes no further. The body gets the context and the task's
@@ -250,9 +262,13 @@ def stage_task(
             if skip(ctx, name):
                 return
             rank = args[0] if stage.per_rank else None
-            if computes:
-                ctx.run_stage(name, functools.partial(body, ctx, *args), rank)
-            elif body(ctx, *args) is False:
+            try:
+                if computes:
+                    ctx.run_stage(name, functools.partial(body, ctx, *args), rank)
+                elif body(ctx, *args) is False:
+                    return
+            except DiskFull as exc:
+                ctx.stop_run(str(exc))
                 return
             enqueue_successors(ctx, stage, rank)
 

@@ -76,6 +76,7 @@ class ShipConfig:
     payload_root: str = ""  # where side arrays by handle may be ("": anywhere)
     payload_store: Literal["redis", "dir"] = "redis"  # where per-rank payloads are retained
     dedupe_horizon: int = 1 << 16  # rollouts whose outcome the run remembers (transport.outcomes)
+    file_mode: str = "owner"  # who may read the run's files (transport.run_files)
 
     @property
     def output_path(self) -> Path:
@@ -95,7 +96,7 @@ class ShipConfig:
     @property
     def side_arrays(self) -> SideArrays:
         carried = self.wire_profile.carries(PAYLOAD_FIELD)
-        return SideArrays(self.payload_root or None, None if carried else self.wire)
+        return SideArrays(self.payload_root or None, None if carried else self.wire, self.file_mode)
 
 
 @dataclass

@@ -22,7 +22,6 @@ from transport.base import StepSender
 from transport.filesystem import ForeignLayout
 from transport.keys import stage_field
 from transport.port_claims import other_claimants, port_holder
-from transport.store import DEFAULT_TTL_SECONDS
 from transport.zmq_curve import MissingKey
 
 log = logging.getLogger("rlship.tasks")
@@ -113,21 +112,21 @@ def _send_now(ctx: StepContext, rank: int) -> bool:
     """Send the step to `rank` between the two marks (see `send`), once the sender is bound
     and the rank has announced READY; retried while either is not so. False: the run cannot
     ship at all (its ports stay held past `bind_wait_seconds`, its directory is another
-    run's, its CURVE keys are not there), said in `ship_fatal`."""
+    run's, its CURVE keys are not there), said in `ship_fatal` (`StepContext.stop_run`)."""
     step, run_id, config = ctx.step, ctx.run_id, ctx.manifest.config
     try:
         sender = _sender(run_id, config)
     except ForeignLayout as exc:
-        _stop_run(ctx, f"the ship worker on {socket.gethostname()} cannot write the steps: {exc}")
+        ctx.stop_run(f"the ship worker on {socket.gethostname()} cannot write the steps: {exc}")
         return False
     except MissingKey as exc:
-        _stop_run(ctx, f"the ship worker on {socket.gethostname()} cannot serve CURVE: {exc}")
+        ctx.stop_run(f"the ship worker on {socket.gethostname()} cannot serve CURVE: {exc}")
         return False
     except zmq.ZMQError as exc:
         problem = _bind_problem(ctx, config, exc)
         waited = time.monotonic() - _unbindable_since.setdefault(run_id, time.monotonic())
         if waited >= config.bind_wait_seconds:
-            _stop_run(ctx, problem)
+            ctx.stop_run(problem)
             return False
         _report_ship_problem(
             ctx, f"{problem}; waiting up to {config.bind_wait_seconds:.0f} s (bind_wait_seconds)"
@@ -200,13 +199,6 @@ def _bind_problem(ctx: StepContext, config: ShipConfig, exc: zmq.ZMQError) -> st
         f"the ship worker on {socket.gethostname()} cannot bind {config.zmq_host}:{config.zmq_port} "
         f"and the READY port {config.zmq_port + 1}: {exc}{held}{claimed}"
     )
-
-
-def _stop_run(ctx: StepContext, problem: str) -> None:
-    """The run cannot ship: say why where its orchestrator looks every second (it stops the
-    run naming it); this send ends without a retry."""
-    log.error("step %d: %s; the run stops", ctx.step, problem)
-    ctx.client.set(ctx.keys.ship_fatal, problem, ex=DEFAULT_TTL_SECONDS)
 
 
 def _mark_intent(ctx: StepContext, step: int, rank: int) -> None:

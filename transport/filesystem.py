@@ -23,6 +23,7 @@ import uuid
 from pathlib import Path
 
 from transport.base import Closeable, Payload, ReceivedStep, SequencedReceiver, StepSequencer
+from transport.run_files import RefusedFile, foreign_write_problem, space_for
 
 logger = logging.getLogger("rlship.transport")
 
@@ -56,14 +57,15 @@ def claim_layout(output_dir: str | os.PathLike[str], run_id: str) -> None:
     """Name `run_id` as the layout's run (created atomically: of two first senders, one
     wins), or raise ForeignLayout if another run's name is there."""
     path = layout_run_path(output_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".run_id.{os.getpid()}.{uuid.uuid4().hex}.tmp")
-    tmp.write_text(run_id + "\n")
-    try:
-        with contextlib.suppress(FileExistsError):
-            os.link(tmp, path)  # fails if the name exists: never replaces another run's
-    finally:
-        tmp.unlink()
+    with space_for(path, len(run_id) + 1):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            tmp.write_text(run_id + "\n")
+            with contextlib.suppress(FileExistsError):
+                os.link(tmp, path)  # fails if the name exists: never replaces another run's
+        finally:
+            tmp.unlink(missing_ok=True)
     holder = layout_run(output_dir)
     if holder != run_id:
         raise ForeignLayout(
@@ -90,20 +92,21 @@ class FileSender(Closeable):
         if step < 0 or rank < 0:
             raise ValueError(f"step and rank must be >= 0, got step {step}, rank {rank}")
         final = payload_path(self.output_dir, step, rank)
-        final.parent.mkdir(parents=True, exist_ok=True)
         # Unique per writer, so two workers sending the same step never share a temp file;
         # the name does not end in `.bin`, so globbing readers never pick it up.
         tmp = final.with_name(f".{final.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(payload)
-                if self.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        with space_for(final, memoryview(payload).nbytes):
+            final.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(payload)
+                    if self.fsync:
+                        f.flush()
+                        os.fsync(f.fileno())
+                os.replace(tmp, final)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
 
     def close(self) -> None:
         self._closed = True
@@ -116,7 +119,7 @@ class FileReceiver(SequencedReceiver):
     and never reports a gap: if step 5 exists while step 4 does not, it keeps waiting for
     step 4 (a step written out of order by a redelivered task is still in time). Files are
     left in place; cleaning them up is the run's business. A layout of another run (or of
-    none) is never read (module docstring).
+    none) is never read (module docstring), nor a file another user could have written.
     """
 
     def __init__(
@@ -127,12 +130,14 @@ class FileReceiver(SequencedReceiver):
         run_id: str,
         next_step: int,
         poll_interval: float = 0.01,
+        file_mode: str = "owner",
     ) -> None:
         if rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
         self.output_dir = Path(output_dir)
         self.run_id = run_id
         self.poll_interval = poll_interval
+        self.file_mode = file_mode
         self.foreign_dropped = 0
         self._layout_checked = False
         self._foreign_step_seen = -1
@@ -179,11 +184,16 @@ class FileReceiver(SequencedReceiver):
             time.sleep(self.poll_interval if deadline is None else min(self.poll_interval, deadline - now))
 
     def _read(self, path: Path, step: int) -> bytes | None:
-        """The step's payload, if its file is there in this run's layout."""
+        """The step's payload, if its file is there in this run's layout; `RefusedFile` if
+        another user could have written it (`file_mode`)."""
         if not path.exists() or not self._own_layout(step):
             return None
         try:
-            return path.read_bytes()
+            with open(path, "rb") as f:
+                problem = foreign_write_problem(path, os.fstat(f.fileno()), self.file_mode)
+                if problem is not None:
+                    raise RefusedFile(f"rank {self.rank}: step {step}'s payload file {problem}")
+                return f.read()
         except FileNotFoundError:
             return None
 

@@ -340,9 +340,10 @@ class RunKeys:
 
     @property
     def ship_fatal(self) -> str:
-        """Why the run cannot ship at all (a ZMQ port pair the ship worker could not bind
-        within `bind_wait_seconds`, an output directory of another run): read by the
-        orchestrator every second, which then stops the run naming it."""
+        """Why the run cannot go on (a ZMQ port pair the ship worker could not bind within
+        `bind_wait_seconds`, an output directory of another run, a disk a worker or producer
+        writes that is full): read by the orchestrator every second, which then stops the run
+        naming it."""
         return self.run_key("ship_fatal")
 
     @property

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from transport.checksum import payload_checksum
+from transport.run_files import space_for
 
 # A payload's top level is a MessagePack array (0x90-0x9f, 0xdc, 0xdd): it never starts so.
 POINTER_PREFIX = b"rlship-payload-file\n"
@@ -61,14 +62,19 @@ class PayloadDirectory:
 
     def write(self, step: int, rank: int, payload: bytes | memoryview, checksum: str) -> bytes:
         """Write the payload once (a redelivered encode writes the same bytes over it) and
-        return the pointer its key holds."""
+        return the pointer its key holds; `DiskFull` without room for it (nothing is left)."""
         path = self.path(step, rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        size = memoryview(payload).nbytes
         temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(temporary, "wb") as out:
-            out.write(payload)
-        os.replace(temporary, path)
-        pointer = {"path": str(path.resolve()), "size": memoryview(payload).nbytes, "checksum": checksum}
+        with space_for(path, size):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                with open(temporary, "wb") as out:
+                    out.write(payload)
+                os.replace(temporary, path)
+            finally:
+                temporary.unlink(missing_ok=True)
+        pointer = {"path": str(path.resolve()), "size": size, "checksum": checksum}
         return POINTER_PREFIX + json.dumps(pointer).encode()
 
     def remove_steps(self, steps: Iterable[int]) -> None:

@@ -17,6 +17,7 @@ the encoder derives from the producers' (`digests_checksum`), as payload checksu
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from transport.checksum import payload_checksum
+from transport.run_files import foreign_write_problem, space_for
 
 PAYLOAD_FIELD = "payload"
 """The name a rollout's segments travel under: beside its arrays, and as the micro-batch field."""
@@ -102,10 +104,12 @@ class PayloadSegment:
 @dataclass(frozen=True)
 class SideArrays:
     """Where a run's side arrays by handle may be: under `root` (any absolute path if
-    None), and not at all if its wire cannot carry them (`refused_by` names that wire)."""
+    None), and not at all if its wire cannot carry them (`refused_by` names that wire);
+    `file_mode`: whose rows files are read (`transport.run_files.foreign_write_problem`)."""
 
     root: str | None = None
     refused_by: str | None = None
+    file_mode: str = "owner"
 
 
 ANYWHERE = SideArrays()
@@ -135,10 +139,12 @@ def segment_fields(segments: Iterable[PayloadSegment]) -> list[str]:
     return list(dict.fromkeys(segment.field for segment in segments))
 
 
-def segments_problem(segments: Sequence[PayloadSegment], num_tokens: int, root: str | None) -> str | None:
+def segments_problem(
+    segments: Sequence[PayloadSegment], num_tokens: int, side_arrays: SideArrays
+) -> str | None:
     """Why a rollout's segments cannot train (naming the field and the value), or None: each
     field's segments agree in dtype and row shape and cover every token exactly once, and
-    each file is under the payload root (if the run has one) and long enough."""
+    each file is under the payload root (if the run has one), long enough and the run's."""
     by_field: dict[str, list[PayloadSegment]] = {}
     for segment in segments:
         by_field.setdefault(segment.field, []).append(segment)
@@ -167,25 +173,27 @@ def segments_problem(segments: Sequence[PayloadSegment], num_tokens: int, root: 
             token = int(np.flatnonzero(depth != 1)[0])
             how = "no segment" if depth[token] == 0 else f"{int(depth[token])} segments"
             return f"{what}: token {token} is covered by {how} (each token needs exactly one row)"
-    return _files_problem(segments, root)
+    return _files_problem(segments, side_arrays)
 
 
-def _files_problem(segments: Sequence[PayloadSegment], root: str | None) -> str | None:
+def _files_problem(segments: Sequence[PayloadSegment], side_arrays: SideArrays) -> str | None:
     needed: dict[str, tuple[int, str]] = {}  # per file: the bytes its segments need, a field
     for segment in segments:
         most, field = needed.get(segment.file, (0, segment.field))
         needed[segment.file] = (max(most, segment.offset + segment.nbytes), field)
     for file, (size, field) in needed.items():
-        problem = rows_file_problem(field, file, size, root)
+        problem = rows_file_problem(field, file, size, side_arrays)
         if problem is not None:
             return problem
     return None
 
 
-def rows_file_problem(field: str, file: str, needed: int, root: str | None) -> str | None:
+def rows_file_problem(field: str, file: str, needed: int, side_arrays: SideArrays) -> str | None:
     """Why a file of `field`'s rows cannot be read as its segments say: not an absolute path,
-    outside the payload root (if the run has one), gone, or shorter than the `needed` bytes."""
+    outside the payload root (if the run has one), gone, shorter than the `needed` bytes, or
+    one another user could have written."""
     what = f"{PAYLOAD_FIELD}.{field}"
+    root = side_arrays.root
     if not os.path.isabs(file):
         return f"{what}: file {file!r} is not an absolute path"
     if root:
@@ -194,12 +202,13 @@ def rows_file_problem(field: str, file: str, needed: int, root: str | None) -> s
         if os.path.commonpath([base, os.path.join(_real_directory(directory), name)]) != base:
             return f"{what}: file {file} is outside the payload root {root}"
     try:
-        size = os.stat(file).st_size
+        st = os.stat(file)
     except OSError as exc:
         return f"{what}: file {file} cannot be read ({exc.strerror})"
-    if needed > size:
-        return f"{what}: file {file} holds {size} bytes, its rows need {needed}"
-    return None
+    if needed > st.st_size:
+        return f"{what}: file {file} holds {st.st_size} bytes, its rows need {needed}"
+    foreign = foreign_write_problem(file, st, side_arrays.file_mode)
+    return None if foreign is None else f"{what}: file {foreign}"
 
 
 @functools.lru_cache(maxsize=1024)
@@ -357,24 +366,28 @@ def write_segment_file(
     their segments, each covering every token from position 0, with its digest. Written
     under a temporary name and linked into place, so a reader never sees half a file, and a
     file already there is kept: a rollout id given twice (which the run refuses) cannot
-    change the rows the first one's segments point at."""
+    change the rows the first one's segments point at. Its directory is made if missing; a
+    disk without room for it raises `DiskFull`, leaving nothing behind."""
     segments = []
     offset = 0
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(temporary, "wb") as out:
-        for field, array in arrays.items():
-            data = np.ascontiguousarray(array)
-            out.write(data)
-            shape = tuple(int(d) for d in data.shape[1:])
-            digest = payload_checksum(data)
-            segments.append(
-                PayloadSegment(field, str(path), offset, 0, len(data), data.dtype.name, shape, digest, inline)
-            )
-            offset += data.nbytes
-    try:
-        os.link(temporary, path)
-    except FileExistsError:
-        pass
-    finally:
-        os.unlink(temporary)
+    with space_for(path, sum(np.asarray(array).nbytes for array in arrays.values())):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(temporary, "wb") as out:
+                for field, array in arrays.items():
+                    data = np.ascontiguousarray(array)
+                    out.write(data)
+                    shape = tuple(int(d) for d in data.shape[1:])
+                    digest = payload_checksum(data)
+                    segments.append(
+                        PayloadSegment(
+                            field, str(path), offset, 0, len(data), data.dtype.name, shape, digest, inline
+                        )
+                    )
+                    offset += data.nbytes
+            with contextlib.suppress(FileExistsError):
+                os.link(temporary, path)
+        finally:
+            temporary.unlink(missing_ok=True)
     return segments

@@ -285,6 +285,11 @@ class PayloadStore:
             for key in self.client.scan_iter(match=pattern, count=1000)
         )
 
+    def stop_run(self, problem: str) -> None:
+        """The run cannot go on (it cannot ship, a disk it writes is full): say why where its
+        orchestrator looks every second (`RunKeys.ship_fatal`); it stops the run naming it."""
+        self.client.set(self.keys.ship_fatal, problem, ex=DEFAULT_TTL_SECONDS)
+
     def expire_run(self, seconds: int = DEFAULT_TTL_SECONDS) -> None:
         """Every key of the run lives `seconds` from now, or longer if it already would: at a
         run's end, and renewed while it lives (`orchestrator.lease`), so that no key of a run

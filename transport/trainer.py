@@ -173,6 +173,7 @@ def open_receiver(
     next_step: int,
     replay: ReplaySource | None = None,
     curve: ClientKeys | None = None,
+    file_mode: str = "owner",
 ) -> StepReceiver:
     """The rank's receiver for the configured transport (files need no replay: they stay;
     `curve`: the rank's CURVE keys, for ZMQ)."""
@@ -183,5 +184,5 @@ def open_receiver(
     if transport == "fs":
         from transport.filesystem import FileReceiver
 
-        return FileReceiver(output_dir, rank, run_id=run_id, next_step=next_step)
+        return FileReceiver(output_dir, rank, run_id=run_id, next_step=next_step, file_mode=file_mode)
     raise ValueError(f"transport: {transport!r} is not one of 'zmq', 'fs'")

@@ -26,6 +26,7 @@ from orchestrator.settings import RunSettings
 from orchestrator.settings_resolution import add_settings_arguments, settings_from_args
 from tasks.logs import mask_secrets
 from transport.connection import OUTAGE_SECONDS, connect_redis_async
+from transport.run_files import DiskFull, restrict
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +50,7 @@ def interrupt_on_sigterm(signum: int, frame: Any) -> None:
 def main(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     configure_logging(settings.log_json, logging.WARNING, run_id=settings.run_id)
+    restrict(settings.file_mode)
     preflight_client("orchestrate", settings, unfinished_run=True).close()
     signal.signal(signal.SIGTERM, interrupt_on_sigterm)
     try:
@@ -63,7 +65,7 @@ def main(args: argparse.Namespace) -> int:
     except (RunStateLost, RedisOutOfMemory, LeaseLost) as exc:
         print(f"rlship orchestrate: {exc}", file=sys.stderr)
         return 3
-    except (CannotShip, ResumeRefused) as exc:
+    except (CannotShip, DiskFull, ResumeRefused) as exc:
         print(f"rlship orchestrate: run {settings.run_id} stopped: {exc}", file=sys.stderr)
         return 2
     except EmptySteps as exc:

@@ -22,6 +22,7 @@ import numpy as np
 
 from orchestrator.admission import FINISHED, AdmissionRefused
 from orchestrator.commands.checks import preflight_client
+from orchestrator.lease import ALIVE_SECONDS
 from orchestrator.logs import configure_logging
 from orchestrator.producer import RolloutProducer, RolloutRejected
 from orchestrator.records import RolloutRecord
@@ -29,7 +30,10 @@ from orchestrator.settings import RunSettings
 from orchestrator.settings_resolution import add_settings_arguments, settings_from_args
 from orchestrator.stored_settings import RunNotStarted, SettingsDisagree
 from transport.connection import connect_redis
+from transport.keys import RunKeys
 from transport.payload_segments import PAYLOAD_FIELD, rollout_rows_path, write_segment_file
+from transport.run_files import DiskFull, restrict
+from transport.store import PayloadStore
 
 WAIT_REPORT_SECONDS = 5.0  # how often a waiting producer says why
 # The moe workload's routed experts: Qwen3-30B-A3B's 48 layers, top-8 of 128 experts, one
@@ -107,7 +111,6 @@ class SyntheticWorkload:
             return arrays | {"routed_experts": experts}
         assert self.moe_rows is not None
         path = rollout_rows_path(*self.moe_rows, rollout_id)
-        path.parent.mkdir(parents=True, exist_ok=True)
         return arrays | {PAYLOAD_FIELD: write_segment_file(path, {"routed_experts": experts})}
 
     def group(self, write: bool = True) -> list[tuple[RolloutRecord, dict[str, Any]]]:
@@ -198,6 +201,24 @@ def run_producer(
     return written
 
 
+def stop_the_run(settings: RunSettings, problem: str) -> None:
+    """A producer that cannot write stops its run: it states why where the orchestrator looks
+    (again and again: an orchestrator that starts meanwhile clears an earlier start's reason)
+    until the run has ended, its alive mark gone (`rlship run` removes it once its orchestrator
+    has exited), so that `rlship run` reports the run's stop, not a producer's exit."""
+    client = connect_redis(settings.redis_url)
+    store, alive = PayloadStore(client, settings.run_id), RunKeys(settings.run_id).alive
+    lived = False
+    deadline = time.monotonic() + 2 * ALIVE_SECONDS
+    while time.monotonic() < deadline:
+        store.stop_run(problem)
+        if client.exists(alive):
+            lived = True
+        elif lived:
+            return
+        time.sleep(0.2)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings_arguments(parser)
     parser.add_argument("--groups", type=int, default=None, help="stop after this many groups")
@@ -206,10 +227,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     configure_logging(settings.log_json, logging.INFO, run_id=settings.run_id)
+    restrict(settings.file_mode)
     preflight_client("produce", settings).close()
     try:
         run_producer(settings, groups=args.groups)
     except (RunNotStarted, SettingsDisagree) as exc:
         print(f"rlship produce: {exc}", file=sys.stderr)
         return 2
+    except DiskFull as exc:
+        stop_the_run(settings, str(exc))
+        print(f"rlship produce: {exc}", file=sys.stderr)
+        return 1
     return 0

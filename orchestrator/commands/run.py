@@ -52,6 +52,7 @@ from tasks.logs import mask_secrets
 from transport.connection import connect_redis
 from transport.keys import RunKeys
 from transport.port_claims import claim_call, claim_holder, release_call
+from transport.run_files import restrict
 from transport.store import PayloadStore
 from transport.zmq_curve import make_keys
 from transport.zmq_sockets import free_port_pair
@@ -362,6 +363,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"rlship run: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_json, logging.INFO, run_id=settings.run_id)
+    restrict(settings.file_mode)  # its children (Redis, workers, producer, ...) inherit it
     # External trainers are configured with the port themselves: only rlship's may be moved.
     port_movable = resolved.sources["zmq_port"] == "default" and settings.trainers == "builtin"
     for check in preflight_run(settings, port_movable=port_movable):

@@ -50,6 +50,7 @@ def main(args: argparse.Namespace) -> int:
         next_step=next_step,
         replay=RetainedPayloads(client, settings.run_id),
         curve=curve,
+        file_mode=settings.file_mode,
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:

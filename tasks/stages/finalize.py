@@ -247,7 +247,7 @@ def _segments_problem(arrays: Mapping[str, Any], num_tokens: int, side_arrays: S
     inline = [field for field in segment_fields(segments) if field in arrays]
     if inline:
         return f"{PAYLOAD_FIELD}.{inline[0]}: given both inline and by handle (one way or the other)"
-    return segments_problem(segments, num_tokens, side_arrays.root)
+    return segments_problem(segments, num_tokens, side_arrays)
 
 
 def too_long(num_tokens: int, seq_len: int) -> str:
@@ -328,7 +328,7 @@ def finalize_step(
         stored = (handles or {}).get(ids[i])
         if by_file[i]:
             field, file = cohort.labels["rows_field"][i], cohort.labels["rows_file"][i]
-            problem: str | None = rows_file_problem(field, file, int(rows_bytes[i]), config.side_arrays.root)
+            problem: str | None = rows_file_problem(field, file, int(rows_bytes[i]), config.side_arrays)
         elif stored is None or isinstance(stored, Exception):
             problem = f"payload: {stored or 'not found'}"
         else:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from tasks.cohort import Cohort
+from transport.run_files import space_for
 
 
 def choose_samples(shipped: int, count: int, step: int) -> list[int]:
@@ -47,10 +48,16 @@ def sample_lines(
 
 
 def write_samples(output_dir: Path, step: int, lines: list[dict[str, Any]]) -> Path:
-    """Write atomically (temporary name, then rename): a reader never sees half a file."""
+    """Write atomically (temporary name, then rename): a reader never sees half a file;
+    `DiskFull` without room for it (nothing is left)."""
     path = output_dir / "samples" / f"step_{step}.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(f".tmp.{os.getpid()}")
-    temporary.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    os.replace(temporary, path)
+    text = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    with space_for(path, len(text)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            temporary.write_bytes(text)
+            os.replace(temporary, path)
+        finally:
+            temporary.unlink(missing_ok=True)
     return path

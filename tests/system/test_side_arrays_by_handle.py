@@ -382,33 +382,37 @@ def test_stock_0f59b24_ranks_read_every_rollouts_rows_as_written(
     assert wrong == {}, f"{len(wrong)} of {len(rows)} trace ids read other rows than were written"
 
 
-def test_a_rollout_whose_rows_file_is_gone_or_short_is_dropped_and_its_step_ships_the_rest(
+def test_a_rollout_whose_rows_file_is_gone_short_or_writable_by_others_is_dropped_and_its_step_ships_the_rest(
     client, redis_url, run_id, workers, tmp_path
 ):
     steps = 2
     settings = stock_settings(run_id, redis_url, workers, tmp_path, steps)
     producer = RolloutProducer.for_run(client, settings, admitted=False)
     expected, files = produce_with_rows(producer, settings, groups=steps * 2 + 2, seed=2)
-    # After the producer's check, before the cut: one file deleted, one cut short.
-    gone, short = "g0-r0", "g0-r1"
+    # After the producer's check, before the cut: one file deleted, one cut short, one made
+    # writable by its group (another user could have replaced its rows).
+    gone, short, writable = "g0-r0", "g0-r1", "g0-r2"
     files[gone].unlink()
     os.truncate(files[short], 100)
+    files[writable].chmod(0o664)
     try:
         got = ship_to_0f59b24_ranks(settings)
         records = metrics_lines(settings)
     finally:
         delete_run_keys(client, run_id)
     fates = {line["rollout_id"]: line for line in map(json.loads, (tmp_path / "rollouts.jsonl").open())}
-    for rollout_id in (gone, short):
+    dropped = (gone, short, writable)
+    for rollout_id in dropped:
         fate = fates[rollout_id]
         assert fate["fate"] == "discarded", fate
         assert fate["reason"].startswith("invalid_payload: payload.routed_experts: "), fate
         assert str(files[rollout_id]) in fate["reason"], fate
+    assert f"{files[writable]} is group-writable (mode 0664): refused" in fates[writable]["reason"]
     assert [int(r["step"]) for r in records] == [1, 2], "every step shipped"
     by_step = {int(r["step"]): r for r in records}
-    assert sum(r["progress/dropped_by_workers"] for r in records) == 2.0, "no other drop"
-    for step in {fates[gone]["discarded_step"], fates[short]["discarded_step"]}:
-        dropped_here = [rid for rid in (gone, short) if fates[rid]["discarded_step"] == step]
+    assert sum(r["progress/dropped_by_workers"] for r in records) == 3.0, "no other drop"
+    for step in {fates[rid]["discarded_step"] for rid in dropped}:
+        dropped_here = [rid for rid in dropped if fates[rid]["discarded_step"] == step]
         record = by_step[step]
         assert record["progress/dropped_by_workers"] == len(dropped_here), record
         shipped_here = [
@@ -417,14 +421,14 @@ def test_a_rollout_whose_rows_file_is_gone_or_short_is_dropped_and_its_step_ship
         assert record["progress/rollouts"] == len(shipped_here) == 8 - len(dropped_here), "the others ship"
     rows = rows_read(got)
     shipped = {rid for rid, fate in fates.items() if fate["fate"] == "shipped"}
-    assert set(rows) == shipped and gone not in rows and short not in rows
+    assert set(rows) == shipped and not set(dropped) & set(rows)
     assert {tid: rows[tid] for tid in shipped} == {tid: expected[tid] for tid in shipped}
     # Counted under `payload.{field}` (docs/wire-format.md, "Side arrays by handle"; the
     # record's `progress/dropped_by_workers/{field}`, docs/metrics.md).
     counted: Counter[str] = Counter()
     for record in records:
         counted.update({k: v for k, v in record.items() if k.startswith("progress/dropped_by_workers/")})
-    assert counted == {"progress/dropped_by_workers/payload.routed_experts": 2.0}, counted
+    assert counted == {"progress/dropped_by_workers/payload.routed_experts": 3.0}, counted
 
 
 def test_moe_on_the_559b447_wire_is_refused_at_start_up_leaving_nothing(client, redis_url, tmp_path):

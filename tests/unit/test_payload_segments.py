@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from transport.payload_segments import (
+    ANYWHERE,
     PayloadSegment,
     SegmentReader,
+    SideArrays,
     clip_segments,
     read_windows,
     segments_problem,
@@ -70,12 +72,12 @@ def test_two_segments_in_one_window_and_a_gap_read_as_zero(experts, tmp_path) ->
 )
 def test_a_bad_segment_is_named(experts, change, problem) -> None:
     _, segment = experts
-    assert segments_problem([replace(segment, **change)], 20, None) == problem.format(file=segment.file)
+    assert segments_problem([replace(segment, **change)], 20, ANYWHERE) == problem.format(file=segment.file)
 
 
 def test_overlapping_or_disagreeing_segments_and_files_outside_the_root_are_named(experts, tmp_path) -> None:
     _, segment = experts
-    twice = segments_problem([segment, segment], 20, None)
+    twice = segments_problem([segment, segment], 20, ANYWHERE)
     assert (
         twice == "payload.routed_experts: token 0 is covered by 2 segments (each token needs exactly one row)"
     )
@@ -83,11 +85,11 @@ def test_overlapping_or_disagreeing_segments_and_files_outside_the_root_are_name
         clip_segments([segment], 0, 10),
         clip_segments([replace(segment, dtype="int16", shape=(4,))], 10, 20),
     )
-    assert segments_problem([*head, *tail], 20, None) == (
+    assert segments_problem([*head, *tail], 20, ANYWHERE) == (
         "payload.routed_experts: segments disagree on rows (int16[4] after uint8[4, 2])"
     )
     elsewhere = tmp_path / "root"
-    assert segments_problem([segment], 20, str(elsewhere)) == (
+    assert segments_problem([segment], 20, SideArrays(str(elsewhere))) == (
         f"payload.routed_experts: file {segment.file} is outside the payload root {elsewhere}"
     )
-    assert segments_problem([segment], 20, str(tmp_path)) is None
+    assert segments_problem([segment], 20, SideArrays(str(tmp_path))) is None

@@ -112,7 +112,7 @@ def test_ship_config_is_the_same_named_settings(tmp_path: Path) -> None:
         ship_queue="send", samples_per_step=2, replay_steps=9, first_step=1, bind_wait_seconds=2.5,
         redis_wait_replicas=2, redis_wait_timeout_ms=250, wire="prime-rl-0f59b24",
         payload_root=tmp_path / "rows", payload_store="dir", dedupe_horizon=4096, zmq_curve=True,
-        zmq_keys_dir=tmp_path / "keys",
+        zmq_keys_dir=tmp_path / "keys", file_mode="group",
     )  # fmt: skip
     config = settings.ship_config()
     for field in dataclasses.fields(ShipConfig):
