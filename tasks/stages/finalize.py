@@ -104,11 +104,11 @@ class PayloadFacts:
     def from_wire(cls, data: bytes | str | None) -> PayloadFacts | None:
         """The facts of a stream entry; None when it has none or they do not parse (the
         rollout's arrays are then checked at finalize)."""
-        text = data.decode() if isinstance(data, bytes) else data or ""
-        words = text.split(maxsplit=6)
         try:
+            text = data.decode() if isinstance(data, bytes) else data or ""
+            words = text.split(maxsplit=6)
             numbers = [int(word) for word in words[:4]] + ([int(words[4])] if len(words) == 7 else [])
-        except ValueError:
+        except ValueError:  # not UTF-8, or a word not a number
             return None
         if (
             len(words) not in (3, 4, 7)
