@@ -64,10 +64,42 @@ def names_one_of(problem: str, names: set[str]) -> bool:
 HUGE_INTS = [2**31, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63) - 1, -(2**70), 10**400]
 # Values that have broken parsers; random ones are drawn beside them.
 NASTY_SCALARS = [
-    None, True, False, 0, -1, 1, 7, *HUGE_INTS, 0.0, -0.0, 0.5, 1e308, -1e-320, float("nan"), float("inf"),
-    float("-inf"), "", " ", "a", "a b", "math", "x" * 201, "é", "\x00", "\udcff", "1", "-1", "NaN", "Infinity",
-    "true", "null", "/abs/path", "a:b", "1e3", "١٢",
-]  # fmt: skip
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    7,
+    *HUGE_INTS,
+    0.0,
+    -0.0,
+    0.5,
+    1e308,
+    -1e-320,
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    "",
+    " ",
+    "a",
+    "a b",
+    "math",
+    "x" * 201,
+    "é",
+    "\x00",
+    "\udcff",
+    "1",
+    "-1",
+    "NaN",
+    "Infinity",
+    "true",
+    "null",
+    "/abs/path",
+    "a:b",
+    "1e3",
+    "١٢",
+]
 NASTY_KEYS = ["", "a", "a b", "rollout_id", "[key]", "k.j", "x:y", "\x00", "é", "metrics"]
 DEEP_VALUES = [[[[]]], {"a": {"b": [1, {"c": None}]}}, [None] * 50, {"": []}]
 TEXT = "ab/._- :é\x00\n\t☃𝄞1"
@@ -142,7 +174,7 @@ def record_bytes(rng: random.Random) -> bytes:
 def word(rng: random.Random) -> str:
     kind = rng.randrange(4)
     if kind == 0:
-        return str(rng.choice(HUGE_INTS + [0, -1, 1, 10**6]))
+        return str(rng.choice([*HUGE_INTS, 0, -1, 1, 10**6]))
     if kind == 1:
         return str(rng.randint(-(10**7), 10**7))
     if kind == 2:
@@ -168,13 +200,40 @@ def facts_bytes(rng: random.Random) -> bytes | None:
 # --- rollout arrays and segments -----------------------------------------------------------
 
 DTYPES = [
-    "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32",
-    "float64", "complex64", "<U3", "S2", "datetime64[s]", "object", "V4", ">i4", ">f8",
-]  # fmt: skip
+    "bool",
+    "int8",
+    "uint8",
+    "int16",
+    "uint16",
+    "int32",
+    "uint32",
+    "int64",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "complex64",
+    "<U3",
+    "S2",
+    "datetime64[s]",
+    "object",
+    "V4",
+    ">i4",
+    ">f8",
+]
 ARRAY_NAMES = [
-    "input_ids", "loss_mask", "inference_logprobs", "ref_logprobs", "routed_experts", "ce_weights",
-    "ref_kl_weights", "mm_token_type_ids", "mm_kwargs.pixel_values", "ref_logprob", "",
-]  # fmt: skip
+    "input_ids",
+    "loss_mask",
+    "inference_logprobs",
+    "ref_logprobs",
+    "routed_experts",
+    "ce_weights",
+    "ref_kl_weights",
+    "mm_token_type_ids",
+    "mm_kwargs.pixel_values",
+    "ref_logprob",
+    "",
+]
 EXTREMES = [0, 1, -1, 2**7, 2**15, 2**31 - 1, 2**40, 2**63 - 1, -(2**63)]
 
 
@@ -186,7 +245,9 @@ def numpy_array(rng: random.Random, tokens: int) -> np.ndarray:
     shape = rng.choice([(length,), (length,), (length,), (), (length, 2), (length, 3, 2), (0, length)])
     count = int(np.prod(shape))
     if dtype.kind == "O":
-        return np.array([json_scalar(rng) for _ in range(count)] + [None], dtype=object)[:count].reshape(shape)
+        return np.array([json_scalar(rng) for _ in range(count)] + [None], dtype=object)[:count].reshape(
+            shape
+        )
     if dtype.kind in "iu" and rng.random() < 0.5:
         values = [rng.choice(EXTREMES) for _ in range(count)]
         return np.array(values, dtype=object).reshape(shape)  # NumPy picks no dtype: the producer's problem
@@ -197,7 +258,9 @@ def non_array(rng: random.Random) -> Any:
     return rng.choice([json_value(rng), rng.randbytes(rng.randint(0, 8)), np.float64("nan"), [1, [2]]])
 
 
-def rollout_arrays(rng: random.Random, segments: Generator | None = None) -> tuple[int, dict[str, Any]]:
+def rollout_arrays(
+    rng: random.Random, segments: Callable[[random.Random, int], Any] | None = None
+) -> tuple[int, dict[str, Any]]:
     """A good rollout's arrays with none to three things wrong: an array replaced by a fuzzed
     one or by something not an array, removed, added under any name, one value set to NaN,
     inf, a negative or huge token id, or mm_kwargs of any shape; with `segments`, side arrays
@@ -217,47 +280,72 @@ def rollout_arrays(rng: random.Random, segments: Generator | None = None) -> tup
         elif kind == 3 and tokens:
             target = rng.choice(["input_ids", "inference_logprobs"])
             floats = target == "inference_logprobs"
-            values = np.array(arrays[target] if target in arrays else np.zeros(tokens), np.float64 if floats else np.int64)
-            if values.shape == (tokens,):
-                values[rng.randrange(tokens)] = rng.choice([np.nan, np.inf, -np.inf] if floats else [-1, 2**40, 2**63 - 1])
+            current = arrays.get(target)
+            if isinstance(current, np.ndarray) and current.shape == (tokens,) and current.dtype.kind in "iuf":
+                values = current.astype(np.float64 if floats else np.int64)
+                values[rng.randrange(tokens)] = rng.choice(
+                    [np.nan, np.inf, -np.inf] if floats else [-1, 2**40, 2**63 - 1]
+                )
                 arrays[target] = values
         elif kind == 4:
-            tensor = rng.choice([
-                non_array(rng), numpy_array(rng, tokens), [json_scalar(rng), json_value(rng), rng.randbytes(9)],
-                ["uint8", [rng.choice(EXTREMES + HUGE_INTS), 2], b""],
-            ])  # fmt: skip
+            tensor = rng.choice(
+                [
+                    non_array(rng),
+                    numpy_array(rng, tokens),
+                    [json_scalar(rng), json_value(rng), rng.randbytes(9)],
+                    ["uint8", [rng.choice([*EXTREMES, *HUGE_INTS]), 2], b""],
+                ]
+            )
             arrays["mm_kwargs"] = rng.choice([{text(rng, 5): tensor}, non_array(rng)])
     if segments is not None:
-        arrays["payload"] = segments(rng)
+        arrays["payload"] = segments(rng, tokens)
     return tokens, arrays
 
 
 SEGMENT_DTYPES = [
-    "uint8", "int32", "float32", "bool", "object", "V0", "<U2", "(2)i4", "i4,i4", "", "bfloat16", "complex1024",
-    "(99999999999)u1", "i99999999999999999999", "M8[xx]", "\x00",
-]  # fmt: skip
+    "uint8",
+    "int32",
+    "float32",
+    "bool",
+    "object",
+    "V0",
+    "<U2",
+    "(2)i4",
+    "i4,i4",
+    "",
+    "bfloat16",
+    "complex1024",
+    "(99999999999)u1",
+    "i99999999999999999999",
+    "M8[xx]",
+    "\x00",
+]
 
 
 def segment_int(rng: random.Random) -> Any:
     return rng.choice([rng.randint(-3, 40), rng.randint(0, 12), rng.choice(HUGE_INTS), json_scalar(rng)])
 
 
-def segment_values(rng: random.Random, files: list[str]) -> list[Any]:
-    """One segment as a producer or a blob may hold it: its seven (or nine) values, each
-    possibly of the wrong type or out of range, its file one of `files` (under the root and
-    long enough, short, outside it, gone, relative, a directory, a NUL in its name, ...)."""
-    values = [
-        rng.choice(["routed_experts", "routed_experts", "sampling_mask", "a b", "", "x\udcff", json_scalar(rng)]),
-        rng.choice([*files, *files, json_scalar(rng)]),
-        segment_int(rng),
-        segment_int(rng),
-        segment_int(rng),
-        rng.choice([*SEGMENT_DTYPES, "uint8", "uint8", json_scalar(rng)]),
-        rng.choice([[segment_int(rng) for _ in range(rng.randint(0, 3))], [2], [1, 2], json_scalar(rng)]),
+def segment_values(rng: random.Random, files: list[str], tokens: int) -> list[Any]:
+    """One segment as a producer or a blob may hold it: a good one (rows of `files[0]` for
+    the rollout's `tokens`) with none to three of its values replaced by another of the wrong
+    type or out of range, or its file by another of `files` (short, outside the root, gone,
+    relative, a directory, a NUL in its name, ...); its stored digest and inline flag, any."""
+    values: list[Any] = ["routed_experts", files[0], 0, 0, tokens, "uint8", [2]]
+    choices = [
+        lambda: rng.choice(["routed_experts", "sampling_mask", "a b", "", "x\udcff", json_scalar(rng)]),
+        lambda: rng.choice([*files, json_scalar(rng)]),
+        lambda: segment_int(rng),
+        lambda: segment_int(rng),
+        lambda: segment_int(rng),
+        lambda: rng.choice([*SEGMENT_DTYPES, json_scalar(rng)]),
+        lambda: rng.choice([[segment_int(rng) for _ in range(rng.randint(0, 3))], [1, 2], json_scalar(rng)]),
     ]
+    for at in rng.sample(range(7), rng.choice([0, 1, 1, 1, 2, 3])):
+        values[at] = choices[at]()
     if rng.random() < 0.5:
         values += [json_scalar(rng), json_scalar(rng)]
-    if rng.random() < 0.1:
+    if rng.random() < 0.05:
         values = values[: rng.randint(0, 8)]
     return values
 
@@ -283,7 +371,9 @@ def mangled(rng: random.Random, data: bytes) -> bytes:
         elif kind == 4:
             # A header claiming far more than there is: array32, bin32, str32, map32.
             tag = rng.choice([0xDD, 0xC6, 0xDB, 0xDF, 0xDC])
-            raw[at : at + 5] = bytes([tag]) + rng.choice([b"\xff\xff\xff\xff", b"\x7f\xff\xff\xff", b"\x00\x01\x00\x00"])
+            raw[at : at + 5] = bytes([tag]) + rng.choice(
+                [b"\xff\xff\xff\xff", b"\x7f\xff\xff\xff", b"\x00\x01\x00\x00"]
+            )
         else:
             raw[at:at] = rng.randbytes(rng.randint(1, 6))
     return bytes(raw)
