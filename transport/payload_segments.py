@@ -195,6 +195,8 @@ def rows_file_problem(field: str, file: str, needed: int, root: str | None) -> s
     """Why a file of `field`'s rows cannot be read as its segments say: not an absolute path,
     outside the payload root (if the run has one), gone, or shorter than the `needed` bytes."""
     what = f"{PAYLOAD_FIELD}.{field}"
+    if "\0" in file:  # from a stream entry's facts: os.stat would raise ValueError
+        return f"{what}: file {file!r} holds a NUL byte"
     if not os.path.isabs(file):
         return f"{what}: file {file!r} is not an absolute path"
     if root:
