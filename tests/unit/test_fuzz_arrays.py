@@ -6,6 +6,7 @@ is refused naming the field, or what it would write decodes and passes the worke
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -89,3 +90,16 @@ def test_a_producer_call_is_refused_naming_the_field_or_writes_what_the_workers_
         stored = unpack_arrays(blob)
         assert check_rollout_arrays(stored, tokens, MAX_TOKENS, VOCAB, PRODUCER.side_arrays) is None
         assert PayloadFacts.from_wire(facts) is not None
+        _assert_trainable(stored, tokens)
+
+
+def _assert_trainable(stored: dict, tokens: int) -> None:
+    """What was written, held to the contract written out here (not the code's checks): one
+    value a token in every token array, ids in the vocabulary, finite floats, a bool mask."""
+    ids = stored["input_ids"]
+    assert ids.shape == (tokens,) and ids.dtype.kind in "iu" and all(0 <= i < VOCAB for i in ids.tolist())
+    assert stored["loss_mask"].dtype == bool
+    for name in set(stored) & set(ARRAY_NAMES):
+        assert len(stored[name]) == tokens, name
+        if name.endswith("logprobs") or name.endswith("weights"):
+            assert stored[name].ndim == 1 and all(math.isfinite(x) for x in stored[name].tolist()), name
