@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import msgpack
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -375,10 +374,6 @@ def mangled(rng: random.Random, data: bytes) -> bytes:
         else:
             raw[at:at] = rng.randbytes(rng.randint(1, 6))
     return bytes(raw)
-
-
-def packb(value: Any) -> bytes:
-    return msgpack.packb(value, use_bin_type=True)
 
 
 # --- logs ----------------------------------------------------------------------------------
