@@ -261,6 +261,6 @@ def _rollout_id_of(raw: bytes) -> str | None:
     """The rollout id of a rejected record, if it names a well-formed one (to release it)."""
     try:
         value = json.loads(raw).get("rollout_id")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):  # RecursionError: JSON nested too deep
         return None
     return value if isinstance(value, str) and IDENTIFIER.fullmatch(value) else None

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 IDENTIFIER_PATTERN = r"^[A-Za-z0-9_.\-/]{1,200}$"
 IDENTIFIER = re.compile(IDENTIFIER_PATTERN)
 Identifier = Annotated[str, Field(pattern=IDENTIFIER_PATTERN)]
+PLAIN_NAME = re.compile(r"[\w\[\]]+")  # a field, or pydantic's `[key]` of a mapping's key
 
 
 class RecordFields(BaseModel):
@@ -67,10 +68,12 @@ class RecordRejected(ValueError):
 
 
 def describe_validation_error(error: ValidationError) -> str:
-    """One line per problem: the field, what is wrong, and the value received."""
+    """One line per problem: the field, what is wrong, and the value received. A field name
+    that is not a plain word is quoted (an extra key `''` or `a: b` would blur the line)."""
     parts = []
     for problem in error.errors(include_url=False):
-        field = ".".join(str(p) for p in problem["loc"]) or "<record>"
+        field = ".".join(p if PLAIN_NAME.fullmatch(p) else repr(p) for p in map(str, problem["loc"]))
+        field = field or "<record>"
         parts.append(f"{field}: {problem['msg']} (got {problem.get('input')!r:.80})")
     return "; ".join(parts)
 

@@ -50,12 +50,9 @@ def check_rollouts(
         except SchemaError as exc:
             problems[record.rollout_id] = str(exc)
             continue
-        # Arrays as numpy; mm_kwargs tensors and payload segments as they are.
-        arrays = {
-            k: v if isinstance(v, EncodedTensor) or k == PAYLOAD_FIELD else np.asarray(v)
-            for k, v in flat.items()
-        }
-        problem = check_rollout_arrays(arrays, record.num_tokens, max_tokens, vocab_size, side_arrays)
+        arrays, problem = _as_numpy(flat)
+        if problem is None:
+            problem = check_rollout_arrays(arrays, record.num_tokens, max_tokens, vocab_size, side_arrays)
         if problem is not None:
             found = problems.get(record.rollout_id)
             problems[record.rollout_id] = problem if found is None else f"{problem}; {found}"
@@ -63,6 +60,21 @@ def check_rollouts(
     if problems:
         raise RolloutRejected(problems)
     return checked
+
+
+def _as_numpy(flat: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """Arrays as numpy (mm_kwargs tensors and payload segments as they are), or why one is
+    not an array (a ragged list: NumPy refuses to make one)."""
+    arrays = {}
+    for name, value in flat.items():
+        if isinstance(value, EncodedTensor) or name == PAYLOAD_FIELD:
+            arrays[name] = value
+            continue
+        try:
+            arrays[name] = np.asarray(value)
+        except (ValueError, TypeError) as exc:
+            return arrays, f"{name}: not an array ({exc})"
+    return arrays, None
 
 
 def call_problems(

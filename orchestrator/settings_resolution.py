@@ -80,6 +80,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
         data = tomllib.loads(path.read_text())
     except OSError as exc:
         raise SystemExit(f"rlship: config file {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise SystemExit(f"rlship: config file {path}: not UTF-8 ({exc.reason} at byte {exc.start})") from exc
     except tomllib.TOMLDecodeError as exc:
         raise SystemExit(f"rlship: config file {path}: invalid TOML: {exc}") from exc
     values = {key.replace("-", "_"): value for key, value in data.items()}

@@ -17,13 +17,21 @@ from typing import Any
 
 import pytest
 import redis
+from hypothesis import settings
 
 from orchestrator.commands.processes import delete_queues, redis_answers
 from tasks.app import DEFAULT_REDIS_URL
+from tests.support.fuzz import CI
 from tests.support.processes import SESSION_QUEUES, Workers, free_port, running_workers
 from transport.store import PayloadStore
 
 UNEXPIRING_BEFORE = pytest.StashKey[set[str]]()
+
+# CI draws the same examples every run (a failure there reproduces anywhere), times none of
+# them out and keeps no example database; each test still sets how many examples it runs.
+settings.register_profile("ci", derandomize=True, deadline=None, database=None, print_blob=True)
+if CI:
+    settings.load_profile("ci")
 
 
 @pytest.fixture(scope="session")

@@ -319,7 +319,7 @@ def _read_any(buffer: np.ndarray, pos: int, what: str) -> tuple[Any, int]:
         return readers.read_object(buffer, pos)
     except msgpack.OutOfData as exc:
         raise CodecError(f"{what}: payload truncated at byte {len(buffer)} (value starts at {pos})") from exc
-    except (ValueError, msgpack.UnpackException) as exc:
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:  # TypeError: a map keyed by a map
         raise CodecError(f"{what}: malformed MessagePack at byte {pos}: {exc}") from exc
 
 
@@ -327,7 +327,7 @@ def _describe(buffer: np.ndarray, pos: int) -> str:
     """What kind of value is at `pos`, for error messages."""
     try:
         return type(readers.read_object(buffer, pos)[0]).__name__
-    except (ValueError, msgpack.UnpackException, msgpack.OutOfData):
+    except (ValueError, TypeError, msgpack.UnpackException, msgpack.OutOfData):
         return f"byte 0x{int(buffer[pos]):02x}" if pos < len(buffer) else "end of payload"
 
 

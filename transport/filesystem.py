@@ -43,8 +43,8 @@ def layout_run_path(output_dir: str | os.PathLike[str]) -> Path:
 
 def layout_run(output_dir: str | os.PathLike[str]) -> str | None:
     """The run the layout belongs to, or None before its first sender wrote it."""
-    try:
-        return layout_run_path(output_dir).read_text().strip() or None
+    try:  # bytes not UTF-8 name no run of ours: replaced, they match none
+        return layout_run_path(output_dir).read_bytes().decode(errors="replace").strip() or None
     except FileNotFoundError:
         return None
 
@@ -186,7 +186,7 @@ class FileReceiver(SequencedReceiver):
     def _read(self, path: Path, step: int) -> bytes | None:
         """The step's payload, if its file is there in this run's layout; `RefusedFile` if
         another user could have written it (`file_mode`)."""
-        if not path.exists() or not self._own_layout(step):
+        if not path.is_file() or not self._own_layout(step):  # a directory of that name is no payload
             return None
         try:
             with open(path, "rb") as f:
@@ -194,7 +194,7 @@ class FileReceiver(SequencedReceiver):
                 if problem is not None:
                     raise RefusedFile(f"rank {self.rank}: step {step}'s payload file {problem}")
                 return f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, IsADirectoryError):  # replaced meanwhile
             return None
 
     def close(self) -> None:

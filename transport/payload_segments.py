@@ -40,6 +40,10 @@ class SegmentReadError(OSError):
     """A segment whose rows cannot be read whole: its file is gone or shorter than it says."""
 
 
+# A field names a wire field: no spaces (the producer's facts are words, the field one of them).
+_SPACES = {"field": " without spaces", "file": "", "dtype": ""}
+
+
 @dataclass(frozen=True, slots=True)
 class PayloadSegment:
     """`rows` rows of `field` from token position `pos` (relative to the sequence that holds
@@ -91,14 +95,19 @@ class PayloadSegment:
                 raise ValueError(f"{what}.{name}: {value!r} is not a non-negative int")
         if not isinstance(field, str) or not field or not isinstance(file, str) or not isinstance(dtype, str):
             raise ValueError(f"{what}: field, file and dtype must be non-empty strings, got {values!r:.80}")
+        for name, text in {"field": field, "file": file, "dtype": dtype}.items():
+            if not text.isprintable() or (name == "field" and " " in text):  # NUL, newline, surrogate
+                raise ValueError(f"{what}.{name}: {text!r:.80} is not printable UTF-8 text{_SPACES[name]}")
         if not isinstance(shape, list | tuple) or not all(isinstance(d, int) and d > 0 for d in shape):
             raise ValueError(f"{what}.shape: {shape!r} is not a list of positive ints")
         try:
             np.dtype(dtype)
-        except TypeError:
+        except (TypeError, ValueError):
             raise ValueError(f"{what}.dtype: {dtype!r} is not a dtype numpy knows") from None
         digest, inline = stored or ("", False)
-        return cls(field, file, offset, pos, rows, dtype, tuple(shape), str(digest), bool(inline))
+        if not isinstance(digest, str) or any(c not in "0123456789abcdef" for c in digest):
+            raise ValueError(f"{what}.digest: {digest!r:.80} is not a checksum (lowercase hex)")
+        return cls(field, file, offset, pos, rows, dtype, tuple(shape), digest, bool(inline))
 
 
 @dataclass(frozen=True)
@@ -194,6 +203,8 @@ def rows_file_problem(field: str, file: str, needed: int, side_arrays: SideArray
     one another user could have written."""
     what = f"{PAYLOAD_FIELD}.{field}"
     root = side_arrays.root
+    if "\0" in file:  # from a stream entry's facts: os.stat would raise ValueError
+        return f"{what}: file {file!r} holds a NUL byte"
     if not os.path.isabs(file):
         return f"{what}: file {file!r} is not an absolute path"
     if root:

@@ -10,6 +10,8 @@ runs at construction, so a malformed batch fails where it is built, naming the f
 
 from __future__ import annotations
 
+import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Self
@@ -34,11 +36,11 @@ def _check_tensor_bytes(what: str, data: bytes, shape: tuple[int, ...], dtype: s
     else:
         try:
             itemsize = np.dtype(dtype).itemsize
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:  # ValueError: a comma-string numpy cannot read
             raise SchemaError(f"{what}.dtype: unknown dtype {dtype!r}") from exc
     if any(d < 0 for d in shape):
         raise SchemaError(f"{what}.shape: {shape} has a negative dimension")
-    expected = itemsize * int(np.prod(shape, dtype=np.int64))
+    expected = itemsize * math.prod(shape)  # Python ints: a product past int64 must not wrap to a match
     if len(data) != expected:
         raise SchemaError(
             f"{what}.data: length {len(data)} does not match shape {shape} "
@@ -62,8 +64,14 @@ class _RawTensor:
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str):
             raise SchemaError(f"{self._field}.dtype: expected str, got {self.dtype!r}")
+        if not isinstance(self.data, bytes | bytearray | memoryview):  # bytes(3) would be 3 zero bytes
+            raise SchemaError(f"{self._field}.data: expected bytes, got {type(self.data).__name__}")
+        try:
+            shape = tuple(operator.index(d) for d in self.shape)
+        except TypeError:
+            raise SchemaError(f"{self._field}.shape: {self.shape!r:.80} is not a list of ints") from None
         object.__setattr__(self, "data", bytes(self.data))
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        object.__setattr__(self, "shape", shape)
         _check_tensor_bytes(self._field, self.data, self.shape, self.dtype)
 
     @classmethod
@@ -335,12 +343,13 @@ class MicroBatch:
 
 def as_segments(value: Any) -> list[PayloadSegment]:
     """Side arrays by handle from what producers and decoders hold: segments, or their wire
-    (or stored) values; SchemaError names the segment that is neither."""
+    (or stored) values; SchemaError names the segment that is neither. A segment a producer
+    built itself is checked as its values are (a negative offset is no less wrong)."""
     if not isinstance(value, list | tuple):
         raise SchemaError(f"payload: expected a list of segments, got {type(value).__name__}")
     try:
         return [
-            s if isinstance(s, PayloadSegment) else PayloadSegment.from_values(s, f"payload[{i}]")
+            PayloadSegment.from_values(s.to_stored() if isinstance(s, PayloadSegment) else s, f"payload[{i}]")
             for i, s in enumerate(value)
         ]
     except ValueError as exc:

@@ -40,7 +40,8 @@ def parse_topic(frame: bytes) -> Topic | None:
     if len(parts) not in (3, 4) or parts[0] + b"|" != TOPIC_PREFIX:
         return None
     rank, step = parts[1], parts[2]
-    if not (rank.isdigit() and step.isdigit()) or parts[3:] == [b""]:
+    # At most 18 digits: int() refuses over 4300, and no rank or step is near int64's 19.
+    if not (rank.isdigit() and step.isdigit() and len(rank) <= 18 and len(step) <= 18) or parts[3:] == [b""]:
         return None
     run_id = parts[3].decode(errors="replace") if len(parts) == 4 else None
     return Topic(int(rank), int(step), run_id)

@@ -88,6 +88,8 @@ class PayloadFacts:
         if len({segment.file for segment in segments}) != 1:
             return cls(loss_tokens, max_id, payload_bytes, len(segments))
         needed = max(segment.offset + segment.nbytes for segment in segments)
+        if needed == 0:  # rows of no bytes (no tokens, or an empty dtype): finalize reads the segments
+            return cls(loss_tokens, max_id, payload_bytes, len(segments))
         return cls(
             loss_tokens, max_id, payload_bytes, len(segments), needed, segments[0].field, segments[0].file
         )
@@ -104,11 +106,11 @@ class PayloadFacts:
     def from_wire(cls, data: bytes | str | None) -> PayloadFacts | None:
         """The facts of a stream entry; None when it has none or they do not parse (the
         rollout's arrays are then checked at finalize)."""
-        text = data.decode() if isinstance(data, bytes) else data or ""
-        words = text.split(maxsplit=6)
         try:
+            text = data.decode() if isinstance(data, bytes) else data or ""
+            words = text.split(maxsplit=6)
             numbers = [int(word) for word in words[:4]] + ([int(words[4])] if len(words) == 7 else [])
-        except ValueError:
+        except ValueError:  # not UTF-8, or a word not a number
             return None
         if (
             len(words) not in (3, 4, 7)
@@ -206,12 +208,16 @@ def check_rollout_arrays(
     if num_tokens > seq_len:
         return too_long(num_tokens, seq_len)
     for name in ("loss_mask", "inference_logprobs", *OPTIONAL_TOKEN_ARRAYS):
-        if name in arrays and len(arrays[name]) != num_tokens:
+        if name not in arrays:
+            continue
+        if arrays[name].ndim == 0 or (name != "routed_experts" and arrays[name].ndim != 1):
+            dimensions = "a token dimension first" if name == "routed_experts" else "one dimension"
+            return f"{name}: expected {dimensions}, got shape {arrays[name].shape}"
+        if len(arrays[name]) != num_tokens:
             return f"{name}: length {len(arrays[name])}, expected {num_tokens} (len(input_ids))"
-        if name in arrays and name != "routed_experts" and arrays[name].ndim != 1:
-            return f"{name}: expected one dimension, got shape {arrays[name].shape}"
-    if "mm_token_type_ids" in arrays and arrays["mm_token_type_ids"].dtype.kind not in "iu":
-        return f"mm_token_type_ids: dtype {arrays['mm_token_type_ids'].dtype}, expected integers"
+    for name in ("mm_token_type_ids", "routed_experts"):  # object arrays would be stored as pointers
+        if name in arrays and arrays[name].dtype.kind not in "iu":
+            return f"{name}: dtype {arrays[name].dtype}, expected integers"
     for name, value in arrays.items():
         if name.startswith(MM_KWARGS_PREFIX) and not isinstance(value, EncodedTensor):
             return f"{name}: expected an encoded tensor (dtype, shape, data), got {type(value).__name__}"

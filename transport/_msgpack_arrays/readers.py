@@ -32,7 +32,7 @@ def read_ints(buffer: np.ndarray, pos: int, count: int) -> tuple[np.ndarray | No
     they are found without a serial scan, a region of bytes at a time: a byte starts an
     element unless it lies inside a multi-byte int, whose tags are 0xcc-0xd3 (`_real_tags`).
     """
-    if count < SMALL:
+    if count < SMALL or count > len(buffer) - pos:  # an int takes a byte at least: not all there
         return None, pos
     result = np.empty(count, np.int64)
     done = 0
