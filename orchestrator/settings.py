@@ -268,8 +268,8 @@ class RunSettings(BaseSettings):
         scheme = urlsplit(value).scheme
         if scheme not in REDIS_SCHEMES:
             raise ValueError(f"the scheme must be one of {', '.join(REDIS_SCHEMES)}, not {scheme!r}")
+        RedisAddress.parse(value)
         if scheme == SENTINEL_SCHEME:
-            RedisAddress.parse(value)
             return value
         database = urlsplit(value).path.strip("/") if scheme != "unix" else ""
         if database and not database.isdigit():
