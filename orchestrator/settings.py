@@ -19,7 +19,7 @@ from tasks.app import DEFAULT_REDIS_URL, VISIBILITY_TIMEOUT_ENV
 from tasks.faults import FAULTS_ENV
 from tasks.logs import mask_secrets
 from tasks.manifest import ShipConfig
-from transport.connection import SENTINEL_SCHEME, RedisAddress
+from transport.connection import SENTINEL_SCHEME, RedisAddress, with_credentials
 from transport.keys import is_run_queue, run_queue
 from transport.numbering import PRIME_RL_FIRST_STEP
 from transport.payload_dir import PayloadDirectory
@@ -33,8 +33,11 @@ OTHER_VARIABLES = frozenset(
     {CONFIG_ENV, FAULTS_ENV, VISIBILITY_TIMEOUT_ENV, "RLSHIP_CI_VENV", "RLSHIP_CHROMIUM"}
 )
 REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel")
-# Settings whose values may hold credentials: shown and reported only through `mask_secrets`.
-SECRET_SETTINGS = frozenset({"redis_url"})
+# The processes of a run by what they may do in Redis: each may connect as its own ACL user
+# (`redis_{role}_auth`, `rlship acl`).
+ROLES = ("producer", "worker", "orchestrator", "trainer")
+# Settings whose values hold credentials: shown and reported only through `shown_value`.
+SECRET_SETTINGS = frozenset({"redis_url", *(f"redis_{role}_auth" for role in ROLES)})
 # Settings that, left unset, follow others (`RunSettings._resolve_derived`).
 DERIVED_SETTINGS = (
     "first_step", "start_step", "policy_source", "broadcast_dir", "cpu_queue", "ship_queue",
@@ -56,6 +59,28 @@ class RunSettings(BaseSettings):
         validation_alias=AliasChoices("REDIS_URL", "redis_url"),
         description="the run's one Redis: broker, result backend and every client (or its Sentinels: "
         "sentinel://host:port;... ending in ?master_name=NAME)",
+    )
+    redis_producer_auth: str | None = Field(
+        default=None,
+        pattern=r"^[^:\s]+:.+$",
+        description="USER:PASSWORD a producer connects to Redis as (unset: redis_url's); `rlship acl` "
+        "prints the user's rules",
+    )
+    redis_worker_auth: str | None = Field(
+        default=None,
+        pattern=r"^[^:\s]+:.+$",
+        description="USER:PASSWORD the Celery workers connect to Redis as, their broker included (unset: "
+        "redis_url's)",
+    )
+    redis_orchestrator_auth: str | None = Field(
+        default=None,
+        pattern=r"^[^:\s]+:.+$",
+        description="USER:PASSWORD the orchestrator connects to Redis as (unset: redis_url's)",
+    )
+    redis_trainer_auth: str | None = Field(
+        default=None,
+        pattern=r"^[^:\s]+:.+$",
+        description="USER:PASSWORD the trainer ranks connect to Redis as (unset: redis_url's)",
     )
     redis_wait_replicas: int | None = Field(
         default=None,
@@ -244,6 +269,7 @@ class RunSettings(BaseSettings):
         "redis_wait_replicas",
         "wire",
         "payload_root",
+        *(f"redis_{role}_auth" for role in ROLES),
         mode="before",
     )
     @classmethod
@@ -334,6 +360,11 @@ class RunSettings(BaseSettings):
             )
         return self
 
+    def for_role(self, role: str) -> RunSettings:
+        """These settings for a process of `role`: Redis reached as its user, when it has one."""
+        auth = getattr(self, f"redis_{role}_auth")
+        return self.with_changes(redis_url=with_credentials(self.redis_url, auth)) if auth else self
+
     def derived(self) -> set[str]:
         """The settings `_resolve_derived` derived rather than was given."""
         return set(DERIVED_SETTINGS) - self.model_fields_set
@@ -403,8 +434,10 @@ def unknown_variables(environment: Collection[str]) -> list[str]:
 
 
 def shown_value(name: str, value: Any) -> Any:
-    """A setting's value as it may be printed or logged."""
-    return mask_secrets(value) if name in SECRET_SETTINGS and isinstance(value, str) else value
+    """A setting's value as it may be printed or logged: a URL's password, or a role's, masked."""
+    if name not in SECRET_SETTINGS or not isinstance(value, str):
+        return value
+    return mask_secrets(value) if name == "redis_url" else value.partition(":")[0] + ":***"
 
 
 def settings_to_env(settings: RunSettings) -> dict[str, str]:

@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs, parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qs, parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 import kombu.transport
 import kombu.transport.redis
@@ -348,6 +348,17 @@ class RedisAddress:
         return self.sentinel().master_for(
             self.master_name, connection_class=connection_class, **{**self.master_options(), **options}
         )
+
+
+def with_credentials(url: str, auth: str) -> str:
+    """`url` with its user and password replaced by `auth` (`USER:PASSWORD`, a role's:
+    `rlship acl`); with Sentinels, the primary's (the Sentinels are asked without)."""
+    user, _, password = auth.partition(":")
+    chunks = [urlsplit(chunk) for chunk in url.split(";")]
+    chunks = [parts._replace(netloc=parts.netloc.rpartition("@")[2]) for parts in chunks]
+    userinfo = f"{quote(user, safe='')}:{quote(password, safe='')}@"
+    chunks[0] = chunks[0]._replace(netloc=userinfo + chunks[0].netloc)
+    return ";".join(urlunsplit(parts) for parts in chunks)
 
 
 def celery_redis_options(url: str) -> dict[str, Any]:

@@ -36,6 +36,7 @@ COMMANDS: dict[str, str] = {
     "status": "a run's status from another terminal (--follow: live); without RUN_ID, the runs Redis holds",
     "doctor": "what a run needs (Redis, password, eviction, ports, output dir, workers): one line each",
     "report": "report.html and PNG charts of a run from its metrics.jsonl",
+    "acl": "the ACL rules (ACL SETUSER lines) of a run's producer, workers, orchestrator and trainer ranks",
 }
 
 
@@ -68,6 +69,8 @@ def load_command(name: str) -> CommandEntry:
             from orchestrator.commands.doctor import add_arguments, main
         case "report":
             from orchestrator.commands.report import add_arguments, main
+        case "acl":
+            from orchestrator.commands.acl import add_arguments, main
         case _:
             raise KeyError(name)
     return add_arguments, main

@@ -47,7 +47,7 @@ def interrupt_on_sigterm(signum: int, frame: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args)
+    settings = settings_from_args(args).for_role("orchestrator")
     configure_logging(settings.log_json, logging.WARNING, run_id=settings.run_id)
     preflight_client("orchestrate", settings, unfinished_run=True).close()
     signal.signal(signal.SIGTERM, interrupt_on_sigterm)

@@ -204,7 +204,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args)
+    settings = settings_from_args(args).for_role("producer")
     configure_logging(settings.log_json, logging.INFO, run_id=settings.run_id)
     preflight_client("produce", settings).close()
     try:
