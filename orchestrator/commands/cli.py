@@ -167,6 +167,13 @@ def run_command(name: str, argv: list[str]) -> int:
     except BrokenPipeError:  # `rlship ... | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
         return 1
+    except redis.exceptions.NoPermissionError as exc:  # an ACL user's rules (`rlship acl`) refused it
+        print(
+            f"rlship {name}: Redis refused it (NOPERM): {exc}: the user it connects as is another run's "
+            "or another role's (check --run-id and redis_*_auth)",
+            file=sys.stderr,
+        )
+        return 3
     except redis.RedisError as exc:
         # What the commands' own checks did not foresee: still one line, no traceback.
         print(mask_secrets(f"rlship {name}: Redis: {type(exc).__name__}: {exc}"), file=sys.stderr)
