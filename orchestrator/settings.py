@@ -58,7 +58,8 @@ class RunSettings(BaseSettings):
         default=DEFAULT_REDIS_URL,
         validation_alias=AliasChoices("REDIS_URL", "redis_url"),
         description="the run's one Redis: broker, result backend and every client (or its Sentinels: "
-        "sentinel://host:port;... ending in ?master_name=NAME)",
+        "sentinel://host:port;... ending in ?master_name=NAME); TLS: rediss://, or Sentinels, with "
+        "?ssl_ca_certs=CA&ssl_certfile=CERT&ssl_keyfile=KEY",
     )
     redis_producer_auth: str | None = Field(
         default=None,
