@@ -105,6 +105,7 @@ class RunCollector(Collector):
             queued.add_metric([*run, queue], length)
         yield queued
 
+
     def _outcome_counters(self, counts: dict[str, int], run: list[str]) -> Iterator[Metric]:
         """Rollouts that did not ship, by what became of them and why (transport.outcomes):
         dropped by the workers at the cut (by offending field), discarded by the orchestrator
