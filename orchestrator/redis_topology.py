@@ -75,7 +75,7 @@ def read_topology(url: str, primary: redis.Redis) -> RedisTopology:
         named = address.sentinel().discover_master(address.master_name)
         where = f"{named[0]}:{named[1]} (master_name {address.master_name!r})"
         for host, port in address.sentinels:
-            sentinel = redis.Redis(host=host, port=port, socket_timeout=1, socket_connect_timeout=1)
+            sentinel = redis.Redis(host=host, port=port, **address.sentinel_options())
             with contextlib.suppress(redis.RedisError):
                 answering += bool(sentinel.ping())
     return RedisTopology(where, replicas, answering, len(address.sentinels))

@@ -19,7 +19,7 @@ from tasks.app import DEFAULT_REDIS_URL, VISIBILITY_TIMEOUT_ENV
 from tasks.faults import FAULTS_ENV
 from tasks.logs import mask_secrets
 from tasks.manifest import ShipConfig
-from transport.connection import SENTINEL_SCHEME, RedisAddress
+from transport.connection import SENTINEL_SCHEME, RedisAddress, with_credentials
 from transport.keys import is_run_queue, run_queue
 from transport.numbering import PRIME_RL_FIRST_STEP
 from transport.payload_dir import PayloadDirectory
@@ -34,8 +34,11 @@ OTHER_VARIABLES = frozenset(
     {CONFIG_ENV, FAULTS_ENV, VISIBILITY_TIMEOUT_ENV, "RLSHIP_CI_VENV", "RLSHIP_CHROMIUM"}
 )
 REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel")
-# Settings whose values may hold credentials: shown and reported only through `mask_secrets`.
-SECRET_SETTINGS = frozenset({"redis_url"})
+# The processes of a run by what they may do in Redis: each may connect as its own ACL user
+# (`redis_{role}_auth`, `rlship acl`).
+ROLES = ("producer", "worker", "orchestrator", "trainer")
+# Settings whose values hold credentials: shown and reported only through `shown_value`.
+SECRET_SETTINGS = frozenset({"redis_url", *(f"redis_{role}_auth" for role in ROLES)})
 # Settings that, left unset, follow others (`RunSettings._resolve_derived`).
 DERIVED_SETTINGS = (
     "first_step", "start_step", "policy_source", "broadcast_dir", "cpu_queue", "ship_queue",
@@ -56,7 +59,30 @@ class RunSettings(BaseSettings):
         default=DEFAULT_REDIS_URL,
         validation_alias=AliasChoices("REDIS_URL", "redis_url"),
         description="the run's one Redis: broker, result backend and every client (or its Sentinels: "
-        "sentinel://host:port;... ending in ?master_name=NAME)",
+        "sentinel://host:port;... ending in ?master_name=NAME); TLS: rediss://, or Sentinels, with "
+        "?ssl_ca_certs=CA&ssl_certfile=CERT&ssl_keyfile=KEY",
+    )
+    redis_producer_auth: str | None = Field(
+        default=None,
+        pattern=r"^[^:\s]+:.+$",
+        description="USER:PASSWORD a producer connects to Redis as (unset: redis_url's); `rlship acl` "
+        "prints the user's rules",
+    )
+    redis_worker_auth: str | None = Field(
+        default=None,
+        pattern=r"^[^:\s]+:.+$",
+        description="USER:PASSWORD the Celery workers connect to Redis as, their broker included (unset: "
+        "redis_url's)",
+    )
+    redis_orchestrator_auth: str | None = Field(
+        default=None,
+        pattern=r"^[^:\s]+:.+$",
+        description="USER:PASSWORD the orchestrator connects to Redis as (unset: redis_url's)",
+    )
+    redis_trainer_auth: str | None = Field(
+        default=None,
+        pattern=r"^[^:\s]+:.+$",
+        description="USER:PASSWORD the trainer ranks connect to Redis as (unset: redis_url's)",
     )
     redis_wait_replicas: int | None = Field(
         default=None,
@@ -267,6 +293,7 @@ class RunSettings(BaseSettings):
         "wire",
         "payload_root",
         "zmq_keys_dir",
+        *(f"redis_{role}_auth" for role in ROLES),
         mode="before",
     )
     @classmethod
@@ -291,8 +318,8 @@ class RunSettings(BaseSettings):
         scheme = urlsplit(value).scheme
         if scheme not in REDIS_SCHEMES:
             raise ValueError(f"the scheme must be one of {', '.join(REDIS_SCHEMES)}, not {scheme!r}")
+        RedisAddress.parse(value)
         if scheme == SENTINEL_SCHEME:
-            RedisAddress.parse(value)
             return value
         database = urlsplit(value).path.strip("/") if scheme != "unix" else ""
         if database and not database.isdigit():
@@ -371,6 +398,11 @@ class RunSettings(BaseSettings):
             )
         return self
 
+    def for_role(self, role: str) -> RunSettings:
+        """These settings for a process of `role`: Redis reached as its user, when it has one."""
+        auth = getattr(self, f"redis_{role}_auth")
+        return self.with_changes(redis_url=with_credentials(self.redis_url, auth)) if auth else self
+
     def derived(self) -> set[str]:
         """The settings `_resolve_derived` derived rather than was given."""
         return set(DERIVED_SETTINGS) - self.model_fields_set
@@ -443,8 +475,10 @@ def unknown_variables(environment: Collection[str]) -> list[str]:
 
 
 def shown_value(name: str, value: Any) -> Any:
-    """A setting's value as it may be printed or logged."""
-    return mask_secrets(value) if name in SECRET_SETTINGS and isinstance(value, str) else value
+    """A setting's value as it may be printed or logged: a URL's password, or a role's, masked."""
+    if name not in SECRET_SETTINGS or not isinstance(value, str):
+        return value
+    return mask_secrets(value) if name == "redis_url" else value.partition(":")[0] + ":***"
 
 
 def settings_to_env(settings: RunSettings) -> dict[str, str]:

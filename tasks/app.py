@@ -16,7 +16,7 @@ from celery.app.amqp import AMQP, Queues
 from kombu import Queue
 
 from tasks import logs  # noqa: F401  (connects the worker logging hooks)
-from transport.connection import celery_redis_options
+from transport.connection import celery_redis_options, with_credentials
 from transport.keys import is_run_queue, queue_traces
 from transport.store import DEFAULT_TTL_SECONDS
 
@@ -24,6 +24,7 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 CPU_QUEUE = "cpu"
 SHIP_QUEUE = "ship"
 VISIBILITY_TIMEOUT_ENV = "RLSHIP_VISIBILITY_TIMEOUT"
+WORKER_AUTH_ENV = "RLSHIP_REDIS_WORKER_AUTH"
 
 
 def visibility_timeout() -> int:
@@ -65,7 +66,10 @@ def expire_run_queues(sender: Any, **_: Any) -> None:
             client.expire(key, DEFAULT_TTL_SECONDS, gt=True)
 
 
+# A worker connects as its role's user when it has one (the setting `redis_worker_auth`).
 _environment_url = os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
+if os.environ.get(WORKER_AUTH_ENV):
+    _environment_url = with_credentials(_environment_url, os.environ[WORKER_AUTH_ENV])
 app = Celery("rlship", include=["tasks.ship"], amqp=RunAMQP)
 app.conf.update(
     task_serializer="msgpack",

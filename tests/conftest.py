@@ -23,6 +23,7 @@ from orchestrator.commands.processes import delete_queues, redis_answers
 from tasks.app import DEFAULT_REDIS_URL
 from tests.support.fuzz import CI
 from tests.support.processes import SESSION_QUEUES, Workers, free_port, running_workers
+from tests.support.tls import Certificates
 from transport.store import PayloadStore
 
 UNEXPIRING_BEFORE = pytest.StashKey[set[str]]()
@@ -59,18 +60,23 @@ def run_id() -> Iterator[str]:
 
 @pytest.fixture
 def start_redis(tmp_path: Path) -> Iterator:
-    """redis-server processes on free ports with the given options, stopped by PID."""
+    """redis-server processes on free ports with the given options, stopped by PID; with
+    `tls` (`tests.support.tls`), listening with TLS only."""
     started: list[subprocess.Popen] = []
 
-    def start(*options: str) -> str:
+    def start(*options: str, tls: Certificates | None = None) -> str:
         port = free_port()
+        listen = tls.server_options(port) if tls else ["--port", str(port)]
         process = subprocess.Popen(
-            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            ["redis-server", *listen, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", str(tmp_path), *options],
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
         started.append(process)
-        client = redis.Redis(port=port, socket_connect_timeout=1)
+        address = f"127.0.0.1:{port}"
+        client = redis.Redis.from_url(
+            tls.url(address) if tls else f"redis://{address}", socket_connect_timeout=1
+        )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
@@ -80,7 +86,7 @@ def start_redis(tmp_path: Path) -> Iterator:
                 break
             except redis.ConnectionError:
                 time.sleep(0.05)
-        return f"127.0.0.1:{port}"
+        return address
 
     yield start
     for process in started:

@@ -9,6 +9,9 @@ A run's Redis is a URL (`redis://`, `rediss://`, `unix://`) or Sentinels and the
 primary they watch (`RedisAddress`): `sentinel://[:password@]host:port;sentinel://host:port
 /db?master_name=NAME`, kombu's form with the master's name in the query. With Sentinels a
 client asks them for the primary at each connect, so a failover is one more lost connection.
+TLS is `rediss://` (or, with Sentinels, any TLS option) with the CA, certificate and key in
+the query as redis-py reads them (`TLS_OPTIONS`); this module hands them to every client,
+the Sentinels, kombu's broker and Celery's result backend included.
 
 Retrying is safe for rlship's writes: they are idempotent (SET, HSET, SADD, marks), guarded
 (the record is written in a WATCH transaction, which redis-py does not replay: the
@@ -20,17 +23,20 @@ from __future__ import annotations
 
 import builtins
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 import kombu.transport
 import kombu.transport.redis
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.connection
 import redis.asyncio.sentinel
+import redis.connection
 import redis.sentinel
 from redis._parsers import _RESP3Parser
 from redis._parsers.socket import SENTINEL, SERVER_CLOSED_CONNECTION_ERROR, SocketBuffer
@@ -149,6 +155,10 @@ class _PrimaryConnection(redis.sentinel.SentinelManagedConnection):
         _failover.connected(self.host, self.port)
 
 
+class _PrimarySSLConnection(_PrimaryConnection, redis.connection.SSLConnection):
+    """`_PrimaryConnection` over TLS."""
+
+
 class _AsyncPrimaryConnection(redis.asyncio.sentinel.SentinelManagedConnection):
     """`_PrimaryConnection` for redis.asyncio."""
 
@@ -182,8 +192,17 @@ class _KombuPrimaryConnection(_PrimaryConnection):
                 time.sleep(0.1)
 
 
+class _AsyncPrimarySSLConnection(_AsyncPrimaryConnection, redis.asyncio.connection.SSLConnection):
+    """`_AsyncPrimaryConnection` over TLS."""
+
+
+class _KombuPrimarySSLConnection(_KombuPrimaryConnection, redis.connection.SSLConnection):
+    """`_KombuPrimaryConnection` over TLS."""
+
+
 class _KombuSentinelChannel(kombu.transport.redis.SentinelChannel):
     connection_class = _KombuPrimaryConnection
+    connection_class_ssl = _KombuPrimarySSLConnection
 
     def _get_pool(self, asynchronous: bool = False) -> Any:
         """A late acknowledgement run while a lost broker connection is being closed asks
@@ -204,17 +223,47 @@ class KombuSentinelTransport(kombu.transport.redis.SentinelTransport):
 
 
 SENTINEL_SCHEME = "sentinel"
+TLS_SCHEME = "rediss"
 # kombu picks a transport by the URL's scheme, again at every switch to the next Sentinel:
 # the scheme itself names this one (kombu's registry of transports).
 kombu.transport.TRANSPORT_ALIASES[SENTINEL_SCHEME] = f"{__name__}:KombuSentinelTransport"
 DEFAULT_SENTINEL_PORT = 26379
 # A Sentinel that does not answer must not hold up finding the primary: ask the next one.
 _SENTINEL_OPTIONS = {"socket_connect_timeout": 1.0, "socket_timeout": 1.0}
+# What a client needs to speak TLS to the run's Redis, named as redis-py reads them from a
+# URL's query and as kombu (`broker_use_ssl`) and Celery (`redis_backend_use_ssl`) take them:
+# only these, so that every client of the run is given the same.
+TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
+TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+CERT_REQUIREMENTS = ("required", "optional", "none")
+
+
+def _tls_options(url: str, scheme: str) -> dict[str, str]:
+    """The TLS options in `url`'s query; a name rlship does not pass on, a file that is not
+    there or TLS options on a plain connection raise ValueError naming it."""
+    query = parse_qs(urlsplit(url).query)
+    tls = {name: values[-1] for name, values in query.items() if name in TLS_OPTIONS}
+    others = sorted(name for name in query if name.startswith("ssl") and name not in TLS_OPTIONS)
+    if others:
+        raise ValueError(
+            f"{', '.join(others)}: the TLS options rlship passes on are {', '.join(TLS_OPTIONS)}"
+        )
+    if tls and scheme not in (TLS_SCHEME, SENTINEL_SCHEME):
+        raise ValueError(f"TLS options ({', '.join(tls)}) need a {TLS_SCHEME}:// URL, not {scheme}://")
+    if tls.get("ssl_cert_reqs", "required") not in CERT_REQUIREMENTS:
+        raise ValueError(
+            f"ssl_cert_reqs must be one of {', '.join(CERT_REQUIREMENTS)}, not {tls['ssl_cert_reqs']!r}"
+        )
+    for name in TLS_FILES:
+        if name in tls and not os.path.isfile(tls[name]):
+            raise ValueError(f"{name}: there is no file {tls[name]!r}")
+    return tls
 
 
 @dataclass(frozen=True)
 class RedisAddress:
-    """Where a run's Redis is: a plain URL, or the Sentinels and the master name they watch."""
+    """Where a run's Redis is: a plain URL, or the Sentinels and the master name they watch;
+    with `tls`, reached over TLS (the Sentinels too)."""
 
     url: str
     sentinels: tuple[tuple[str, int], ...] = ()
@@ -222,6 +271,8 @@ class RedisAddress:
     db: int = 0
     username: str | None = None
     password: str | None = None
+    tls: tuple[tuple[str, str], ...] = ()
+    uses_tls: bool = False
 
     @property
     def is_sentinel(self) -> bool:
@@ -230,21 +281,30 @@ class RedisAddress:
     @property
     def celery_url(self) -> str:
         """The URL as kombu and Celery take it: the master's name goes in their transport
-        options (`celery_redis_options`), not in the URL."""
-        return self.url.split("?", 1)[0] if self.is_sentinel else self.url
+        options and the TLS options in their own settings (`celery_redis_options`), not in
+        the URL."""
+        if self.is_sentinel:
+            return self.url.split("?", 1)[0]
+        parts = urlsplit(self.url)
+        query = [(name, value) for name, value in parse_qsl(parts.query) if name not in TLS_OPTIONS]
+        return urlunsplit(parts._replace(query=urlencode(query)))
 
     @classmethod
     def parse(cls, url: str) -> RedisAddress:
-        """Read `url`; a malformed Sentinel address raises ValueError naming what is wrong."""
-        if urlsplit(url).scheme != SENTINEL_SCHEME:
-            return cls(url)
+        """Read `url`; a malformed address raises ValueError naming what is wrong."""
+        scheme = urlsplit(url).scheme
+        if scheme != SENTINEL_SCHEME:
+            tls = _tls_options(url, scheme)
+            return cls(url, tls=tuple(tls.items()), uses_tls=scheme == TLS_SCHEME)
         sentinels: list[tuple[str, int]] = []
         found: dict[str, Any] = {}
+        tls = {}
         for chunk in url.split(";"):
             parts = urlsplit(chunk)
             if parts.scheme != SENTINEL_SCHEME or not parts.hostname:
                 raise ValueError(f"each Sentinel must be given as sentinel://host:port, not {chunk!r}")
             sentinels.append((parts.hostname, parts.port or DEFAULT_SENTINEL_PORT))
+            tls.update(_tls_options(chunk, SENTINEL_SCHEME))
             if parts.password is not None:
                 found["password"] = unquote(parts.password)
                 found["username"] = unquote(parts.username) if parts.username else None
@@ -262,25 +322,59 @@ class RedisAddress:
                 "a sentinel:// address needs the name of the primary its Sentinels watch, as "
                 "?master_name=NAME at its end"
             )
-        return cls(url, tuple(sentinels), **found)
+        return cls(url, tuple(sentinels), **found, tls=tuple(tls.items()), uses_tls=bool(tls))
+
+    def tls_options(self) -> dict[str, str]:
+        """The TLS options every client is given (none without TLS); a certificate is
+        required unless the URL says otherwise."""
+        return {"ssl_cert_reqs": "required", **dict(self.tls)} if self.uses_tls else {}
+
+    def sentinel_options(self) -> dict[str, Any]:
+        """How a client of a Sentinel itself connects: short timeouts, TLS as the primary."""
+        return {**_SENTINEL_OPTIONS, **({"ssl": True, **self.tls_options()} if self.uses_tls else {})}
 
     def sentinel(self, **options: Any) -> redis.sentinel.Sentinel:
         """A client of the Sentinels themselves (topology, `rlship doctor`)."""
-        return redis.sentinel.Sentinel(list(self.sentinels), sentinel_kwargs=_SENTINEL_OPTIONS, **options)
+        return redis.sentinel.Sentinel(
+            list(self.sentinels), sentinel_kwargs=self.sentinel_options(), **options
+        )
 
     def master_options(self) -> dict[str, Any]:
-        return {"db": self.db, "username": self.username, "password": self.password}
+        return {"db": self.db, "username": self.username, "password": self.password, **self.tls_options()}
+
+    def primary(self, **options: Any) -> redis.Redis:
+        """A client of the primary the Sentinels name, following it through a failover."""
+        connection_class = _PrimarySSLConnection if self.uses_tls else _PrimaryConnection
+        return self.sentinel().master_for(
+            self.master_name, connection_class=connection_class, **{**self.master_options(), **options}
+        )
+
+
+def with_credentials(url: str, auth: str) -> str:
+    """`url` with its user and password replaced by `auth` (`USER:PASSWORD`, a role's:
+    `rlship acl`); with Sentinels, the primary's (the Sentinels are asked without)."""
+    user, _, password = auth.partition(":")
+    chunks = [urlsplit(chunk) for chunk in url.split(";")]
+    chunks = [parts._replace(netloc=parts.netloc.rpartition("@")[2]) for parts in chunks]
+    userinfo = f"{quote(user, safe='')}:{quote(password, safe='')}@"
+    chunks[0] = chunks[0]._replace(netloc=userinfo + chunks[0].netloc)
+    return ";".join(urlunsplit(parts) for parts in chunks)
 
 
 def celery_redis_options(url: str) -> dict[str, Any]:
     """Celery settings for a broker and result backend on `url`: with Sentinels, kombu's
-    `sentinel://` URL and the master's name in both transport options."""
+    `sentinel://` URL and the master's name in both transport options; with TLS, its
+    options in `broker_use_ssl` and `redis_backend_use_ssl` (kombu would otherwise take a
+    `rediss://` URL without them as TLS that checks no certificate)."""
     address = RedisAddress.parse(url)
     options: dict[str, Any] = {"broker_url": address.celery_url, "result_backend": address.celery_url}
     if address.is_sentinel:
-        extra = {"master_name": address.master_name, "sentinel_kwargs": dict(_SENTINEL_OPTIONS)}
+        extra = {"master_name": address.master_name, "sentinel_kwargs": address.sentinel_options()}
         options["broker_transport_options"] = extra
         options["result_backend_transport_options"] = extra
+    if address.uses_tls:
+        options["broker_use_ssl"] = address.tls_options()
+        options["redis_backend_use_ssl"] = address.tls_options()
     return options
 
 
@@ -305,9 +399,7 @@ def connect_redis(
     options.update(_retry_options(ride_out_outages))
     address = RedisAddress.parse(url)
     if address.is_sentinel:
-        return address.sentinel().master_for(
-            address.master_name, connection_class=_PrimaryConnection, **address.master_options(), **options
-        )
+        return address.primary(**options)
     return redis.Redis.from_url(url, **options)
 
 
@@ -319,11 +411,11 @@ def connect_redis_async(url: str, **options: Any) -> aioredis.Redis:
     address = RedisAddress.parse(url)
     if address.is_sentinel:
         sentinels = redis.asyncio.sentinel.Sentinel(
-            list(address.sentinels), sentinel_kwargs=_SENTINEL_OPTIONS
+            list(address.sentinels), sentinel_kwargs=address.sentinel_options()
         )
         return sentinels.master_for(
             address.master_name,
-            connection_class=_AsyncPrimaryConnection,
+            connection_class=_AsyncPrimarySSLConnection if address.uses_tls else _AsyncPrimaryConnection,
             **address.master_options(),
             **retry,
             **options,

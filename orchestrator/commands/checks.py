@@ -138,7 +138,7 @@ def _answers_without_password(url: str, client: redis.Redis) -> bool:
     """Whether the server behind `client` answers a client that gives no password."""
     address = RedisAddress.parse(url)
     if address.is_sentinel:
-        bare = address.sentinel().master_for(address.master_name, db=address.db, retry=None)
+        bare = address.primary(username=None, password=None, retry=None)
     else:
         pool = client.connection_pool
         options = {**pool.connection_kwargs, "password": None, "username": None}
@@ -159,6 +159,8 @@ def _not_redis_answer(client: redis.Redis) -> bytes | None:
     options = client.connection_pool.connection_kwargs
     if "path" in options:  # a unix socket: only Redis would be there
         return None
+    if issubclass(client.connection_pool.connection_class, redis.SSLConnection):
+        return None  # TLS: its error (a certificate refused) says more than a raw PING would
     try:
         with socket.create_connection(
             (options.get("host", "localhost"), options.get("port", 6379)), 1

@@ -38,6 +38,7 @@ COMMANDS: dict[str, str] = {
     "status": "a run's status from another terminal (--follow: live); without RUN_ID, the runs Redis holds",
     "doctor": "what a run needs (Redis, password, eviction, ports, output dir, workers): one line each",
     "report": "report.html and PNG charts of a run from its metrics.jsonl",
+    "acl": "the ACL rules (ACL SETUSER lines) of a run's producer, workers, orchestrator and trainer ranks",
 }
 
 
@@ -74,6 +75,8 @@ def load_command(name: str) -> CommandEntry:
             from orchestrator.commands.doctor import add_arguments, main
         case "report":
             from orchestrator.commands.report import add_arguments, main
+        case "acl":
+            from orchestrator.commands.acl import add_arguments, main
         case _:
             raise KeyError(name)
     return add_arguments, main
@@ -170,6 +173,13 @@ def run_command(name: str, argv: list[str]) -> int:
     except BrokenPipeError:  # `rlship ... | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
         return 1
+    except redis.exceptions.NoPermissionError as exc:  # an ACL user's rules (`rlship acl`) refused it
+        print(
+            f"rlship {name}: Redis refused it (NOPERM): {exc}: the user it connects as is another run's "
+            "or another role's (check --run-id and redis_*_auth)",
+            file=sys.stderr,
+        )
+        return 3
     except redis.RedisError as exc:
         # What the commands' own checks did not foresee: still one line, no traceback.
         print(mask_secrets(f"rlship {name}: Redis: {type(exc).__name__}: {exc}"), file=sys.stderr)

@@ -48,7 +48,7 @@ def interrupt_on_sigterm(signum: int, frame: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args)
+    settings = settings_from_args(args).for_role("orchestrator")
     configure_logging(settings.log_json, logging.WARNING, run_id=settings.run_id)
     restrict(settings.file_mode)
     preflight_client("orchestrate", settings, unfinished_run=True).close()

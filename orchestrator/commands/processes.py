@@ -140,9 +140,13 @@ def ensure_redis(url: str, group: ProcessGroup, data_dir: Path) -> bool:
     acknowledged: the ship path's marks and the records stay true."""
     if redis_answers(url):
         return False
-    if RedisAddress.parse(url).is_sentinel:
+    address = RedisAddress.parse(url)
+    if address.is_sentinel or address.uses_tls:
+        where = "no Redis answers"
+        if address.is_sentinel:
+            where = "no Sentinel there names a primary that answers"
         raise SystemExit(
-            f"rlship: redis_url={mask_secrets(url)!r}: no Sentinel there names a primary that answers "
+            f"rlship: redis_url={mask_secrets(url)!r}: {where} "
             "(rlship starts a Redis of its own only for a plain redis:// URL)"
         )
     port = redis.connection.parse_url(url).get("port", 6379)

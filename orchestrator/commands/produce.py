@@ -225,7 +225,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args)
+    settings = settings_from_args(args).for_role("producer")
     configure_logging(settings.log_json, logging.INFO, run_id=settings.run_id)
     restrict(settings.file_mode)
     preflight_client("produce", settings).close()

@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args)
+    settings = settings_from_args(args).for_role("trainer")
     configure_logging(settings.log_json, logging.INFO, run_id=settings.run_id, rank=args.rank)
     require("trainer", [rank_in_run(args.rank, settings.ranks)])
     preflight_client("trainer", settings).close()

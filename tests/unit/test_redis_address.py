@@ -51,3 +51,36 @@ def test_waiting_for_a_replica_follows_the_address_unless_set():
     assert RunSettings(redis_url="redis://127.0.0.1:6379/0").redis_wait_replicas == 0
     assert RunSettings(redis_url=sentinel, redis_wait_replicas=2).redis_wait_replicas == 2
     assert "redis_wait_replicas" in RunSettings(redis_url=sentinel).derived()
+
+
+def test_tls_options_reach_every_client_and_a_wrong_one_is_named(tmp_path):
+    ca = tmp_path / "ca.pem"
+    ca.write_text("")
+    sentinels = f"sentinel://s1:26379;sentinel://s2:26379/0?master_name=m&ssl_ca_certs={ca}"
+    address = RedisAddress.parse(sentinels)
+    assert address.uses_tls and address.master_options()["ssl_ca_certs"] == str(ca)
+    assert address.sentinel_options()["ssl"] is True  # the Sentinels too
+    assert celery_redis_options(sentinels)["broker_use_ssl"] == {
+        "ssl_cert_reqs": "required",
+        "ssl_ca_certs": str(ca),
+    }
+    assert celery_redis_options(f"rediss://h:1/0?ssl_ca_certs={ca}")["broker_url"] == "rediss://h:1/0"
+    for url, named in (
+        (f"redis://h:1/0?ssl_ca_certs={ca}", "need a rediss:// URL"),
+        ("rediss://h:1/0?ssl_ca_certs=/nowhere.pem", "ssl_ca_certs: there is no file"),
+        ("rediss://h:1/0?ssl_check_hostname=false", "ssl_check_hostname: the TLS options"),
+        ("rediss://h:1/0?ssl_cert_reqs=maybe", "ssl_cert_reqs must be one of"),
+    ):
+        with pytest.raises(ValueError, match=named):
+            RunSettings(redis_url=url)
+
+
+def test_a_roles_user_replaces_the_urls():
+    settings = RunSettings(redis_url="redis://:admin@h:1/0", redis_producer_auth="p:s@cret")
+    assert settings.for_role("producer").redis_url == "redis://p:s%40cret@h:1/0"
+    assert settings.for_role("worker").redis_url == "redis://:admin@h:1/0"
+    sentinels = RunSettings(
+        redis_url="sentinel://:pw@s1:1;sentinel://s2:2/0?master_name=m", redis_trainer_auth="t:x"
+    )
+    address = RedisAddress.parse(sentinels.for_role("trainer").redis_url)
+    assert (address.username, address.password, address.master_name) == ("t", "x", "m")
