@@ -293,7 +293,6 @@ class Orchestrator:
         if self._aborted is not None:
             raise self._aborted
         unacknowledged = await self.releases.acknowledged_payloads(self.follower.last_published, self.policy)
-        await self.releases.unshipped()
         await self.end_run()
         return {
             "steps_unacknowledged": unacknowledged,
@@ -306,11 +305,14 @@ class Orchestrator:
 
     async def end_run(self) -> None:
         """The run shipped every step: its tasks still queued are dropped (no alive mark), its
-        id is marked used, and every key it leaves expires (`DEFAULT_TTL_SECONDS`)."""
+        id is marked used, and every key it leaves expires (`DEFAULT_TTL_SECONDS`). Marked
+        finished first, which closes admission: a producer's write can no longer land after
+        the rollouts still held, and their rows files, are released."""
         pipe = self.client.pipeline(transaction=True)
         pipe.unlink(self.keys.alive)
         pipe.set(self.keys.finished, time.time(), ex=DEFAULT_TTL_SECONDS)
         await pipe.execute()
+        await self.releases.unshipped()
         await self.store.expire_run()
 
     async def end_failed_run(self) -> None:
