@@ -31,3 +31,8 @@ class CannotShip(RuntimeError):
 
 class LeaseLost(RuntimeError):
     """Another orchestrator of the run took the lease: this one stops."""
+
+
+class RankSilent(RuntimeError):
+    """A trainer rank the run waits on has not been heard from for `rank_timeout` seconds
+    (orchestrator.rank_watch): dead, hung, or pointed elsewhere."""

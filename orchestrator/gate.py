@@ -36,6 +36,8 @@ class PolicyGate:
         self.keys = RunKeys(settings.run_id)
         self.policy = policy
         self.stopping = stopping
+        # While the gate holds: the step whose acknowledgement by every rank opens it.
+        self.awaited_step: int | None = None
 
     async def wait(self, step: int) -> float:
         """Hold step `step` until the trainers' policy version (from the run's policy source)
@@ -47,14 +49,18 @@ class PolicyGate:
         started = time.perf_counter()
         next_report = started + STALL_REPORT_SECONDS
         reported = False
-        while self.policy.version < needed:
-            if self.stopping.is_set():
-                return 0.0
-            if time.perf_counter() >= next_report:
-                await self._report_wait(step, needed, time.perf_counter() - started)
-                next_report = time.perf_counter() + POLICY_REPORT_SECONDS
-                reported = True
-            await self.policy.moved(min(1.0, max(POLL_SECONDS, next_report - time.perf_counter())))
+        self.awaited_step = step_reaching(needed, self.settings.first_step)
+        try:
+            while self.policy.version < needed:
+                if self.stopping.is_set():
+                    return 0.0
+                if time.perf_counter() >= next_report:
+                    await self._report_wait(step, needed, time.perf_counter() - started)
+                    next_report = time.perf_counter() + POLICY_REPORT_SECONDS
+                    reported = True
+                await self.policy.moved(min(1.0, max(POLL_SECONDS, next_report - time.perf_counter())))
+        finally:
+            self.awaited_step = None
         if reported:
             await self.client.hdel(self.keys.status, "stalled_ranks", "policy_gate")
             log.warning("step %d: the policy gate opened after %.1f s", step, time.perf_counter() - started)

@@ -18,6 +18,8 @@ its own module, and what each owns:
   `Releases` (orchestrator.releases, at most one release pending). Owns `last_published`.
 - **stall watchdog** (`StallWatchdog`, orchestrator.watchdog): enqueues again a step in
   flight that makes no progress, and says why it is stuck.
+- **rank watch** (`RankWatch`, orchestrator.rank_watch): stops the run when a trainer rank
+  it waits on has been silent for `rank_timeout`, naming it.
 - **lease** (`Lease`, orchestrator.lease): holds the run's orchestrator lease, alive
   mark and claim of its ZMQ port pair; stops the run if Redis lost the run, another
   orchestrator took the lease or another run holds the ports.
@@ -58,6 +60,7 @@ from orchestrator.lag_probe import LagProbe
 from orchestrator.lease import Lease
 from orchestrator.policy import PolicyVersion
 from orchestrator.publisher import Publisher
+from orchestrator.rank_watch import RankWatch
 from orchestrator.releases import Releases
 from orchestrator.resume import resumed, stored_form
 from orchestrator.rollout_log import RolloutLog
@@ -138,6 +141,14 @@ class Orchestrator:
             self._stopping,
             in_flight=lambda: range(self.follower.last_published + 1, self.dispatcher.next_step),
             unsettled=lambda: self.dispatcher.unsettled,
+            on_fatal=self._abort,
+        )
+        self.rank_watch = RankWatch(
+            settings,
+            client,
+            self.gate,
+            self._stopping,
+            in_flight=lambda: range(self.follower.last_published + 1, self.dispatcher.next_step),
             on_fatal=self._abort,
         )
 
@@ -243,6 +254,7 @@ class Orchestrator:
             asyncio.create_task(self.ingest.run()),
             asyncio.create_task(self.dispatcher.run()),
             asyncio.create_task(self.watchdog.watch()),
+            asyncio.create_task(self.rank_watch.watch()),
         ]
         for task in loops:
             task.add_done_callback(self._abort_on_error)
@@ -281,7 +293,6 @@ class Orchestrator:
         if self._aborted is not None:
             raise self._aborted
         unacknowledged = await self.releases.acknowledged_payloads(self.follower.last_published, self.policy)
-        await self.releases.unshipped()
         await self.end_run()
         return {
             "steps_unacknowledged": unacknowledged,
@@ -294,11 +305,14 @@ class Orchestrator:
 
     async def end_run(self) -> None:
         """The run shipped every step: its tasks still queued are dropped (no alive mark), its
-        id is marked used, and every key it leaves expires (`DEFAULT_TTL_SECONDS`)."""
+        id is marked used, and every key it leaves expires (`DEFAULT_TTL_SECONDS`). Marked
+        finished first, which closes admission: a producer's write can no longer land after
+        the rollouts still held, and their rows files, are released."""
         pipe = self.client.pipeline(transaction=True)
         pipe.unlink(self.keys.alive)
         pipe.set(self.keys.finished, time.time(), ex=DEFAULT_TTL_SECONDS)
         await pipe.execute()
+        await self.releases.unshipped()
         await self.store.expire_run()
 
     async def end_failed_run(self) -> None:

@@ -24,7 +24,7 @@ CHANGEABLE_ON_RESUME = frozenset(
         "cpu_workers", "cpu_worker_max_memory_mib",
         "cpu_queue", "ship_queue", "bind_wait_seconds", "samples_per_step", "wandb_project",
         "wandb_mode", "record_rollouts", "max_outstanding_rollouts", "max_held_bytes", "log_json",
-        "replay_steps", "max_empty_steps", "stall_seconds", "ack_timeout", "allow_eviction",
+        "replay_steps", "max_empty_steps", "stall_seconds", "ack_timeout", "rank_timeout", "allow_eviction",
         "metrics_port", "metrics_host",
     }
 )  # fmt: skip

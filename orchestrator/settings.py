@@ -244,6 +244,12 @@ class RunSettings(BaseSettings):
     ack_timeout: float = Field(
         default=30.0, ge=0, description="seconds the end of a run waits for ranks to acknowledge"
     )
+    rank_timeout: float = Field(
+        default=0.0,
+        ge=0,
+        description="stop the run, naming the rank, when a trainer rank the run waits on has not "
+        "announced READY nor taken a step for this many seconds (0: off, wait and name it)",
+    )
     allow_eviction: bool = Field(
         default=False, description="run on a Redis that may evict keys (warned, not refused)"
     )

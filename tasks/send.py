@@ -22,6 +22,7 @@ from transport.base import StepSender
 from transport.filesystem import ForeignLayout
 from transport.keys import stage_field
 from transport.port_claims import other_claimants, port_holder
+from transport.rank_contact import SENT, note_contact
 from transport.zmq_curve import MissingKey
 
 log = logging.getLogger("rlship.tasks")
@@ -159,6 +160,7 @@ def _send_now(ctx: StepContext, rank: int) -> bool:
         pipe.hset(ctx.keys.times(step), stage_field("send", rank), seconds)
         pipe.expire(ctx.keys.times(step), ctx.store.ttl)
         pipe.unlink(ctx.keys.ship_problem)
+        note_contact(pipe, ctx.keys, rank, SENT, sent=step)
         pipe.execute()
 
     # The next step is sent only once a replica holds this mark: lost in a failover, it would

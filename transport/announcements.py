@@ -11,6 +11,7 @@ from __future__ import annotations
 import redis
 
 from transport.keys import RunKeys
+from transport.rank_contact import READY, note_contact
 
 # Longer than any run between two sender starts; refreshed whenever a sender starts or
 # hears a READY, so only an abandoned run's set expires.
@@ -22,7 +23,8 @@ class RedisAnnouncements:
 
     def __init__(self, client: redis.Redis, run_id: str) -> None:
         self.client = client
-        self.key = RunKeys(run_id).announced_ranks
+        self.keys = RunKeys(run_id)
+        self.key = self.keys.announced_ranks
 
     def load(self) -> set[int]:
         pipe = self.client.pipeline(transaction=False)
@@ -35,4 +37,10 @@ class RedisAnnouncements:
         pipe = self.client.pipeline(transaction=False)
         pipe.sadd(self.key, rank)
         pipe.expire(self.key, ANNOUNCEMENT_TTL_SECONDS)
+        pipe.execute()
+
+    def heard(self, rank: int, address: str) -> None:
+        """Every READY is contact (`transport.rank_contact`): the rank lives, at `address`."""
+        pipe = self.client.pipeline(transaction=False)
+        note_contact(pipe, self.keys, rank, READY, address=address)
         pipe.execute()

@@ -185,6 +185,12 @@ class RunKeys:
         expiry): a replacement sender knows them without hearing READY again."""
         return f"{self.prefix}announced_ranks"
 
+    @property
+    def rank_contact(self) -> str:
+        """Each trainer rank's last contact (a hash, `transport.rank_contact`): when, how, the
+        address it was seen at, the last step sent to it and the last it decoded."""
+        return f"{self.prefix}rank_contact"
+
     def run_key(self, name: str) -> str:
         """A run-wide key; the ones rlship uses are the properties below."""
         return f"{self.prefix}{name}"

@@ -10,6 +10,8 @@ received a step it publishes the new policy version that the orchestrator's gate
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,14 +36,17 @@ log = logging.getLogger("rlship.trainer")
 # Record that `rank` trained `step` (and count deliveries and log their order, so a
 # duplicate or a step out of order that reached the trainer would show); the rank that
 # completes the step raises the policy version to ARGV[5], the version after the step
-# (never lowers it, so a replayed step cannot move it back). Every key written expires
-# ARGV[6] seconds after.
+# (never lowers it, so a replayed step cannot move it back); the rank's contact is noted
+# (transport.rank_contact: at ARGV[7], from ARGV[8]). Every key written expires ARGV[6]
+# seconds after.
 _MARK_TRAINED_LUA = """
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
 redis.call('HINCRBY', KEYS[5], ARGV[1], 1)
 redis.call('RPUSH', KEYS[6], ARGV[1])
 redis.call('SADD', KEYS[2], ARGV[2])
-for _, key in ipairs({KEYS[1], KEYS[2], KEYS[5], KEYS[6]}) do
+redis.call('HSET', KEYS[7], ARGV[2] .. ':at', ARGV[7], ARGV[2] .. ':how', 'acknowledged',
+           ARGV[2] .. ':address', ARGV[8], ARGV[2] .. ':decoded', ARGV[1])
+for _, key in ipairs({KEYS[1], KEYS[2], KEYS[5], KEYS[6], KEYS[7]}) do
   redis.call('EXPIRE', key, ARGV[6])
 end
 if redis.call('SCARD', KEYS[2]) >= tonumber(ARGV[4]) then
@@ -68,6 +73,7 @@ class Acknowledgements:
         self.ranks = ranks
         self.first_step = first_step
         self._mark_trained = client.register_script(_MARK_TRAINED_LUA)
+        self.address = f"{socket.gethostname()} (pid {os.getpid()})"  # where the rank is seen at
         self._foreign_reported = 0
 
     def report_foreign(self, receiver: StepReceiver) -> None:
@@ -102,6 +108,7 @@ class Acknowledgements:
                 self.keys.policy_channel,
                 self.keys.deliveries(message.rank),
                 self.keys.delivery_order(message.rank),
+                self.keys.rank_contact,
             ],
             args=[
                 message.step,
@@ -110,6 +117,8 @@ class Acknowledgements:
                 self.ranks,
                 version_after(message.step, self.first_step),
                 DEFAULT_TTL_SECONDS,
+                time.time(),
+                self.address,
             ],
         )
         return checksum

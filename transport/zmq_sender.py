@@ -47,6 +47,7 @@ from transport.zmq_curve import ServerKeys, serve, start_authenticator
 from transport.zmq_sockets import endpoint, parse_ready, poll_ms, rank_prefix, topic
 
 logger = logging.getLogger("rlship.transport")
+LEAVING_POLL_SECONDS = 0.1  # how often a send waiting for its message to leave looks at the rank
 
 
 class AnnouncementLog(Protocol):
@@ -55,6 +56,8 @@ class AnnouncementLog(Protocol):
     def load(self) -> set[int]: ...
 
     def add(self, rank: int) -> None: ...
+
+    def heard(self, rank: int, address: str) -> None: ...
 
 
 class ZMQSender(Closeable):
@@ -190,10 +193,22 @@ class ZMQSender(Closeable):
             except zmq.Again as exc:
                 raise TimeoutError(f"rank {rank} step {step}: send queue full past send_timeout") from exc
             self._leaving[(step, rank)] = tracker
-        try:
-            tracker.wait(-1 if self._send_timeout is None else self._send_timeout)
-        except zmq.NotDone as exc:
-            raise TimeoutError(f"rank {rank} step {step}: still queued in libzmq past send_timeout") from exc
+        deadline = None if self._send_timeout is None else time.monotonic() + self._send_timeout
+        while True:
+            try:
+                tracker.wait(LEAVING_POLL_SECONDS)
+                break
+            except zmq.NotDone:
+                pass
+            self._drain()
+            if rank not in self.ready_ranks:
+                # Queued on the connection of a rank that left (libzmq notices a dead peer at
+                # the next send to it): that message goes with the connection; a later send
+                # to the rank's new one is its only copy. The process stays free meanwhile.
+                del self._leaving[(step, rank)]
+                raise TimeoutError(f"rank {rank} step {step}: the rank left with the message queued")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"rank {rank} step {step}: still queued in libzmq past send_timeout")
         del self._leaving[(step, rank)]
 
     def close(self) -> None:
@@ -220,10 +235,10 @@ class ZMQSender(Closeable):
         for sock, handle in ((self._pub, self._on_subscription), (self._pull, self._on_announce)):
             while True:
                 try:
-                    msg = sock.recv(zmq.NOBLOCK)
+                    frame = sock.recv(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                changed |= handle(msg)
+                changed |= handle(frame)
         if changed:
             self._update_ready()
 
@@ -232,7 +247,8 @@ class ZMQSender(Closeable):
         it (a prefix of the rank prefix, e.g. b"" or b"data_rank|3|")."""
         return sum(n for t, n in self._subscribers.items() if rank_prefix(rank).startswith(t))
 
-    def _on_subscription(self, msg: bytes) -> bool:
+    def _on_subscription(self, frame: zmq.Frame) -> bool:
+        msg = frame.bytes
         if not msg or msg[0] not in (0, 1):
             return False
         sub_topic = bytes(msg[1:])
@@ -250,7 +266,8 @@ class ZMQSender(Closeable):
             self._crowded_logged[rank] = count
         return True
 
-    def _on_announce(self, msg: bytes) -> bool:
+    def _on_announce(self, frame: zmq.Frame) -> bool:
+        msg = frame.bytes
         if msg.strip().startswith(b"ack|"):
             return False  # prime-rl's per-step consumption ack: nothing to do with readiness
         ready = parse_ready(msg)
@@ -268,6 +285,8 @@ class ZMQSender(Closeable):
                     self.run_id, rank, run_id, endpoint(self.host, self.port + 1),
                 )  # fmt: skip
             return False
+        if self._announcements is not None:
+            self._announcements.heard(rank, frame.get("Peer-Address"))
         if rank in self._announced:
             return False
         self._announced.add(rank)

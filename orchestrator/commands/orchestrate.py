@@ -17,7 +17,7 @@ import redis
 
 from orchestrator.commands.checks import preflight_client
 from orchestrator.diagnosis import RedisOutOfMemory
-from orchestrator.errors import CannotShip, EmptySteps, LeaseLost, RunStateLost
+from orchestrator.errors import CannotShip, EmptySteps, LeaseLost, RankSilent, RunStateLost
 from orchestrator.lease import ALIVE_SECONDS
 from orchestrator.logs import configure_logging
 from orchestrator.orchestrator import Orchestrator
@@ -71,6 +71,9 @@ def main(args: argparse.Namespace) -> int:
     except EmptySteps as exc:
         print(f"rlship orchestrate: run {settings.run_id} stopped: {exc}", file=sys.stderr)
         return 4
+    except RankSilent as exc:
+        print(f"rlship orchestrate: run {settings.run_id} stopped: {exc}", file=sys.stderr)
+        return 1
     except redis.exceptions.OutOfMemoryError as exc:
         print(
             f"rlship orchestrate: Redis at {mask_secrets(settings.redis_url)} is out of memory ({exc}): "

@@ -175,10 +175,12 @@ def run_producer(
     for _ in range(int(client.get(producer.keys.produced) or 0) // settings.group_size):
         workload.group(write=False)
     stopped = stop.is_set if stop is not None else lambda: False
+    rows = settings.run_rows()
     written = 0
     reported = 0.0
     while (groups is None or written < groups) and not stopped():
         group = workload.group()
+        taken = False
         while not stopped():
             version = producer.policy_version()
             stamped = [(r.model_copy(update={"policy_version": version}), a) for r, a in group]
@@ -192,11 +194,18 @@ def run_producer(
                     continue
                 if exc.reason == FINISHED:
                     log.info("run %s has finished; the producer stops", settings.run_id)
+                    rows.unlink(record.rollout_id for record, _ in group)
                     return written
                 log.warning("%s; group skipped", exc)
+                break
             except RolloutRejected as exc:
-                log.warning("%s", exc)
+                log.warning("%s", exc)  # some of the call were written (their files are the run's)
+            taken = True
             break
+        if not taken:
+            # Its rows files were written before the run refused it (or the producer stopped):
+            # no key points at them, so nothing else would ever delete them.
+            rows.unlink(record.rollout_id for record, _ in group)
         written += 1
     return written
 

@@ -30,6 +30,7 @@ from orchestrator.status_reader import StatusReader
 from tasks.logs import mask_secrets
 from transport.connection import RedisAddress, connect_redis
 from transport.keys import RunKeys, run_id_of_marker, run_markers_pattern
+from transport.rank_contact import RankContact
 
 RUNNING, FINISHED, STOPPED = "running", "finished", "stopped"
 
@@ -107,6 +108,10 @@ def show(client: redis.Redis, row: RunRow, info: RunInfo, follow: bool) -> None:
         followed = True
     if followed:  # the frame it ended on (a run already over was shown once, above)
         display.update(status=True)
+    # Where each trainer rank was last seen: the first thing to ask of a run that waits.
+    now = time.time()
+    for contact in RankContact.read(client.hgetall(RunKeys(info.run_id).rank_contact), info.ranks):
+        print(f"rank {contact.rank}: {contact.describe(now)}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

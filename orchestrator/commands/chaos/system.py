@@ -26,6 +26,7 @@ from orchestrator.commands.processes import (
     worker_commands,
 )
 from orchestrator.commands.produce import SyntheticWorkload
+from orchestrator.commands.run_report import orchestrator_error
 from orchestrator.groups import TRAINABLE, decide_group
 from orchestrator.producer import RolloutProducer
 from orchestrator.settings import RunSettings, settings_to_env
@@ -112,8 +113,10 @@ def run_system(
             if code == 0:
                 break
             if code is not None and code != -signal.SIGKILL:
+                cause = orchestrator_error(group.log_dir / "orchestrator.log")
                 raise RunFailed(
-                    f"{settings.run_id}: the orchestrator exited with {code}; logs in {group.log_dir}"
+                    f"{settings.run_id}: the orchestrator exited with {code}{cause}; its logs are kept "
+                    f"in {group.log_dir}"
                 )
             for name in (*WORKERS, "orchestrator"):  # as a supervisor would
                 if group.processes[name].poll() is not None:
