@@ -77,7 +77,9 @@ def _content(rng: random.Random, good: bytes) -> bytes | str | None:
     that name), "link" (a symlink to a file elsewhere), or None (no file)."""
     if rng.random() < 0.01:  # oversized, rarely: a 4 MiB write costs as much as a hundred others
         return BIG
-    return rng.choice([good, good, mangled(rng, good), rng.randbytes(rng.randint(0, 40)), b"", "dir", "link", None])
+    return rng.choice(
+        [good, good, mangled(rng, good), rng.randbytes(rng.randint(0, 40)), b"", "dir", "link", None]
+    )
 
 
 def _layout(rng: random.Random) -> tuple[bytes | str | None, bytes | str | None, int]:
