@@ -245,12 +245,16 @@ class Announcements:
     def __init__(self, earlier: set[int]) -> None:
         self.earlier = earlier
         self.added: list[int] = []
+        self.addresses: dict[int, str] = {}
 
     def load(self) -> set[int]:
         return set(self.earlier)
 
     def add(self, rank: int) -> None:
         self.added.append(rank)
+
+    def heard(self, rank: int, address: str) -> None:
+        self.addresses[rank] = address
 
 
 def wait_until(condition: Callable[[], bool], sender: ZMQSender) -> None:
