@@ -78,7 +78,7 @@ class Admission:
         """A rollout, a call or a step (a batch of rollouts like these) larger than the byte
         budget could never be admitted: refused at once, naming its size and the budget."""
         budget = self.max_held_bytes
-        if budget <= 0:
+        if budget <= 0 or not sizes:  # an empty call holds nothing
             return
         tail = f"more than the run's budget of {budget:,} bytes (max_held_bytes)"
         for (record, _), size in zip(rollouts, sizes, strict=True):

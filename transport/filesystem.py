@@ -42,11 +42,14 @@ def layout_run_path(output_dir: str | os.PathLike[str]) -> Path:
 
 
 def layout_run(output_dir: str | os.PathLike[str]) -> str | None:
-    """The run the layout belongs to, or None before its first sender wrote it."""
+    """The run the layout belongs to, or None before its first sender wrote it; a file that
+    does not read (a directory of that name) names what is wrong, in <>, which no run matches."""
     try:  # bytes not UTF-8 name no run of ours: replaced, they match none
         return layout_run_path(output_dir).read_bytes().decode(errors="replace").strip() or None
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        return f"<{layout_run_path(output_dir).name} unreadable: {exc.strerror}>"
 
 
 class ForeignLayout(RuntimeError):

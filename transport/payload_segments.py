@@ -254,6 +254,8 @@ class SegmentReader:
             raise SegmentReadError(
                 f"{PAYLOAD_FIELD}.{segment.field}: {segment.file}: {exc.strerror}"
             ) from exc
+        except (ValueError, OverflowError) as exc:  # a NUL in the path, an offset no file has
+            raise SegmentReadError(f"{PAYLOAD_FIELD}.{segment.field}: {segment.file!r}: {exc}") from exc
         if len(data) != segment.nbytes:
             raise SegmentReadError(
                 f"{PAYLOAD_FIELD}.{segment.field}: short read from {segment.file} at byte {segment.offset}: "

@@ -90,23 +90,31 @@ def pack_arrays(arrays: Mapping[str, Any]) -> bytes:
 
 def unpack_arrays(blob: bytes, key: str = "<blob>") -> dict[str, Any]:
     """The inverse of `pack_arrays`: arrays are read-only views into `blob`, mm_kwargs
-    tensors EncodedTensor."""
+    tensors EncodedTensor. PayloadCorruptError names the entry that does not decode."""
     try:
         entries = msgpack.unpackb(blob, raw=False)
         if not isinstance(entries, dict):
             raise TypeError(f"expected a map, got {type(entries).__name__}")
-        return {
-            name: _unpack_entry(name, dtype, shape, data) for name, (dtype, shape, data) in entries.items()
-        }
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise PayloadCorruptError(f"{key}: stored arrays do not decode ({exc})") from exc
+    arrays = {}
+    for name, entry in entries.items():
+        try:
+            arrays[name] = _unpack_entry(name, entry)
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            raise PayloadCorruptError(f"{key}: stored arrays do not decode (entry {name!r}: {exc})") from exc
+    return arrays
 
 
-def _unpack_entry(name: str, dtype: str, shape: list[int], data: bytes) -> Any:
+def _unpack_entry(name: str, entry: Any) -> Any:
+    dtype, shape, data = entry
     if name.startswith(MM_KWARGS_PREFIX):
         return EncodedTensor(dtype, shape, data)
     if dtype == _SEGMENTS_DTYPE:
         return [PayloadSegment.from_values(values) for values in msgpack.unpackb(data, raw=False)]
+    # reshape would fill in a -1 (or take a bool): a shape says each dimension itself
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise ValueError(f"shape {shape!r:.80} is not a list of dimensions >= 0")
     return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
 
 

@@ -42,12 +42,13 @@ def fuzzed(generator: Generator) -> st.SearchStrategy[Any]:
     return st.integers(0, 2**32 - 1).map(lambda seed: generator(random.Random(seed)))
 
 
-def fuzz(batch: int = 50, **generators: Generator) -> Callable[[Any], Any]:
+def fuzz(batch: int = 50, inputs: int = FUZZ_INPUTS, **generators: Generator) -> Callable[[Any], Any]:
     """`@given` a list of `batch` inputs of each generator an example, for enough examples to
-    make `FUZZ_INPUTS` inputs; no deadline (a slow example is not a failure here: the suite's
-    timeout catches a hang)."""
+    make `inputs` inputs (fewer for an entry point too slow for `FUZZ_INPUTS`, such as one
+    through Redis); no deadline (a slow example is not a failure here: the suite's timeout
+    catches a hang)."""
     lists = {name: st.lists(fuzzed(gen), min_size=batch, max_size=batch) for name, gen in generators.items()}
-    return lambda test: settings(max_examples=-(-FUZZ_INPUTS // batch), deadline=None)(given(**lists)(test))
+    return lambda test: settings(max_examples=-(-inputs // batch), deadline=None)(given(**lists)(test))
 
 
 def names_one_of(problem: str, names: set[str]) -> bool:

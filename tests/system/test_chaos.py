@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -188,6 +189,28 @@ def test_a_run_that_cannot_finish_is_one_line_and_leaves_nothing(tmp_path, clien
     assert list(client.scan_iter(match=f"*chaos-*-{token}*")) == [], "a queue or its binding"
     assert left_running(token) == []
     assert not (tmp_path / "chaos.json").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_run_that_stops_names_the_orchestrators_cause_and_keeps_its_logs(tmp_path):
+    """The reference run's ship worker cannot bind its sockets (`zmq_host` an address not
+    this machine's, TEST-NET-1): its orchestrator stops the run at the first step, and the
+    command says so in its own words and where every log of the run is kept."""
+    done = subprocess.run(
+        python_command(
+            "chaos", "--steps", "1", "--batch-size", "8", "--seq-len", "128", "--timeout", "60",
+            "--json", str(tmp_path / "chaos.json"),
+        ),
+        env={**os.environ, "RLSHIP_ZMQ_HOST": "192.0.2.1"},
+        cwd=REPO, capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    line = refused(done, "the orchestrator exited with 2", "cannot bind 192.0.2.1:")
+    found = re.search(r"(chaos-reference-(\w+)): .*: run \1 stopped: .*; its logs are kept in (\S+)$", line)
+    assert found, line
+    logs = Path(found[3])
+    assert logs == tmp_path / f"reference-{found[2]}" / "logs", "beside --json, in the run's directory"
+    assert "cannot bind 192.0.2.1:" in (logs / "orchestrator.log").read_text()
+    assert left_running(found[2]) == []
 
 
 def test_a_child_gone_before_its_kill_is_no_kill_and_no_error():
