@@ -34,6 +34,7 @@ class JsonlMonitor:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        drop_torn_line(path)
         self._last_step = last_logged_step(path)
         self._sink = path.open("ab", buffering=0)
 
@@ -54,6 +55,24 @@ class JsonlMonitor:
 
     def close(self) -> None:
         self._sink.close()
+
+
+def drop_torn_line(path: Path, tail_bytes: int = 1 << 20) -> None:
+    """Cut a last line left without its newline: the kernel may stop a write of several pages
+    at a page when the writer is killed (SIGKILL), and what is appended next would join it.
+    Its record is written again whole, as the step is not logged."""
+    if not path.exists():
+        return
+    with path.open("r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        start = max(0, size - tail_bytes)
+        f.seek(start)
+        tail = f.read()
+        if not tail or tail.endswith(b"\n"):
+            return
+        cut = tail.rfind(b"\n")
+        if cut >= 0 or start == 0:
+            f.truncate(start + cut + 1)
 
 
 def last_logged_step(path: Path, tail_bytes: int = 1 << 20) -> float:

@@ -118,10 +118,11 @@ def test_status_follows_a_run(
     followed = "".join(first) + rest
     assert live.returncode == 0, followed
     # The steps shipped while it followed, one line each as `rlship run` prints them, then
-    # the final status.
+    # the final status (and each rank's last contact).
     step_lines = [line for line in followed.splitlines() if line.startswith("step ")]
     assert [int(line.split()[1]) for line in step_lines] == list(range(shipped, STEPS)), followed
-    assert f" {STEPS}/{STEPS} shipped, {STEPS} cut " in followed.splitlines()[-1], followed
+    statuses = [line for line in followed.splitlines() if line.startswith("status: ")]
+    assert f" {STEPS}/{STEPS} shipped, {STEPS} cut " in statuses[-1], followed
     assert shipped_files(settings) == metrics_lines(settings) == STEPS
     assert listed(settings) == ("finished", STEPS, STEPS)
     frame = rlship_status(settings, run_id, "--follow")  # a finished run: one frame, then it returns
