@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import redis
 
+from orchestrator.admission import AdmissionRefused
 from orchestrator.producer import RolloutProducer
 from orchestrator.settings import RunSettings
 from tests.support.factories import rollout
@@ -73,7 +74,11 @@ def produce_scenario(seed: int, settings: RunSettings, stop: threading.Event) ->
                 fields["metrics"] = {"solve_time": float(rng.exponential())}
             reward = float(rng.random() < difficulty) if env != "chat" else round(float(rng.random()), 2)
             group.append(rollout(f"s{seed}-g{index}-r{member}", f"g{index}", reward, **fields))
-        producer.produce(group)
+        try:
+            producer.produce(group)
+        except AdmissionRefused as refused:  # the run shipped its steps before `stop` was set
+            assert refused.reason == "finished", refused
+            return
         for record, arrays in group:
             if rng.random() < corrupt_rate:  # damaged after the producer's checks: workers must cope
                 damaged = {**arrays, "input_ids": arrays["input_ids"][:-1]}
