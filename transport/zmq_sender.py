@@ -26,12 +26,10 @@ mix-up is noticed.
 `send` returns once the message has left the process: libzmq queues a message and its
 I/O thread writes it to the TCP socket later, and a process that dies (SIGKILL) loses
 whatever is still queued. Each message is tracked (zero-copy, `copy_threshold` 0, so the
-tracker follows the real buffer), but libzmq releases the tracker as soon as it has copied
-the message's tail (up to 8 KiB, all of a small message) into its output batch, before the
-I/O thread writes that batch. So `send` also waits until the kernel counts the message's
-bytes as written on each connection subscribed to the rank (transport/tcp_written.py; the
-connection is the subscription's `SRCFD`), which the kernel delivers even if the process
-dies next. A caller that marks a step sent after `send` returns (tasks/send.py's
+tracker follows the real buffer) and `send` waits until libzmq has released it, i.e.
+written it to the kernel's socket buffer (the last <= 8 KiB of it may sit in libzmq's
+output batch while the kernel buffer is full), which the kernel delivers even if the
+process dies next. A caller that marks a step sent after `send` returns (tasks/ship.py's
 `last_sent`) marks only what has left.
 """
 
@@ -40,40 +38,16 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Protocol
 
 import zmq
 
 from transport.base import Closeable, Payload
-from transport.tcp_written import connection, wire_size
 from transport.zmq_curve import ServerKeys, serve, start_authenticator
 from transport.zmq_sockets import endpoint, parse_ready, poll_ms, rank_prefix, topic
 
 logger = logging.getLogger("rlship.transport")
 LEAVING_POLL_SECONDS = 0.1  # how often a send waiting for its message to leave looks at the rank
-KERNEL_POLL_SECONDS = 0.001  # how often it looks at the kernel once libzmq released the message
-
-
-@dataclass
-class _Leaving:
-    """A message handed to libzmq: its tracker, and each subscribed connection's written-byte
-    count before it (by fd: peer address, count) plus the bytes it adds to each."""
-
-    tracker: zmq.MessageTracker
-    before: dict[int, tuple[str, int]]
-    wire: int
-
-    def left(self) -> bool:
-        """Whether libzmq released the message and the kernel has all of it on every
-        connection it was written to (one closed since no longer counts)."""
-        if not self.tracker.done:
-            return False
-        for fd, (peer, count) in self.before.items():
-            now = connection(fd)
-            if now is not None and now[0] == peer and now[1] - count < self.wire:
-                return False
-        return True
 
 
 class AnnouncementLog(Protocol):
@@ -129,10 +103,8 @@ class ZMQSender(Closeable):
             {r for r in announcements.load() if 0 <= r < ranks} if announcements is not None else set()
         )
         # Messages handed to libzmq that have not left the process yet, by (step, rank).
-        self._leaving: dict[tuple[int, int], _Leaving] = {}
+        self._leaving: dict[tuple[int, int], zmq.MessageTracker] = {}
         self._subscribers: Counter[bytes] = Counter()  # topic -> subscribers holding it
-        self._links: dict[int, tuple[str, set[bytes]]] = {}  # fd -> peer address, its topics
-        self._curve = curve is not None
         self._subscribed: set[int] = set()
         self._crowded_logged: dict[int, int] = {}  # rank -> subscriber count last warned of
         self._ready = False
@@ -210,22 +182,24 @@ class ZMQSender(Closeable):
             raise ValueError(f"rank {rank} out of range 0..{self.ranks - 1}")
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        leaving = self._leaving.get((step, rank))
-        if leaving is None:
+        tracker = self._leaving.get((step, rank))
+        if tracker is None:
             if not self.wait_ready(self._send_timeout, rank=rank):
                 raise TimeoutError(f"rank {rank} step {step}: not ready within send_timeout")
-            frames = [topic(step, rank, self.run_id), payload]
-            before = {fd: now for fd in self._links_of(rank) if (now := connection(fd)) is not None}
             try:
-                tracker = self._pub.send_multipart(frames, copy=False, track=True)
+                tracker = self._pub.send_multipart(
+                    [topic(step, rank, self.run_id), payload], copy=False, track=True
+                )
             except zmq.Again as exc:
                 raise TimeoutError(f"rank {rank} step {step}: send queue full past send_timeout") from exc
-            wire = wire_size([memoryview(f).nbytes for f in frames], curve=self._curve)
-            leaving = self._leaving[(step, rank)] = _Leaving(tracker, before, wire)
+            self._leaving[(step, rank)] = tracker
         deadline = None if self._send_timeout is None else time.monotonic() + self._send_timeout
         while True:
-            if self._wait_left(leaving):
+            try:
+                tracker.wait(LEAVING_POLL_SECONDS)
                 break
+            except zmq.NotDone:
+                pass
             self._drain()
             if rank not in self.ready_ranks:
                 # Queued on the connection of a rank that left (libzmq notices a dead peer at
@@ -236,25 +210,6 @@ class ZMQSender(Closeable):
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"rank {rank} step {step}: still queued in libzmq past send_timeout")
         del self._leaving[(step, rank)]
-
-    @staticmethod
-    def _wait_left(leaving: _Leaving) -> bool:
-        """Whether the message has left, waiting up to about LEAVING_POLL_SECONDS."""
-        try:
-            leaving.tracker.wait(LEAVING_POLL_SECONDS)
-        except zmq.NotDone:
-            return False
-        deadline = time.monotonic() + LEAVING_POLL_SECONDS
-        while not leaving.left():
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(KERNEL_POLL_SECONDS)
-        return True
-
-    def _links_of(self, rank: int) -> list[int]:
-        """The connections (fds) whose subscription covers `rank`."""
-        prefix = rank_prefix(rank)
-        return [fd for fd, (_, topics) in self._links.items() if any(prefix.startswith(t) for t in topics)]
 
     def close(self) -> None:
         """Close both sockets; pending messages get at most `linger_ms` to leave."""
@@ -298,7 +253,6 @@ class ZMQSender(Closeable):
             return False
         sub_topic = bytes(msg[1:])
         self._subscribers[sub_topic] += 1 if msg[0] == 1 else -1
-        self._note_link(frame, sub_topic, subscribed=msg[0] == 1)
         self._subscribers = +self._subscribers  # drop topics no subscriber holds
         counts = {r: self.subscribers(r) for r in range(self.ranks)}
         self._subscribed = {r for r, n in counts.items() if n}
@@ -311,28 +265,6 @@ class ZMQSender(Closeable):
                 )  # fmt: skip
             self._crowded_logged[rank] = count
         return True
-
-    def _note_link(self, frame: zmq.Frame, sub_topic: bytes, *, subscribed: bool) -> None:
-        """Keep which connection holds which subscription. A disconnect's unsubscription
-        names no connection (libzmq closed it): a closed fd, or one reused by another peer,
-        is left out when the message's bytes are counted (`_Leaving.left`) and replaced
-        when its new peer subscribes."""
-        try:
-            fd = frame.get(zmq.SRCFD)
-        except zmq.ZMQError:
-            return
-        now = connection(fd)
-        if now is None:
-            self._links.pop(fd, None)
-            return
-        peer, topics = self._links.get(fd, (now[0], set()))
-        if peer != now[0]:
-            topics = set()
-        if subscribed:
-            topics.add(sub_topic)
-        else:
-            topics.discard(sub_topic)
-        self._links[fd] = (now[0], topics)
 
     def _on_announce(self, frame: zmq.Frame) -> bool:
         msg = frame.bytes
