@@ -68,15 +68,27 @@ class RankWatch:
             for rank, why in sorted(waits.items()):
                 since = max(heard[rank][1], waiting_since.setdefault(rank, now))
                 if now - since >= self.settings.rank_timeout:
-                    contact = heard[rank][0]
-                    self.on_fatal(
-                        RankSilent(
-                            f"trainer rank {rank} silent for {now - since:.0f} s (rank_timeout "
-                            f"{self.settings.rank_timeout:g}) while the run waits on it ({why}): "
-                            f"{contact.describe(time.time())}"
-                        )
-                    )
+                    culprit = self._longest_silent(rank, heard)
+                    waiting = f"on it ({why})" if culprit == rank else f"(rank {rank}: {why})"
+                    self.on_fatal(self._silent(culprit, waiting, now - since, heard))
                     return
+
+    def _longest_silent(self, rank: int, heard: dict[int, tuple[RankContact, float]]) -> int:
+        """The rank to name when `rank` is found silent: the one heard from longest ago. The
+        one ship worker sends to the ranks in turn, so a send stuck on a dead rank leaves the
+        live ones unsent too; the dead one is the one silent longest."""
+        return min(heard, key=lambda r: (heard[r][1], r != rank))
+
+    def _silent(
+        self, rank: int, why: str, waited: float, heard: dict[int, tuple[RankContact, float]]
+    ) -> RankSilent:
+        contact, since = heard[rank]
+        silent = max(waited, time.monotonic() - since)
+        return RankSilent(
+            f"trainer rank {rank} silent for {silent:.0f} s (rank_timeout "
+            f"{self.settings.rank_timeout:g}) while the run waits {why}: "
+            f"{contact.describe(time.time())}"
+        )
 
     async def _read(self) -> tuple[dict[bytes, bytes], dict[int, str]]:
         """The contact hash, and the ranks the run waits on now with what it waits for."""
