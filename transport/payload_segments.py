@@ -102,7 +102,7 @@ class PayloadSegment:
             raise ValueError(f"{what}.shape: {shape!r} is not a list of positive ints")
         try:
             np.dtype(dtype)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, SyntaxError):  # numpy parses some dtype strings as Python
             raise ValueError(f"{what}.dtype: {dtype!r} is not a dtype numpy knows") from None
         digest, inline = stored or ("", False)
         if not isinstance(digest, str) or any(c not in "0123456789abcdef" for c in digest):

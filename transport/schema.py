@@ -36,7 +36,7 @@ def _check_tensor_bytes(what: str, data: bytes, shape: tuple[int, ...], dtype: s
     else:
         try:
             itemsize = np.dtype(dtype).itemsize
-        except (TypeError, ValueError) as exc:  # ValueError: a comma-string numpy cannot read
+        except (TypeError, ValueError, SyntaxError) as exc:  # a string numpy cannot read (it parses some)
             raise SchemaError(f"{what}.dtype: unknown dtype {dtype!r}") from exc
     if any(d < 0 for d in shape):
         raise SchemaError(f"{what}.shape: {shape} has a negative dimension")

@@ -84,7 +84,8 @@ def pack_arrays(arrays: Mapping[str, Any]) -> bytes:
             entries[name] = [value.dtype, list(value.shape), value.data]
             continue
         array = np.ascontiguousarray(value)
-        entries[name] = [array.dtype.str, list(array.shape), memoryview(array).cast("B")]
+        data = memoryview(array).cast("B") if array.size else b""  # no cast of a zero in the shape
+        entries[name] = [array.dtype.str, list(array.shape), data]
     return msgpack.packb(entries, use_bin_type=True)
 
 
@@ -101,7 +102,7 @@ def unpack_arrays(blob: bytes, key: str = "<blob>") -> dict[str, Any]:
     for name, entry in entries.items():
         try:
             arrays[name] = _unpack_entry(name, entry)
-        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        except (ValueError, TypeError, SyntaxError, msgpack.UnpackException) as exc:  # SyntaxError: a dtype
             raise PayloadCorruptError(f"{key}: stored arrays do not decode (entry {name!r}: {exc})") from exc
     return arrays
 
