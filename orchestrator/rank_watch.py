@@ -74,10 +74,11 @@ class RankWatch:
                     return
 
     def _longest_silent(self, rank: int, heard: dict[int, tuple[RankContact, float]]) -> int:
-        """The rank to name when `rank` is found silent: the one heard from longest ago. The
-        one ship worker sends to the ranks in turn, so a send stuck on a dead rank leaves the
-        live ones unsent too; the dead one is the one silent longest."""
-        return min(heard, key=lambda r: (heard[r][1], r != rank))
+        """The rank to name when `rank` is found silent: the one whose last contact is oldest
+        (by the contact's own time: this watch looks once a second, too coarse to order
+        them). The one ship worker sends to the ranks in turn, so a send stuck on a dead rank
+        leaves the live ones unsent too; the dead one is the one silent longest."""
+        return min(heard, key=lambda r: (heard[r][0].at or float("-inf"), r != rank))
 
     def _silent(
         self, rank: int, why: str, waited: float, heard: dict[int, tuple[RankContact, float]]
