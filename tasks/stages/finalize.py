@@ -41,14 +41,27 @@ from transport.schema import MM_KWARGS_PREFIX, EncodedTensor
 REQUIRED_ARRAYS: tuple[str, ...] = ("input_ids", "loss_mask", "inference_logprobs")
 # Optional per-token streams a producer may supply, one value per token (routed experts:
 # [tokens, layers, topk]); the encoder carries each into the micro-batch field of its name.
+# `advantages` is the producer's own credit (its algorithm's, per token): rlship then ships it
+# as given and computes no group baseline for the rollout (docs/integrators.md, "Credit").
 OPTIONAL_TOKEN_ARRAYS: tuple[str, ...] = (
     "ref_logprobs",
     "routed_experts",
     "ce_weights",
     "ref_kl_weights",
     "mm_token_type_ids",
+    "advantages",
+    "rl_weights",
+    "temperatures",
 )
-FLOAT_ARRAYS: tuple[str, ...] = ("inference_logprobs", "ref_logprobs", "ce_weights", "ref_kl_weights")
+# The credit streams among them: per-token values that otherwise follow from the record.
+CREDIT_ARRAYS: tuple[str, ...] = ("advantages", "rl_weights", "temperatures")
+FLOAT_ARRAYS: tuple[str, ...] = (
+    "inference_logprobs",
+    "ref_logprobs",
+    "ce_weights",
+    "ref_kl_weights",
+    *CREDIT_ARRAYS,
+)
 # Every array name a rollout may carry besides the multimodal ones (`mm_kwargs.*`): another is
 # a producer's mistake (a misspelt `ref_logprob` would otherwise be stored and never used).
 KNOWN_ARRAYS: tuple[str, ...] = (*REQUIRED_ARRAYS, *OPTIONAL_TOKEN_ARRAYS)
@@ -234,6 +247,9 @@ def check_rollout_arrays(
         if name in arrays and not np.isfinite(arrays[name]).all():
             bad = arrays[name][~np.isfinite(arrays[name])][0]
             return f"{name}: non-finite value {bad}"
+    if "temperatures" in arrays and num_tokens and not (arrays["temperatures"] > 0).all():
+        at = int(np.flatnonzero(~(arrays["temperatures"] > 0))[0])
+        return f"temperatures: value {arrays['temperatures'][at]} at token {at}, expected > 0"
     if PAYLOAD_FIELD in arrays:
         return _segments_problem(arrays, num_tokens, side_arrays)
     return None
