@@ -1,5 +1,6 @@
 """Groups: rollouts of one task are scored against each other. A group completes when
-`group_size` rollouts have arrived; its advantages are computed then, and every rollout
+`group_size` rollouts have arrived (or the `group_rollouts` its records say: a group of
+episodes); its advantages are computed then, and every rollout
 learns its fate at once: trainable, or discarded with a reason (so its payload can be
 released immediately)."""
 
@@ -107,12 +108,13 @@ class GroupBuffer:
         if key in self._completed:
             raise RecordRejected(
                 "group_overflow",
-                f"group_id: {record.group_id!r} of env {record.env!r} already has {self.group_size} rollouts",
+                f"group_id: {record.group_id!r} of env {record.env!r} already has "
+                f"{record.group_rollouts or self.group_size} rollouts",
             )
         group = self._open.setdefault(key, [])
         group.append(record)
         self._seen.add(record.rollout_id)
-        if len(group) < self.group_size:
+        if len(group) < (record.group_rollouts or self.group_size):
             return None
         del self._open[key]
         self._completed.add(key)

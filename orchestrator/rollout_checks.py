@@ -81,23 +81,26 @@ def call_problems(
     rollouts: Rollouts, group_size: int, envs: Collection[str] | None, partial_groups: bool
 ) -> dict[str, str]:
     """What the run would reject of this call at ingest, by rollout: an env it does not take
-    (`unknown_env`), more rollouts of a group than its `group_size` (`group_overflow`), and,
-    unless the call says its groups come in parts, a group short of `group_size` (it would
-    wait in the run's open groups until the rest arrives)."""
+    (`unknown_env`), more rollouts of a group than its size (`group_overflow`), and, unless
+    the call says its groups come in parts, a group short of its size (it would wait in the
+    run's open groups until the rest arrives). A group's size is the run's `group_size`, or
+    the `group_rollouts` its records say (a group of episodes)."""
     problems: dict[str, str] = {}
     sizes = Counter(record.group_id for record, _ in rollouts)
     for record, _ in rollouts:
+        size = record.group_rollouts or group_size
+        whose = "the run's group_size" if record.group_rollouts is None else "its group_rollouts"
         if envs is not None and record.env not in envs:
             problems[record.rollout_id] = f"env: {record.env!r} is not one of the run's envs {sorted(envs)}"
-        elif sizes[record.group_id] > group_size:
+        elif sizes[record.group_id] > size:
             problems[record.rollout_id] = (
                 f"group_id: {record.group_id!r} has {sizes[record.group_id]} rollouts in this call, more "
-                f"than the run's group_size {group_size}"
+                f"than {whose} {size}"
             )
-        elif sizes[record.group_id] < group_size and not partial_groups:
+        elif sizes[record.group_id] < size and not partial_groups:
             problems[record.rollout_id] = (
-                f"group_id: {record.group_id!r} has {sizes[record.group_id]} of the run's group_size "
-                f"{group_size} rollouts in this call; write whole groups, or produce(..., "
+                f"group_id: {record.group_id!r} has {sizes[record.group_id]} of {whose} "
+                f"{size} rollouts in this call; write whole groups, or produce(..., "
                 "partial_groups=True) to write the rest in later calls"
             )
     return problems
