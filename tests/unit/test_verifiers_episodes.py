@@ -211,3 +211,26 @@ def test_rlship_imports_without_verifiers() -> None:
     code = "import sys, rlship; print('verifiers' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+def test_token_types_only_on_branches_with_an_image() -> None:
+    rng = np.random.default_rng(10)
+    group = group_of(build.multimodal, [1.0, 0.0], rng) + group_of(build.single_turn, [0.5], rng)
+    group[2].traces[0].mm_token_type_id_map = {build.IMAGE_TOKEN: 1}  # a text-only branch, same map
+    for episode in group:
+        episode.group = vf.GroupInfo(id="g6")
+    result = ours(group)
+    assert_same(result.rollouts, group_samples(group))
+    assert "mm_token_type_ids" not in result.rollouts[2][1]
+
+
+def test_an_abandoned_compaction_attempt_trains_nothing() -> None:
+    rng = np.random.default_rng(11)
+    trace = build.forked(rng, 1.0)
+    attempt = trace.nodes[-1]  # the second branch's leaf: a compaction attempt never resumed from
+    attempt.semantic_parents = [vf.ParentLink(node=1, type="compaction_attempt")]
+    group = [build.episode([trace], "g7"), build.episode([build.forked(rng, 0.0)], "g7")]
+    result = ours(group)
+    assert [branch.trainable for branch in trace.branches] == [True, False]
+    assert_same(result.rollouts, group_samples(group))
+    assert len(result.rollouts) == 3
