@@ -9,16 +9,17 @@ from typing import Any
 
 from orchestrator.groups import TRAINABLE, Outcome
 from orchestrator.records import RolloutRecord
+from tasks.stages.credit import GivenCredit
 from tasks.stages.finalize import PayloadFacts
 
 EMPTY_STEP = "empty_step"  # the discard reason of the rollouts of a cut the workers emptied
 
 
 def outcome_row(
-    outcome: Outcome, facts: PayloadFacts | None = None
+    outcome: Outcome, facts: PayloadFacts | None = None, credit: GivenCredit | None = None
 ) -> tuple[dict[str, float], dict[str, str], dict[str, float]]:
-    """A rollout's scalar observations: numeric columns (with its producer's facts, if it
-    came with them), labels, custom metrics."""
+    """A rollout's scalar observations: numeric columns (with its producer's facts and
+    summary of its own credit, if it came with them), labels, custom metrics."""
     r: RolloutRecord = outcome.record
     numeric = {
         "reward": r.reward,
@@ -33,6 +34,7 @@ def outcome_row(
         "has_error": float(r.error is not None),
         "cancelled": float(r.cancelled),
         **(facts.columns() if facts is not None else {}),
+        **(credit.columns() if credit is not None else {}),
     }
     labels = {
         "rollout_id": r.rollout_id,

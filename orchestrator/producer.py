@@ -26,6 +26,7 @@ from orchestrator.policy import NO_VERSION
 from orchestrator.rollout_checks import RolloutRejected, call_problems, check_rollouts
 from orchestrator.settings import RunSettings
 from orchestrator.stored_settings import read_run_settings, read_run_settings_async
+from tasks.stages.credit import GivenCredit
 from tasks.stages.finalize import PayloadFacts
 from transport.keys import RunKeys
 from transport.numbering import required_version
@@ -56,7 +57,8 @@ __all__ = [
 # the TTL, the backlog limit (-1: not admitted), the room the policy gate leaves, the next
 # step that room was worked out for (as read, '' if unset), the byte budget (-1: none), the
 # batch size, the call's bytes, then per rollout its arrays blob, its record, its
-# `PayloadFacts` and its bytes (blob and rows files). The call is admitted whole or not at
+# `PayloadFacts`, its bytes (blob and rows files) and its `GivenCredit` ('' for none: the
+# group baseline's). The call is admitted whole or not at
 # all, in the same step as the writes, so concurrent producers cannot overshoot: the backlog
 # (produced, not yet accounted by the orchestrator: in the stream, in open groups or
 # pending) plus this call must fit both bounds, and the bytes the run holds plus the call's
@@ -97,9 +99,13 @@ if limit >= 0 then
 end
 local reply = {'ok', 0}
 for i = 9, #KEYS do
-  local at = 8 + (i - 9) * 4
+  local at = 8 + (i - 9) * 5
   if redis.call('SET', KEYS[i], ARGV[at], 'NX', 'EX', ARGV[1]) then
-    redis.call('XADD', KEYS[1], '*', 'record', ARGV[at + 1], 'facts', ARGV[at + 2])
+    if ARGV[at + 4] == '' then
+      redis.call('XADD', KEYS[1], '*', 'record', ARGV[at + 1], 'facts', ARGV[at + 2])
+    else
+      redis.call('XADD', KEYS[1], '*', 'record', ARGV[at + 1], 'facts', ARGV[at + 2], 'credit', ARGV[at + 4])
+    end
     redis.call('INCR', KEYS[2])
     redis.call('HSET', KEYS[6], string.match(KEYS[i], ':rollout:(.*)$'), ARGV[at + 3])
     redis.call('INCRBY', KEYS[7], ARGV[at + 3])
@@ -200,7 +206,8 @@ class _Producer:
             # Segments are checked again at the cut, against the files as they are then.
             facts = PayloadFacts.of(stored, len(blob)).to_wire()
             sizes.append(len(blob) + sum(segment.nbytes for segment in stored.get(PAYLOAD_FIELD, [])))
-            args += [blob, record.model_dump_json(), facts, sizes[-1]]
+            credit = GivenCredit.of(flat)
+            args += [blob, record.model_dump_json(), facts, sizes[-1], credit.to_wire() if credit else ""]
         if self.admission is not None:
             self.admission.refuse_oversize(rollouts, sizes)
         return keys, [sum(sizes), *args]
