@@ -23,6 +23,7 @@ from tasks.stages.prune import has_training_signal
 from transport.numbering import staleness
 
 TRAINABLE = "trainable"
+CANCELLED = "cancelled"  # the discard reason of a rollout cancelled by its producer
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def decide_group(
         if record.error is not None:
             fate = "error"
         elif record.cancelled:
-            fate = "cancelled"
+            fate = CANCELLED
         elif staleness(next_step, record.policy_version, first_step) > max_off_policy_steps:
             fate = "stale"
         elif not _trains(credit, advantage, record.num_output_tokens):
@@ -152,6 +153,7 @@ class GroupBuffer:
         self._open: dict[tuple[str, str], list[RolloutRecord]] = {}
         self._seen = RecentSet(memory)
         self._completed = RecentSet(memory)
+        self._cancelled = RecentSet(memory)
 
     def __len__(self) -> int:
         return sum(len(g) for g in self._open.values())
@@ -162,6 +164,11 @@ class GroupBuffer:
             raise RecordRejected("duplicate_rollout", f"rollout_id: {record.rollout_id!r} already received")
         size = group_size_of(self.group_size, record.env)
         key = (record.env, record.group_id)
+        if key in self._cancelled:
+            raise RecordRejected(
+                "group_cancelled",
+                f"group_id: {record.group_id!r} of env {record.env!r} was cancelled by its producer",
+            )
         if key in self._completed:
             raise RecordRejected(
                 "group_overflow",
@@ -175,6 +182,16 @@ class GroupBuffer:
         del self._open[key]
         self._completed.add(key)
         return group
+
+    def cancel(self, env: str, group_id: str) -> list[RolloutRecord] | None:
+        """Cancel a group its producer gave up on: its rollouts arrived so far (to discard),
+        and any that arrive later are rejected (`group_cancelled`); None if it had completed
+        already (its fates are decided)."""
+        key = (env, group_id)
+        if key in self._completed:
+            return None
+        self._cancelled.add(key)
+        return self._open.pop(key, [])
 
 
 def group_size_of(group_size: int | Mapping[str, int], env: str) -> int:

@@ -22,7 +22,8 @@ import redis.asyncio as aioredis
 
 from orchestrator.accounting import Accounting, outcome_row
 from orchestrator.checkpoint import Checkpoint
-from orchestrator.groups import TRAINABLE, GroupBuffer, decide_group
+from orchestrator.group_cancel import CANCEL_FIELD, parse_cancellation
+from orchestrator.groups import CANCELLED, TRAINABLE, GroupBuffer, Outcome, decide_group
 from orchestrator.records import IDENTIFIER, RecordRejected, parse_record
 from orchestrator.rollout_log import RolloutLog
 from orchestrator.settings import RunSettings
@@ -99,6 +100,9 @@ class Ingest:
             entries = response[0][1] if response else []
             release_ids: list[str] = []
             for entry_id, fields in entries:
+                if CANCEL_FIELD in fields:
+                    release_ids.extend(self.cancel_group(entry_id.decode(), fields[CANCEL_FIELD]))
+                    continue
                 release_ids.extend(
                     self.take_record(
                         entry_id.decode(),
@@ -199,6 +203,33 @@ class Ingest:
                 released.append(outcome.record.rollout_id)
                 self.outcomes[outcome.record.rollout_id] = discarded(outcome.fate)
         return released
+
+    def cancel_group(self, entry_id: str, raw: bytes) -> list[str]:
+        """Take a producer's cancellation of a group (orchestrator.group_cancel): the group's
+        rollouts arrived so far are discarded (`cancelled`) and returned to release at once;
+        later ones are rejected. A group complete already is left to its fates."""
+        if self.resumed_from is not None and self.resumed_from.covers(entry_id):
+            return []  # taken before the restart: its rollouts left the open groups then
+        try:
+            env, group_id = parse_cancellation(raw)
+        except ValueError as exc:
+            log.warning("group cancellation ignored: %s", exc)
+            return []
+        members = self.groups.cancel(env, group_id)
+        if members is None:
+            log.info("group %r of env %r was cancelled after it completed: its fates stand", group_id, env)
+            return []
+        self.accounting.cancelled_groups += 1
+        for record in members:
+            self.open_entries.pop(record.rollout_id, None)
+            facts = self.open_facts.pop(record.rollout_id, None)
+            credit = self.open_credit.pop(record.rollout_id, None)
+            outcome = Outcome(record.model_copy(update={"cancelled": True}), 0.0, CANCELLED)
+            self.window.append(*outcome_row(outcome, facts, credit))
+            self.rollout_log.finalized(outcome)
+            self.accounting.discard(CANCELLED)
+            self.outcomes[record.rollout_id] = discarded(CANCELLED)
+        return [record.rollout_id for record in members]
 
     async def write_outcomes(self, client: aioredis.Redis | Any) -> None:
         """Write the outcomes decided since the last write (on a client or a pipeline)."""
