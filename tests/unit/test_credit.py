@@ -19,6 +19,7 @@ from tasks.manifest import ShipConfig, StepManifest
 from tasks.stages.credit import GivenCredit, count_trainable, token_rl_weights
 from tasks.stages.finalize import finalize_step
 from tasks.stages.metrics import credit_counts
+from tests.support.reference import prime_rl_weights
 
 
 def record(rollout_id: str, reward: float = 0.0, **fields: object) -> RolloutRecord:
@@ -28,18 +29,6 @@ def record(rollout_id: str, reward: float = 0.0, **fields: object) -> RolloutRec
 
 
 # -- prime-rl's rl weights --------------------------------------------------------------------
-
-
-def prime_rl_weights(
-    mask: list[bool], advantages: list[float], rl_weights: list[float] | None
-) -> list[float]:
-    """prime-rl 559b447, train_sink.py `_prune_zero_advantages`: an absent stream is 1.0 on the
-    mask; a trainable token of zero advantage loses its weight; the others keep theirs."""
-    weights = [1.0 if m else 0.0 for m in mask] if rl_weights is None else list(rl_weights)
-    for index, (trainable, advantage, weight) in enumerate(zip(mask, advantages, weights, strict=True)):
-        if trainable and advantage == 0.0 and weight != 0.0:
-            weights[index] = 0.0
-    return weights
 
 
 @pytest.mark.parametrize("seed", range(20))
