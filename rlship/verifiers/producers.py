@@ -21,7 +21,8 @@ import redis.asyncio as aioredis
 import verifiers.v1 as vf
 
 from orchestrator.producer import AsyncRolloutProducer, RolloutProducer
-from orchestrator.records import RolloutRecord
+from orchestrator.groups import group_size_of
+from orchestrator.records import RecordRejected, RolloutRecord
 from orchestrator.rollout_checks import RolloutRejected
 from orchestrator.settings import RunSettings
 from rlship.verifiers.conversion import (
@@ -105,14 +106,22 @@ class _EpisodeConverter:
                 f"episode {first.id!r}: env.name: the call holds envs {sorted(map(str, envs))}; "
                 "one env a group"
             )
-        run = self.rollouts.settings
-        if run is not None and len(episodes) != run.group_size and not problems:
-            problems[first.id] = (
-                f"episode {first.id!r}: group: {groups.pop()!r} has {len(episodes)} episodes; the run's "
-                f"group_size is {run.group_size} (a call writes one whole group)"
-            )
         if problems:
             raise RolloutRejected(problems)
+        run = self.rollouts.settings
+        if run is None:
+            return
+        try:
+            size = group_size_of(run.group_size, str(envs.pop()))
+        except RecordRejected as exc:
+            raise RolloutRejected({first.id: f"episode {first.id!r}: {exc}"}) from None
+        if len(episodes) != size:
+            raise RolloutRejected(
+                {
+                    first.id: f"episode {first.id!r}: group: {groups.pop()!r} has {len(episodes)} episodes; "
+                    f"the run's group_size for its env is {size} (a call writes one whole group)"
+                }
+            )
 
     def _by_handle(self, record: RolloutRecord, arrays: dict[str, Any]) -> dict[str, Any]:
         """With a run whose wire takes side arrays by handle, the rollout's routed experts

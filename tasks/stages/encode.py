@@ -1,8 +1,10 @@
 """Encode: build one rank's micro-batches from its samples' arrays and encode the payload.
 
 The per-token fields are concatenated straight from the stored arrays (no Python lists
-of tokens); sample-level annotations (advantage, temperature, env) are broadcast over the
-sample's tokens; zero-advantage tokens get zero rl weight (the prune stage's rule).
+of tokens); a sample's advantages and temperatures are its own per-token arrays where the
+producer gave them, else its cohort row's advantage and temperature broadcast over its
+tokens (the env always is); rl weights follow tasks.stages.credit (zero on a loss token of
+zero advantage).
 Optional streams (ce and ref-kl weights, token types, mm_kwargs) are carried when any
 sample of the micro-batch has them.
 
@@ -27,8 +29,8 @@ import msgpack
 import numpy as np
 
 from tasks.cohort import Cohort
+from tasks.stages.credit import token_rl_weights
 from tasks.stages.pack import MicroBatchPlan
-from tasks.stages.prune import token_rl_weights
 from transport.codec import (
     array_elements,
     array_header,
@@ -142,13 +144,13 @@ def _microbatch(segments: list[tuple[Mapping[str, Any], float, float, str]], pad
     return MicroBatch(
         input_ids=concat([a["input_ids"] for a, *_ in segments], 0, np.int64),
         loss_mask=concat([a["loss_mask"] for a, *_ in segments], False, np.bool_),
-        advantages=concat([np.full(len(a["input_ids"]), adv) for a, adv, _, _ in segments], 0.0, np.float64),
+        advantages=concat([_per_token(a, "advantages", adv) for a, adv, _, _ in segments], 0.0, np.float64),
         inference_logprobs=concat([a["inference_logprobs"] for a, *_ in segments], 0.0, np.float64),
         position_ids=np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])
         if lengths
         else np.zeros(0, dtype=np.int64),
         sequence_lengths=np.asarray(lengths, dtype=np.int64),
-        temperatures=concat([np.full(len(a["input_ids"]), t) for a, _, t, _ in segments], 1.0, np.float64),
+        temperatures=concat([_per_token(a, "temperatures", t) for a, _, t, _ in segments], 1.0, np.float64),
         env_names=env_names,
         seq_lens=np.asarray(lengths, dtype=np.int64),
         ref_logprobs=concat([a["ref_logprobs"] for a, *_ in segments], 0.0, np.float64) if has_ref else None,
@@ -157,10 +159,14 @@ def _microbatch(segments: list[tuple[Mapping[str, Any], float, float, str]], pad
         mm_token_type_ids=optional_stream("mm_token_type_ids", 0, np.int64),
         ce_weights=optional_stream("ce_weights", 0.0, np.float64),
         ref_kl_weights=optional_stream("ref_kl_weights", 0.0, np.float64),
-        rl_weights=concat(
-            [token_rl_weights(a["loss_mask"], adv) for a, adv, _, _ in segments], 0.0, np.float64
-        ),
+        rl_weights=concat([token_rl_weights(a, adv) for a, adv, _, _ in segments], 0.0, np.float64),
     )
+
+
+def _per_token(arrays: Mapping[str, Any], name: str, broadcast: float) -> np.ndarray:
+    """A sample's per-token stream as the producer gave it, else its row's value on every token."""
+    given = arrays.get(name)
+    return np.full(len(arrays["input_ids"]), broadcast) if given is None else given
 
 
 def _stacked_mm_kwargs(samples: list[Mapping[str, Any]]) -> dict[str, EncodedTensor] | None:
@@ -296,8 +302,8 @@ def prepare_samples(rollouts: Mapping[str, Mapping[str, np.ndarray]]) -> dict[st
 
 
 def _rl_weight_elements(wire: SampleWire, advantage: float) -> bytes:
-    """`token_rl_weights` over the wire's loss mask: 1.0 on loss tokens, unless the
-    advantage is zero."""
+    """`token_rl_weights` of a sample of the plain kind (no credit streams of its own) over
+    the wire's loss mask: 1.0 on loss tokens, unless the advantage is zero."""
     if advantage == 0.0:
         return repeated_elements("rl_weights", 0.0, wire.tokens)
     return _RL_WEIGHT_TABLE[wire.loss_mask().view(np.uint8)].tobytes()

@@ -26,6 +26,7 @@ import numpy as np
 
 from tasks.cohort import Cohort
 from tasks.manifest import StepManifest
+from tasks.stages.credit import CREDIT_TOKENS_COLUMN, count_trainable, credit_kinds
 from tasks.stages.prune import drop_field, trainable_tokens, worker_drops
 from transport.numbering import staleness
 from transport.payload_segments import (
@@ -81,7 +82,9 @@ class PayloadFacts:
     every other check depends on the arrays alone, these two on the run's limits and the
     rollout's advantage."""
 
-    loss_tokens: int  # tokens with loss_mask set: the trainable ones, if the advantage is not 0
+    # Tokens with loss_mask set (and a non-zero rl weight, if given): those that train, if
+    # the advantage is not 0 (a given per-token credit counts its own: tasks.stages.credit).
+    loss_tokens: int
     max_token_id: int  # against the run's vocabulary (the producer checked >= 0)
     payload_bytes: int  # the blob's size as written: a blob of another size was written over
     # Side arrays by handle, checked against their files at the cut: how many segments, and
@@ -96,7 +99,8 @@ class PayloadFacts:
         """The facts of arrays that passed `check_rollout_arrays`, stored as `payload_bytes`."""
         ids = arrays["input_ids"]
         max_id = int(ids.max()) if len(ids) else -1
-        loss_tokens = int(np.count_nonzero(arrays["loss_mask"]))
+        weighted = {name: arrays[name] for name in ("loss_mask", "rl_weights") if name in arrays}
+        loss_tokens = count_trainable(weighted)
         segments = arrays.get(PAYLOAD_FIELD, [])
         if len({segment.file for segment in segments}) != 1:
             return cls(loss_tokens, max_id, payload_bytes, len(segments))
@@ -272,6 +276,16 @@ def _segments_problem(arrays: Mapping[str, Any], num_tokens: int, side_arrays: S
     return segments_problem(segments, num_tokens, side_arrays)
 
 
+def _credit_problem(arrays: Mapping[str, Any], given: bool) -> str | None:
+    """Why arrays read whole disagree with the credit their stream entry announced (a blob
+    written over since, or arrays stored by other code than rlship's producer)."""
+    if "advantages" in arrays and not given:
+        return "advantages: in the arrays, but the rollout's stream entry has no credit summary"
+    if given and "advantages" not in arrays:
+        return "advantages: the rollout's stream entry announced them, its arrays have none"
+    return None
+
+
 def too_long(num_tokens: int, seq_len: int) -> str:
     return f"input_ids: length {num_tokens} exceeds seq_len {seq_len}"
 
@@ -340,7 +354,12 @@ def finalize_step(
     long_rows = by_facts & (expected > config.seq_len)
     unknown_ids = by_facts & ~long_rows & (max_id >= config.vocab_size)
     keep = by_facts & ~long_rows & ~unknown_ids
-    loss_tokens = np.where(keep, loss, 0.0)
+    advantage = cohort.numeric["advantage"]
+    credit_tokens = _fact_column(cohort, CREDIT_TOKENS_COLUMN)
+    given = credit_kinds(credit_tokens)
+    # The tokens that train: a given credit's own count, else the loss tokens, if the
+    # rollout's advantage is not zero (rows read are counted from their arrays below).
+    loss_tokens = np.where(keep, np.where(given, credit_tokens, trainable_tokens(loss, advantage)), 0.0)
     problems = {i: too_long(int(expected[i]), config.seq_len) for i in np.flatnonzero(long_rows).tolist()}
     for i in np.flatnonzero(unknown_ids).tolist():
         problems[i] = out_of_vocabulary(int(max_id[i]), config.vocab_size)
@@ -367,19 +386,18 @@ def finalize_step(
             continue
         problem = check_rollout_arrays(
             arrays, int(expected[i]), config.seq_len, config.vocab_size, config.side_arrays
-        )
+        ) or _credit_problem(arrays, bool(given[i]))
         if problem is not None:
             problems[i] = problem
             continue
         keep[i] = True
-        loss_tokens[i] = np.count_nonzero(arrays["loss_mask"])
+        loss_tokens[i] = count_trainable(arrays, float(advantage[i]))
     failures = {ids[i]: problems[i] for i in sorted(problems)}
     num_tokens = np.where(keep, expected, 0.0)
-    trainable = trainable_tokens(loss_tokens, cohort.numeric["advantage"])
     annotated = cohort.with_numeric(
         step=np.full(len(cohort), float(manifest.step)),
         staleness=staleness(manifest.step, cohort.numeric["policy_version"], manifest.config.first_step),
         num_tokens=num_tokens,
-        trainable_tokens=trainable,
+        trainable_tokens=loss_tokens,
     )
     return FinalizedStep(samples=annotated.take(keep), failures=failures)
