@@ -20,8 +20,8 @@ import redis
 import redis.asyncio as aioredis
 import verifiers.v1 as vf
 
-from orchestrator.producer import AsyncRolloutProducer, RolloutProducer
 from orchestrator.groups import group_size_of
+from orchestrator.producer import AsyncRolloutProducer, RolloutProducer
 from orchestrator.records import RecordRejected, RolloutRecord
 from orchestrator.rollout_checks import RolloutRejected
 from orchestrator.settings import RunSettings
