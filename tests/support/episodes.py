@@ -146,10 +146,24 @@ def forked(rng: np.random.Generator, reward: float, routed: bool = False) -> vf.
     return build.trace(reward)
 
 
-def multimodal(rng: np.random.Generator, reward: float) -> vf.Trace:
-    build = TraceBuilder(rng)
+def multimodal(rng: np.random.Generator, reward: float, routed: bool = False) -> vf.Trace:
+    build = TraceBuilder(rng, routed)
     build.turn(build.prompt(count=8, image=True), count=6)
     return build.trace(reward, mm_map={IMAGE_TOKEN: 1})
+
+
+def judged(rng: np.random.Generator, reward: float, routed: bool = False) -> list[vf.Trace]:
+    """A solver's single-turn trace beside a judge's: the judge agent does not train."""
+    judge = TraceBuilder(rng, routed)
+    judge.turn(judge.prompt())
+    return [single_turn(rng, reward, routed), judge.trace(0.0, agent="judge", trainable=False)]
+
+
+def errored(rng: np.random.Generator, routed: bool = False) -> vf.Trace:
+    """A trace whose provider failed mid-turn (ok False, an error recorded)."""
+    build = TraceBuilder(rng, routed)
+    build.turn(build.prompt())
+    return build.trace(0.0, ok=False)
 
 
 def with_advantages(trace: vf.Trace, advantages: Sequence[float]) -> vf.Trace:

@@ -22,7 +22,9 @@ What it models (prime-rl 559b44772, "chore: bump verifiers to latest main (#3337
 - `train_sink.py` `process_group`: `temperatures = [env temperature] * len(token_ids)`, then
   `algo/routing.py` `stamp_loss_routing` (`rl`: nothing; `ce`/`ref_kl`: rl weights all 0,
   the action stream 1.0 on the mask, `ce` starting from the sample's own ce weights);
-  `process_batch` with `filter_zero_advantages` (its default, True): `_prune_zero_advantages`.
+  `process_batch` with `filter_zero_advantages` (its default, True): `_prune_zero_advantages`;
+- `transports/rollouts/types.py` `MicroBatch` (16 positional fields, `array_like`): what a
+  559b447 trainer rank decodes from a step's message or file (`decode_micro_batches`).
 
 Two adaptations to verifiers 0.4.0 (the version prime-rl 559b447 pinned, a60a606, differs):
 0.4.0's `Branch` has no `multi_modal_data`; the branch counts as carrying images when
@@ -38,6 +40,7 @@ import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import verifiers.v1 as vf
 
@@ -223,3 +226,50 @@ def prune_zero_advantages(sample: PrimeSample) -> bool:
     has_ce = sample.ce_weights is not None and any(w != 0.0 for w in sample.ce_weights)
     has_ref_kl = sample.ref_kl_weights is not None and any(w != 0.0 for w in sample.ref_kl_weights)
     return has_rl or has_ce or has_ref_kl
+
+
+class RoutedExperts(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    data: bytes
+    shape: list[int]
+    dtype: str
+
+
+class EncodedTensor(msgspec.Struct, array_like=True, gc=False):
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+
+class MicroBatch(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    input_ids: list[int]
+    loss_mask: list[bool]
+    advantages: list[float]
+    inference_logprobs: list[float]
+    position_ids: list[int]
+    sequence_lengths: list[int]
+    temperatures: list[float]
+    env_names: list[str]
+    seq_lens: list[int]
+    ref_logprobs: list[float] | None = None
+    routed_experts: RoutedExperts | None = None
+    mm_kwargs: dict[str, EncodedTensor] | None = None
+    mm_token_type_ids: list[int] | None = None
+    rl_weights: list[float] | None = None
+    ce_weights: list[float] | None = None
+    ref_kl_weights: list[float] | None = None
+
+
+_DECODER = msgspec.msgpack.Decoder(type=list[MicroBatch])
+
+
+def decode_micro_batches(data: bytes) -> list[MicroBatch]:
+    """A step's payload for one rank, as a 559b447 trainer rank decodes it."""
+    return _DECODER.decode(data)
+
+
+def routed_rows(batch: MicroBatch) -> np.ndarray | None:
+    """The micro-batch's routed experts as a `[tokens, layers, topk]` array."""
+    experts = batch.routed_experts
+    if experts is None:
+        return None
+    return np.frombuffer(experts.data, dtype=experts.dtype).reshape(experts.shape)

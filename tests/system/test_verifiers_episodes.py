@@ -1,0 +1,193 @@
+"""Groups of verifiers 0.4.0 episodes through rlship end to end: EpisodeProducer into real
+Redis, the session's Celery workers, and trainer ranks that receive as prime-rl's stock
+ones do (filesystem transport, wire 0f59b24: routed experts by handle, read with `pread`).
+What every rank's payload decodes to (tests/support/prime_0f59b24.py, prime-rl's decoder
+written from its source) must be, sequence by sequence, the sample prime-rl 559b447's own
+train sink makes of the same episodes (tests/support/prime_559b447_samples.py): token ids,
+loss mask, advantages, logprobs, temperatures, loss weights, env name, token types, routed
+experts. And a bad group is refused whole, nothing of it written."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+vf = pytest.importorskip("verifiers.v1")
+
+from verifiers.v1.serve.delta import dump, pack  # noqa: E402
+
+from orchestrator.rollout_checks import RolloutRejected  # noqa: E402
+from rlship.verifiers import AsyncEpisodeProducer, EpisodeProducer  # noqa: E402
+from tests.support import episodes as build  # noqa: E402
+from tests.support.prime_559b447_samples import (  # noqa: E402
+    MicroBatch,
+    PrimeSample,
+    decode_micro_batches,
+    group_samples,
+    prune_zero_advantages,
+    routed_rows,
+)
+from tests.support.shiprun import open_policy_gate, ship, ship_settings  # noqa: E402
+from tests.support.stock_peers import read_record, start_stock_ranks  # noqa: E402
+from transport.connection import connect_redis_async  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+STEPS = 2
+TEMPERATURE = 0.8
+
+
+def groups_of_every_kind(run_id: str, rng: np.random.Generator, round_: int) -> list[list[vf.Episode]]:
+    """Two episodes a group, every kind: forked, given credit with loss streams, multimodal,
+    a judge that does not train, an errored trace, multi-turn with tools, single-turn; MoE
+    throughout (routed experts on every node)."""
+
+    def group(name: str, traces: list[list[vf.Trace]], env: str = "math") -> list[vf.Episode]:
+        return [build.episode(t, f"{name}-{round_}", env=env, run_id=run_id) for t in traces]
+
+    given = [build.multi_turn_tools(rng, 1.0, routed=True), build.forked(rng, 0.0, routed=True)]
+    for trace in given:
+        sampled = sum(sum(node.mask) for node in trace.nodes)
+        build.with_advantages(trace, np.linspace(-1.0, 1.0, sampled).round(3).tolist())
+        build.with_loss_weights(trace, ("ce", "ref_kl"))
+    return [
+        group("forked", [[build.forked(rng, r, routed=True)] for r in (1.0, 0.0)]),
+        group("given", [[trace] for trace in given], env="tools"),
+        group("image", [[build.multimodal(rng, r, routed=True)] for r in (1.0, 0.0)]),
+        group("judged", [build.judged(rng, r, routed=True) for r in (1.0, 0.0)]),
+        group("errored", [[build.errored(rng, routed=True)], [build.single_turn(rng, 1.0, routed=True)]]),
+        group("tools", [[build.multi_turn_tools(rng, r, routed=True)] for r in (0.5, 0.0)], env="tools"),
+        group("single", [[build.single_turn(rng, r, routed=True)] for r in (1.0, 0.25)]),
+    ]
+
+
+def decoded_sequences(output_dir: Path):
+    """Every sequence of every rank's payload file, as a prime-rl 559b447 rank decodes it:
+    its micro-batch, its span and its routed experts."""
+    for path in sorted(Path(output_dir, "rollouts").glob("step_*/rank_*.bin")):
+        for mb in decode_micro_batches(path.read_bytes()):
+            rows, start = routed_rows(mb), 0
+            for length in mb.sequence_lengths:
+                span = slice(start, start + length)
+                start += length
+                yield mb, span, None if rows is None else rows[span]
+
+
+def assert_decodes_as(mb: MicroBatch, span: slice, experts, sample: PrimeSample) -> None:
+    def f32(values) -> list[float]:
+        return np.asarray(values, dtype=np.float32).astype(float).tolist()
+
+    mask = np.asarray(sample.mask)
+    assert mb.loss_mask[span] == sample.mask
+    assert mb.advantages[span] == f32(sample.advantages)
+    assert mb.inference_logprobs[span] == f32(sample.logprobs)
+    assert mb.temperatures[span] == sample.temperatures  # the env's temperature, as given
+    assert set(mb.env_names[span]) == {sample.env_name}
+    for name in ("ce_weights", "ref_kl_weights", "ref_logprobs"):
+        expected = getattr(sample, name)
+        got = getattr(mb, name)
+        if expected is not None:
+            assert got is not None and got[span] == f32(expected), name
+        else:
+            assert got is None or got[span] == [0.0] * len(mask), name
+    # rl weights: prime-rl's trainer reads an absent stream as 1.0; the loss counts them on
+    # the loss mask only (rlship writes 0 off it).
+    rl = np.ones(len(mask)) if sample.rl_weights is None else np.asarray(sample.rl_weights)
+    assert np.asarray(mb.rl_weights[span])[mask].tolist() == f32(rl[mask])
+    types = mb.mm_token_type_ids[span] if mb.mm_token_type_ids is not None else None
+    assert (types or [0] * len(mask)) == (sample.mm_token_type_ids or [0] * len(mask))
+    assert experts is not None and np.array_equal(experts, sample.routed_experts)
+
+
+def test_episode_groups_reach_stock_ranks_as_prime_rl_would_make_them(
+    client, redis_url, run_id, workers, tmp_path
+):
+    settings = ship_settings(
+        run_id, redis_url, workers, tmp_path, steps=STEPS, transport="fs", trainers="external",
+        batch_size=8, group_size=2, max_off_policy_steps=100, wire="prime-rl-559b447",
+    )  # fmt: skip
+    open_policy_gate(settings)
+    producer = EpisodeProducer.for_run(client, settings, admitted=False, temperature=TEMPERATURE)
+    rng = np.random.default_rng(0)
+    oracle: dict[tuple[int, ...], PrimeSample] = {}
+    pruned: set[tuple[int, ...]] = set()
+    for round_ in range(2):
+        for episodes in groups_of_every_kind(run_id, rng, round_):
+            for sample in group_samples(episodes, temperature=TEMPERATURE):
+                if prune_zero_advantages(sample):
+                    oracle[tuple(sample.token_ids)] = sample
+                else:
+                    pruned.add(tuple(sample.token_ids))
+            producer.produce(episodes)
+    assert producer.errored_traces == 2 and producer.not_trainable_traces == 4
+    assert pruned, "the errored group's lone survivor has advantage 0: prime-rl ships none of it"
+
+    records, peers = start_stock_ranks(settings, [STEPS] * settings.ranks)
+    try:
+        ship(settings, trainers=False, produce=False)
+        assert [peer.wait(60) for peer in peers] == [0] * settings.ranks
+        assert [len(read_record(record)) for record in records] == [STEPS] * settings.ranks
+    finally:
+        for peer in peers:
+            peer.kill()
+
+    seen: set[tuple[int, ...]] = set()
+    for mb, span, experts in decoded_sequences(tmp_path):
+        key = tuple(mb.input_ids[span])
+        if set(mb.env_names[span]) == {"padding"}:
+            continue
+        assert key not in pruned and key in oracle, "every sequence shipped is one prime-rl would ship"
+        assert key not in seen, "once"
+        seen.add(key)
+        assert_decodes_as(mb, span, experts, oracle[key])
+    assert len(seen) >= STEPS * settings.batch_size
+    shipped = [oracle[key] for key in seen]
+    assert any(s.mm_token_type_ids for s in shipped), "a multimodal branch shipped"
+    assert any(s.ce_weights for s in shipped), "given credit with loss streams shipped"
+    assert any(np.count_nonzero(s.logprobs) > sum(s.mask) for s in shipped), "a fork's shared turn as context"
+
+
+def test_a_bad_group_is_refused_whole_and_nothing_written(client, run_id, tmp_path, redis_url, workers):
+    settings = ship_settings(run_id, redis_url, workers, tmp_path, group_size=2, wire="prime-rl-0f59b24")
+    producer = EpisodeProducer.for_run(client, settings, admitted=False)
+    rng = np.random.default_rng(1)
+    good = build.episode([build.forked(rng, 1.0, routed=True)], "bad", run_id=run_id)
+    bad = build.episode([build.single_turn(rng, 0.0)], "bad", run_id=run_id)
+    bad.traces[0].nodes[1].mask = bad.traces[0].nodes[1].mask[:-1]
+    with pytest.raises(RolloutRejected) as caught:
+        producer.produce([good, bad])
+    assert list(caught.value.problems) == [f"{bad.id}/{bad.traces[0].id}"]
+    assert "node 1: mask of 7 for 8 token ids" in caught.value.problems[f"{bad.id}/{bad.traces[0].id}"]
+    assert not client.exists(producer.rollouts.keys.rollout_stream)
+    root = Path(str(settings.payload_root))
+    assert not root.exists() or not any(path.is_file() for path in root.rglob("*")), "no rows file"
+
+    with pytest.raises(RolloutRejected, match="has 1 episodes; the run's group_size for its env is 2"):
+        producer.produce([good])
+    other = build.episode([build.single_turn(rng, 0.0)], "bad", run_id="another-run")
+    with pytest.raises(RolloutRejected, match=r"run\.id: 'another-run' is another run's"):
+        producer.produce([good, other])
+
+
+def test_the_async_producer_writes_a_group_of_msgpack_episodes(redis_url, run_id, tmp_path, workers, client):
+    """The bytes an env server's episodes pack to (verifiers' serve encoding), on the event loop."""
+    settings = ship_settings(run_id, redis_url, workers, tmp_path, group_size=2)
+    rng = np.random.default_rng(2)
+    episodes = [build.episode([build.forked(rng, r)], "async", run_id=run_id) for r in (1.0, 0.0)]
+
+    async def produce():
+        aclient = connect_redis_async(redis_url)
+        try:
+            producer = AsyncEpisodeProducer.for_run(aclient, settings, admitted=False)
+            result = await producer.produce([pack(dump(episode)) for episode in episodes])
+            ids = [record.rollout_id for record, _ in result.rollouts]
+            return producer, ids, await producer.rollouts.outcome(ids)
+        finally:
+            await aclient.aclose()
+
+    producer, ids, outcomes = asyncio.run(produce())
+    assert len(ids) == 4  # two forked traces, two branches each
+    assert {outcome.state for outcome in outcomes.values()} == {"pending"}
+    assert client.xlen(producer.rollouts.keys.rollout_stream) == 4
