@@ -1,15 +1,17 @@
 """Groups of verifiers 0.4.0 episodes through rlship end to end: EpisodeProducer into real
 Redis, the session's Celery workers, and trainer ranks that receive as prime-rl's stock
-ones do (filesystem transport, wire 0f59b24: routed experts by handle, read with `pread`).
-What every rank's payload decodes to (tests/support/prime_0f59b24.py, prime-rl's decoder
-written from its source) must be, sequence by sequence, the sample prime-rl 559b447's own
-train sink makes of the same episodes (tests/support/prime_559b447_samples.py): token ids,
-loss mask, advantages, logprobs, temperatures, loss weights, env name, token types, routed
-experts. And a bad group is refused whole, nothing of it written."""
+ones do. What every rank's payload file decodes to (as a 559b447 rank decodes it:
+tests/support/prime_559b447_samples.py, from prime-rl's source) must be, sequence by
+sequence, the sample prime-rl 559b447's own train sink makes of the same episodes: token
+ids, loss mask, advantages, logprobs, temperatures, loss weights, env name, token types,
+routed experts. On wire 0f59b24 the routed experts go by handle, and the rows each stock
+rank reads with `pread` must be prime-rl's. A bad group is refused whole, nothing of it
+written."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +33,8 @@ from tests.support.prime_559b447_samples import (  # noqa: E402
     routed_rows,
 )
 from tests.support.shiprun import open_policy_gate, ship, ship_settings  # noqa: E402
-from tests.support.stock_peers import read_record, start_stock_ranks  # noqa: E402
+from tests.support.stock_peers import WIRE_0F59B24, read_record, start_stock_ranks  # noqa: E402
+from tests.system.test_side_arrays_by_handle import ship_to_0f59b24_ranks  # noqa: E402
 from transport.connection import connect_redis_async  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
@@ -149,8 +152,38 @@ def test_episode_groups_reach_stock_ranks_as_prime_rl_would_make_them(
     assert any(np.count_nonzero(s.logprobs) > sum(s.mask) for s in shipped), "a fork's shared turn as context"
 
 
+def test_routed_experts_by_handle_reach_stock_0f59b24_ranks_as_prime_rl_makes_them(
+    client, redis_url, run_id, workers, tmp_path
+):
+    """On a wire that takes side arrays by handle, the producer writes each rollout's routed
+    experts to its rows file: every stock 0f59b24 rank reads them with `pread`, and the rows
+    each read (by trace id: the rollout's id) are the routed experts of prime-rl's sample."""
+    settings = ship_settings(
+        run_id, redis_url, workers, tmp_path, steps=STEPS, trainers="external", batch_size=8,
+        group_size=2, max_off_policy_steps=100, wire=WIRE_0F59B24,
+    )  # fmt: skip
+    producer = EpisodeProducer.for_run(client, settings, admitted=False)
+    rng = np.random.default_rng(3)
+    expected: dict[str, str] = {}
+    for round_ in range(2):
+        for episodes in groups_of_every_kind(run_id, rng, round_):
+            samples = {tuple(s.token_ids): s for s in group_samples(episodes) if prune_zero_advantages(s)}
+            for record, arrays in producer.produce(episodes).rollouts:
+                sample = samples.get(tuple(arrays["input_ids"].tolist()))
+                if sample is not None:
+                    expected[record.rollout_id] = hashlib.sha256(sample.routed_experts.tobytes()).hexdigest()
+    read: dict[str, str] = {}
+    for lines in ship_to_0f59b24_ranks(settings):
+        for line in lines:
+            for trace_id, fields in line["rows"].items():
+                assert trace_id not in read, "each rollout's rows read once"
+                read[trace_id] = fields["routed_experts"]
+    assert len(read) >= STEPS * settings.batch_size
+    assert {trace_id: expected.get(trace_id) for trace_id in read} == read
+
+
 def test_a_bad_group_is_refused_whole_and_nothing_written(client, run_id, tmp_path, redis_url, workers):
-    settings = ship_settings(run_id, redis_url, workers, tmp_path, group_size=2, wire="prime-rl-0f59b24")
+    settings = ship_settings(run_id, redis_url, workers, tmp_path, group_size=2, wire=WIRE_0F59B24)
     producer = EpisodeProducer.for_run(client, settings, admitted=False)
     rng = np.random.default_rng(1)
     good = build.episode([build.forked(rng, 1.0, routed=True)], "bad", run_id=run_id)
