@@ -235,6 +235,34 @@ def stop_the_run(settings: RunSettings, problem: str) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings_arguments(parser)
     parser.add_argument("--groups", type=int, default=None, help="stop after this many groups")
+    parser.add_argument(
+        "--episodes",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="write these verifiers episodes instead of synthetic rollouts: a file of msgpack episodes "
+        "as environment servers return them, or a directory of *.msgpack files (needs the verifiers extra)",
+    )
+
+
+def produce_episodes(settings: RunSettings, path: Path) -> int:
+    """`--episodes`: the files' whole groups of episodes into the run (rlship.verifiers.files);
+    0 if every one was written, 1 (each named) if not, 2 without the verifiers extra."""
+    try:
+        from rlship.verifiers.files import EpisodeFileError, produce_episode_files
+    except ImportError as exc:
+        print(f"rlship produce: --episodes needs the verifiers extra (pip install -e '.[verifiers]'): {exc}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        written, problems = produce_episode_files(connect_redis(settings.redis_url), settings, path)
+    except EpisodeFileError as exc:
+        print(f"rlship produce: {exc}", file=sys.stderr)
+        return 2
+    for problem in problems:
+        print(f"rlship produce: {problem}", file=sys.stderr)
+    print(f"rlship produce: {written} groups of episodes written to run {settings.run_id}")
+    return 1 if problems else 0
 
 
 def main(args: argparse.Namespace) -> int:
@@ -243,6 +271,8 @@ def main(args: argparse.Namespace) -> int:
     restrict(settings.file_mode)
     preflight_client("produce", settings).close()
     try:
+        if args.episodes is not None:
+            return produce_episodes(settings, args.episodes)
         run_producer(settings, groups=args.groups)
     except (RunNotStarted, SettingsDisagree) as exc:
         print(f"rlship produce: {exc}", file=sys.stderr)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -32,10 +33,12 @@ from tests.support.prime_559b447_samples import (  # noqa: E402
     prune_zero_advantages,
     routed_rows,
 )
+from tests.support.processes import rlship  # noqa: E402
 from tests.support.shiprun import open_policy_gate, ship, ship_settings  # noqa: E402
 from tests.support.stock_peers import WIRE_0F59B24, read_record, start_stock_ranks  # noqa: E402
 from tests.system.test_side_arrays_by_handle import ship_to_0f59b24_ranks  # noqa: E402
 from transport.connection import connect_redis_async  # noqa: E402
+from transport.keys import RunKeys  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 STEPS = 2
@@ -224,3 +227,41 @@ def test_the_async_producer_writes_a_group_of_msgpack_episodes(redis_url, run_id
     assert len(ids) == 4  # two forked traces, two branches each
     assert {outcome.state for outcome in outcomes.values()} == {"pending"}
     assert client.xlen(producer.rollouts.keys.rollout_stream) == 4
+
+
+def test_rlship_produce_writes_the_whole_groups_of_episode_files(client, redis_url, run_id, tmp_path):
+    """`rlship produce --episodes DIR`: msgpack files as environment servers send episodes,
+    several a file, a group's episodes across files; each whole group written, an
+    incomplete one named and not written (exit 1)."""
+    rng = np.random.default_rng(4)
+    one, two, three = (
+        [build.episode([build.forked(rng, r)], name, run_id=run_id) for r in (1.0, 0.0)]
+        for name in ("one", "two", "three")
+    )
+    files = tmp_path / "episodes"
+    files.mkdir()
+    (files / "a.msgpack").write_bytes(b"".join(pack(dump(e)) for e in one))
+    (files / "b.msgpack").write_bytes(b"".join(pack(dump(e)) for e in (two[0], three[0], two[1])))
+    (files / "notes.txt").write_text("not an episode file: skipped")
+    done = rlship(
+        "produce", "--run-id", run_id, "--redis-url", redis_url, "--group-size", "2",
+        "--output-dir", str(tmp_path / "run"), "--episodes", str(files),
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "rlship produce: 2 groups of episodes written" in done.stdout
+    assert (
+        "group 'three' of env 'math': 1 episodes, fewer than the run's group size: not written" in done.stderr
+    )
+    entries = client.xrange(RunKeys(run_id).rollout_stream)
+    groups = [json.loads(fields[b"record"])["group_id"] for _, fields in entries]
+    assert groups == ["one"] * 4 + ["two"] * 4  # forked traces: two branches each
+
+    for data, problem in [
+        (b"\x92\x01\x02", "a.msgpack: episode 0: not a verifiers episode"),  # a msgpack array
+        (pack(dump(one[0]))[:-3], "a.msgpack: cut short after 0 whole episodes"),  # a partial write
+    ]:
+        (files / "a.msgpack").write_bytes(data)
+        done = rlship(
+            "produce", "--run-id", run_id, "--redis-url", redis_url, "--episodes", str(files / "a.msgpack")
+        )
+        assert done.returncode == 2 and problem in done.stderr, done.stderr
