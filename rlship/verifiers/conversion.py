@@ -32,6 +32,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 from typing import Any, Literal
 
 import numpy as np
@@ -250,12 +251,12 @@ def _trace_rollouts(
     for branch in trace.branches:
         if not branch.trainable:
             continue
-        mask = _trainable_mask(branch, trained)
+        layout = _Layout.of(branch)
+        mask = layout.trainable(trained)
         if not mask.any():
             continue
-        arrays = _branch_arrays(trace, branch, mask, weighted, conversion, advantage)
-        tokens = len(mask)
-        output_tokens = int(sum(sum(node.mask) for node in branch.nodes))
+        arrays = _branch_arrays(trace, layout, mask, weighted, conversion, advantage)
+        output_tokens = len(layout.positions)
         record = {
             "rollout_id": identifier(f"{episode.id}/{trace.id}/{branch.index}"),
             "group_id": identifier(episode.group.id),  # type: ignore[union-attr]  # checked
@@ -263,7 +264,7 @@ def _trace_rollouts(
             "env": identifier(episode.env.name or ""),
             "policy_version": _policy_version(episode, conversion),
             "reward": trace.reward,
-            "num_input_tokens": tokens - output_tokens,
+            "num_input_tokens": len(mask) - output_tokens,
             "num_output_tokens": output_tokens,
             "num_turns": trace.num_turns,
             "temperature": conversion.temperature,
@@ -284,60 +285,77 @@ def _task_key(trace: vf.Trace) -> str:
     return f"{task.type}-{index}" if index is not None else task.type
 
 
-def _trainable_mask(branch: vf.Branch, trained: set[int]) -> np.ndarray:
-    """The branch's sampled mask, but a node trained in an earlier branch is context here."""
-    parts = []
-    for node in branch.nodes:
-        node_mask = np.asarray(node.mask, dtype=bool)
-        if node.sampled and node_mask.any():
+@dataclass(frozen=True)
+class _Layout:
+    """Where a branch's nodes and sampled tokens are: each node's first token and sampled
+    count, the sampled mask over the branch and its True positions."""
+
+    nodes: list[vf.MessageNode]
+    starts: list[int]
+    counts: list[int]
+    sampled: np.ndarray
+    positions: np.ndarray
+
+    @classmethod
+    def of(cls, branch: vf.Branch) -> _Layout:
+        nodes = branch.nodes
+        lengths = [len(node.token_ids) for node in nodes]
+        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(int).tolist()
+        sampled = np.fromiter(chain.from_iterable(node.mask for node in nodes), bool, count=starts[-1])
+        counts = [sum(node.mask) for node in nodes]
+        return cls(nodes, starts, counts, sampled, np.flatnonzero(sampled))
+
+    def trainable(self, trained: set[int]) -> np.ndarray:
+        """The sampled mask, but a node trained in an earlier branch is context here."""
+        mask = self.sampled.copy()
+        for index, node in enumerate(self.nodes):
+            if not (node.sampled and self.counts[index]):
+                continue
             if id(node) in trained:
-                node_mask = np.zeros(len(node_mask), dtype=bool)
+                mask[self.starts[index] : self.starts[index + 1]] = False
             else:
                 trained.add(id(node))
-        parts.append(node_mask)
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
+        return mask
 
-
-def _spread(branch: vf.Branch, values: Sequence[Sequence[float] | None]) -> np.ndarray:
-    """Per-node values over their sampled tokens, widened to the branch's tokens (0 elsewhere)."""
-    out = np.zeros(sum(len(node.token_ids) for node in branch.nodes), dtype=np.float32)
-    at = 0
-    for node, node_values in zip(branch.nodes, values, strict=True):
-        positions = at + np.flatnonzero(np.asarray(node.mask, dtype=bool))
-        if node_values and len(positions):
-            out[positions] = np.asarray(node_values, dtype=np.float32)
-        at += len(node.token_ids)
-    return out
+    def spread(self, values: Sequence[Sequence[float] | None]) -> np.ndarray:
+        """Per-node values over their sampled tokens, widened to the branch (0 elsewhere; a
+        node with none reads 0)."""
+        out = np.zeros(len(self.sampled), dtype=np.float32)
+        given = (v if v else repeat(0.0, c) for v, c in zip(values, self.counts, strict=True) if c)
+        out[self.positions] = np.fromiter(chain.from_iterable(given), np.float32, count=len(self.positions))
+        return out
 
 
 def _branch_arrays(
     trace: vf.Trace,
-    branch: vf.Branch,
+    layout: _Layout,
     mask: np.ndarray,
     weighted: dict[str, set[int]],
     conversion: Conversion,
     advantage: float | None,
 ) -> dict[str, Any]:
     """One branch's per-token arrays (rlship's names: `docs/integrators.md`)."""
-    token_ids = np.asarray(branch.token_ids, dtype=np.int64)
+    nodes = layout.nodes
+    token_ids = np.fromiter(chain.from_iterable(node.token_ids for node in nodes), np.int64, count=len(mask))
     arrays: dict[str, Any] = {
         "input_ids": token_ids,
         "loss_mask": mask,
-        "inference_logprobs": _spread(branch, [node.logprobs for node in branch.nodes]),
+        "inference_logprobs": layout.spread([node.logprobs for node in nodes]),
     }
-    if any(node.reference_logprobs is not None for node in branch.nodes):
-        arrays["ref_logprobs"] = _spread(branch, [node.reference_logprobs for node in branch.nodes])
-    if any(node.advantages is not None for node in branch.nodes):
-        arrays["advantages"] = _spread(branch, [node.advantages for node in branch.nodes])
+    if any(node.reference_logprobs is not None for node in nodes):
+        arrays["ref_logprobs"] = layout.spread([node.reference_logprobs for node in nodes])
+    if any(node.advantages is not None for node in nodes):
+        arrays["advantages"] = layout.spread([node.advantages for node in nodes])
     elif advantage is not None:
-        arrays["advantages"] = _spread(branch, [[advantage] * sum(node.mask) for node in branch.nodes])
-    for stream in LOSS_STREAMS:
-        weights = _stream_weights(branch, stream, weighted[stream])
+        arrays["advantages"] = np.where(layout.sampled, np.float32(advantage), np.float32(0.0))
+    streams = any(node.loss_weights for node in nodes)
+    for stream in LOSS_STREAMS if streams else ():
+        weights = _stream_weights(nodes, stream, weighted[stream])
         if weights is not None:
             arrays[f"{stream}_weights"] = weights
     if conversion.action_loss != "rl":
         _route_action_loss(arrays, conversion.action_loss)
-    experts = [node.routed_experts for node in branch.nodes if node.token_ids]
+    experts = [node.routed_experts for node in nodes if node.token_ids]
     if experts and all(rows is not None for rows in experts):
         arrays["routed_experts"] = np.ascontiguousarray(np.concatenate(experts, axis=0))
     mapping = conversion.mm_token_type_ids_mapping
@@ -349,11 +367,11 @@ def _branch_arrays(
     return arrays
 
 
-def _stream_weights(branch: vf.Branch, stream: str, weighted: set[int]) -> np.ndarray | None:
-    """A loss-weight stream over the branch, each node weighted in the first branch that
+def _stream_weights(nodes: list[vf.MessageNode], stream: str, weighted: set[int]) -> np.ndarray | None:
+    """A loss-weight stream over a branch's nodes, each node weighted in the first branch that
     weights it only; None when the branch has no non-zero weight of it."""
     parts = []
-    for node in branch.nodes:
+    for node in nodes:
         node_weights = (node.loss_weights or {}).get(stream)
         if node_weights is None or id(node) in weighted:
             parts.append(np.zeros(len(node.token_ids), dtype=np.float32))
