@@ -149,6 +149,7 @@ def convert_group(
     episode, trace or branch is bad (all of them named)."""
     result = GroupRollouts()
     problems: dict[str, str] = {}
+    given = has_advantages(episodes) and conversion.action_loss == "rl"
     for episode in episodes:
         problem = _episode_problem(episode, conversion)
         if problem is not None:
@@ -164,6 +165,11 @@ def convert_group(
                 continue
             where = f"{episode.id}/{trace.id}"
             found = _trace_problems(trace, conversion, where)
+            if given and not found and all(node.advantages is None for node in trace.nodes):
+                found = {
+                    where: f"trace {where}: advantages: none on any node, while other traces of the "
+                    "group carry the algorithm's (an rl token without credit: prime-rl's trainer refuses it)"
+                }
             if found:
                 problems |= found
                 continue

@@ -183,7 +183,7 @@ def rejected(group, **conversion) -> dict[str, str]:
 
 def test_bad_input_is_named_by_episode_trace_and_node() -> None:
     rng = np.random.default_rng(9)
-    traces = [build.multi_turn_tools(rng, 1.0) for _ in range(5)]
+    traces = [build.multi_turn_tools(rng, 1.0) for _ in range(6)]
     traces[0].nodes[1].mask = traces[0].nodes[1].mask[:-1]
     traces[1].nodes[1].advantages = [0.5]
     traces[2].nodes[3].loss_weights = {"kl": [1.0] * len(traces[2].nodes[3].token_ids)}
@@ -191,9 +191,10 @@ def test_bad_input_is_named_by_episode_trace_and_node() -> None:
         node.token_ids, node.mask, node.logprobs = [], [], []
     group = [build.episode([trace], "g5") for trace in traces[:4]]
     group.append(build.episode([traces[4]], "g5", run_id="another-run"))
+    group.append(build.episode([traces[5]], "g5"))  # no credit, beside a trace with some (traces[1])
     problems = rejected(group)
     lines = {key: line for key, line in problems.items()}
-    assert len(lines) == 5 and all("\n" not in line for line in lines.values())
+    assert len(lines) == 6 and all("\n" not in line for line in lines.values())
     where = [f"{e.id}/{e.traces[0].id}" for e in group]
     assert lines[where[0]] == f"trace {where[0]}: node 1: mask of 4 for 5 token ids"
     assert lines[where[1]] == f"trace {where[1]}: node 1: advantages of 1 for 4 sampled tokens"
@@ -201,6 +202,7 @@ def test_bad_input_is_named_by_episode_trace_and_node() -> None:
         lines[where[2]] == f"trace {where[2]}: node 3: loss stream 'kl' is not one of ['rl', 'ce', 'ref_kl']"
     )
     assert "no token ids on any node" in lines[where[3]]
+    assert "advantages: none on any node, while other traces of the group carry" in lines[where[5]]
     assert (
         lines[group[4].id]
         == f"episode {group[4].id!r}: run.id: 'another-run' is another run's (this is run 'run')"
