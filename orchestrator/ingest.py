@@ -208,14 +208,14 @@ class Ingest:
         """Take a producer's cancellation of a group (orchestrator.group_cancel): the group's
         rollouts arrived so far are discarded (`cancelled`) and returned to release at once;
         later ones are rejected. A group complete already is left to its fates."""
-        if self.resumed_from is not None and self.resumed_from.covers(entry_id):
-            return []  # taken before the restart: its rollouts left the open groups then
         try:
             env, group_id = parse_cancellation(raw)
         except ValueError as exc:
             log.warning("group cancellation ignored: %s", exc)
             return []
         members = self.groups.cancel(env, group_id)
+        if self.resumed_from is not None and self.resumed_from.covers(entry_id):
+            return []  # taken before the restart (its rollouts left then); later ones still rejected
         if members is None:
             log.info("group %r of env %r was cancelled after it completed: its fates stand", group_id, env)
             return []

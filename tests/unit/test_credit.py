@@ -6,13 +6,18 @@ and computed credit, sizes groups per env and cancels them."""
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
 from orchestrator.accounting import outcome_row
+from orchestrator.group_cancel import CANCEL_FIELD, cancellation_entry
 from orchestrator.groups import TRAINABLE, GroupBuffer, LengthPenalty, decide_group
+from orchestrator.ingest import Ingest
 from orchestrator.records import RecordRejected, RolloutRecord
 from orchestrator.rollout_checks import call_problems
+from orchestrator.rollout_log import RolloutLog
 from orchestrator.settings import RunSettings, settings_to_env
 from tasks.cohort import NUMERIC_COLUMNS, CohortBuilder
 from tasks.manifest import ShipConfig, StepManifest
@@ -270,3 +275,71 @@ def test_finalize_counts_given_credit_by_its_facts_or_its_arrays() -> None:
     )
     assert trainable == {"by_facts": 2.0, "read": 1.0, "read_zero": 0.0, "baseline": 3.0}
     assert credit_counts(result.samples) == {"credit/given": 3.0, "credit/group_baseline": 1.0}
+
+
+# -- the orchestrator's ingest: credit beside the record, cancellations in the stream -------------
+
+
+def _ingest(**settings: object) -> Ingest:
+    return Ingest(
+        RunSettings(run_id="unit-credit", **settings),
+        client=None,  # type: ignore[arg-type]  # taking records touches no Redis
+        rollout_log=RolloutLog(None),
+        stopping=asyncio.Event(),
+        work=asyncio.Event(),
+        next_step=lambda: 0,
+        status=dict,
+    )
+
+
+def _raw(rollout_id: str, group_id: str, reward: float = 0.0, env: str = "math") -> bytes:
+    return record(rollout_id, reward, group_id=group_id, env=env, policy_version=0).model_dump_json().encode()
+
+
+def _balanced(ingest: Ingest) -> bool:
+    """arrived = rejected + discarded + pending + in open groups (nothing cut here)."""
+    counted = ingest.accounting
+    return counted.arrived == counted.accounted + len(ingest.pending) + len(ingest.groups)
+
+
+def test_ingest_takes_given_credit_and_cancellations() -> None:
+    ingest = _ingest(group_size="math=2,code=3")
+    assert ingest.take_record("1-0", _raw("a", "g1", 1.0), credit=b"2 0.25") == []
+    assert ingest.take_record("2-0", _raw("b", "g1", 0.0)) == ["b"], "b: zero advantage, released"
+    pending = ingest.pending.build()
+    assert pending.labels["rollout_id"] == ["a"] and pending.numeric["credit_tokens"].tolist() == [2.0]
+    assert pending.numeric["advantage"].tolist() == [0.25]
+
+    # A group of three code rollouts, two arrived, then cancelled: both released at once.
+    ingest.take_record("3-0", _raw("c0", "g2", 1.0, env="code"))
+    ingest.take_record("4-0", _raw("c1", "g2", 0.0, env="code"), credit=b"1 -0.5")
+    cancel = cancellation_entry("code", "g2", None)[CANCEL_FIELD.decode()].encode()
+    assert ingest.cancel_group("5-0", cancel) == ["c0", "c1"]
+    assert ingest.open_entries == {} and ingest.open_credit == {} and len(ingest.groups) == 0
+    assert ingest.accounting.discarded["cancelled"] == 2 and ingest.accounting.cancelled_groups == 1
+    assert ingest.outcomes["c0"] == ("discarded cancelled", "discarded/cancelled")
+    window = ingest.window.build()
+    assert window.numeric["cancelled"].tolist()[-2:] == [1.0, 1.0], "the `all` statistics see them cancelled"
+    assert ingest.take_record("6-0", _raw("c2", "g2", env="code")) == ["c2"]
+    assert ingest.accounting.rejected["group_cancelled"] == 1
+    assert ingest.cancel_group("7-0", b"not json") == [], "a cancellation that does not parse is ignored"
+
+    # A credit summary that does not parse is the producer's bug: rejected, named, released.
+    assert ingest.take_record("8-0", _raw("d", "g3"), credit=b"many 1.0") == ["d"]
+    assert ingest.accounting.rejected["invalid_credit"] == 1
+    assert ingest.outcomes["d"][0].startswith("rejected invalid_credit credit: 'many 1.0'")
+    assert _balanced(ingest)
+
+
+def test_a_cancellation_read_again_after_a_restart_releases_nothing_but_still_rejects() -> None:
+    ingest = _ingest(group_size=2)
+    ingest.take_record("1-0", _raw("a", "g"))
+    ingest.cancel_group("2-0", cancellation_entry("math", "g", None)["cancel"].encode())
+    ingest.stream_cursor = "2-0"  # as the read loop leaves it
+    restarted = _ingest(group_size=2)
+    restarted.resume(ingest.checkpoint())
+    assert restarted.take_record("1-0", _raw("a", "g")) == [], "not open at the checkpoint: not taken again"
+    assert restarted.cancel_group("2-0", cancellation_entry("math", "g", None)["cancel"].encode()) == []
+    assert restarted.accounting.cancelled_groups == 1 and restarted.accounting.discarded["cancelled"] == 1
+    assert restarted.take_record("3-0", _raw("late", "g")) == ["late"]
+    assert restarted.accounting.rejected["group_cancelled"] == 1
