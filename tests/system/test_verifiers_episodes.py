@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,6 +25,7 @@ vf = pytest.importorskip("verifiers.v1")
 from verifiers.v1.serve.delta import dump, pack  # noqa: E402
 
 from orchestrator.rollout_checks import RolloutRejected  # noqa: E402
+from rlship import ZMQMicroBatchReceiver  # noqa: E402
 from rlship.verifiers import AsyncEpisodeProducer, EpisodeProducer  # noqa: E402
 from tests.support import episodes as build  # noqa: E402
 from tests.support.prime_559b447_samples import (  # noqa: E402
@@ -69,31 +72,29 @@ def groups_of_every_kind(run_id: str, rng: np.random.Generator, round_: int) -> 
     ]
 
 
-def decoded_sequences(output_dir: Path):
-    """Every sequence of every rank's payload file, as a prime-rl 559b447 rank decodes it:
-    its micro-batch, its span and its routed experts."""
-    for path in sorted(Path(output_dir, "rollouts").glob("step_*/rank_*.bin")):
-        for mb in decode_micro_batches(path.read_bytes()):
-            rows, start = routed_rows(mb), 0
-            for length in mb.sequence_lengths:
-                span = slice(start, start + length)
-                start += length
-                yield mb, span, None if rows is None else rows[span]
+def file_micro_batches(output_dir: Path) -> list[MicroBatch]:
+    """Every micro-batch of every rank's payload file, as a prime-rl 559b447 rank decodes it."""
+    paths = sorted(Path(output_dir, "rollouts").glob("step_*/rank_*.bin"))
+    return [mb for path in paths for mb in decode_micro_batches(path.read_bytes())]
 
 
-def assert_decodes_as(mb: MicroBatch, span: slice, experts, sample: PrimeSample) -> None:
-    def f32(values) -> list[float]:
-        return np.asarray(values, dtype=np.float32).astype(float).tolist()
+def values(field) -> list | None:
+    """A decoded field as a list (rlship's receivers decode arrays, prime-rl's lists)."""
+    return field.tolist() if isinstance(field, np.ndarray) else field
+
+
+def assert_decodes_as(mb, span: slice, experts, sample: PrimeSample) -> None:
+    def f32(given) -> list[float]:
+        return np.asarray(given, dtype=np.float32).astype(float).tolist()
 
     mask = np.asarray(sample.mask)
-    assert mb.loss_mask[span] == sample.mask
-    assert mb.advantages[span] == f32(sample.advantages)
-    assert mb.inference_logprobs[span] == f32(sample.logprobs)
-    assert mb.temperatures[span] == sample.temperatures  # the env's temperature, as given
+    assert values(mb.loss_mask)[span] == sample.mask
+    assert values(mb.advantages)[span] == f32(sample.advantages)
+    assert values(mb.inference_logprobs)[span] == f32(sample.logprobs)
+    assert values(mb.temperatures)[span] == sample.temperatures  # the env's temperature, as given
     assert set(mb.env_names[span]) == {sample.env_name}
     for name in ("ce_weights", "ref_kl_weights", "ref_logprobs"):
-        expected = getattr(sample, name)
-        got = getattr(mb, name)
+        expected, got = getattr(sample, name), values(getattr(mb, name))
         if expected is not None:
             assert got is not None and got[span] == f32(expected), name
         else:
@@ -101,10 +102,53 @@ def assert_decodes_as(mb: MicroBatch, span: slice, experts, sample: PrimeSample)
     # rl weights: prime-rl's trainer reads an absent stream as 1.0; the loss counts them on
     # the loss mask only (rlship writes 0 off it).
     rl = np.ones(len(mask)) if sample.rl_weights is None else np.asarray(sample.rl_weights)
-    assert np.asarray(mb.rl_weights[span])[mask].tolist() == f32(rl[mask])
-    types = mb.mm_token_type_ids[span] if mb.mm_token_type_ids is not None else None
+    assert np.asarray(values(mb.rl_weights)[span])[mask].tolist() == f32(rl[mask])
+    types = values(mb.mm_token_type_ids)[span] if mb.mm_token_type_ids is not None else None
     assert (types or [0] * len(mask)) == (sample.mm_token_type_ids or [0] * len(mask))
     assert experts is not None and np.array_equal(experts, sample.routed_experts)
+
+
+def produce_every_kind(client, settings, seed: int) -> tuple[dict[tuple[int, ...], PrimeSample], set]:
+    """Two rounds of groups of every kind written through an EpisodeProducer; what prime-rl
+    would ship of them (its samples by token ids) and what it would prune."""
+    producer = EpisodeProducer.for_run(client, settings, admitted=False, temperature=TEMPERATURE)
+    rng = np.random.default_rng(seed)
+    oracle: dict[tuple[int, ...], PrimeSample] = {}
+    pruned: set[tuple[int, ...]] = set()
+    for round_ in range(2):
+        for episodes in groups_of_every_kind(settings.run_id, rng, round_):
+            for sample in group_samples(episodes, temperature=TEMPERATURE):
+                if prune_zero_advantages(sample):
+                    oracle[tuple(sample.token_ids)] = sample
+                else:
+                    pruned.add(tuple(sample.token_ids))
+            producer.produce(episodes)
+    assert producer.errored_traces == 2 and producer.not_trainable_traces == 4
+    assert pruned, "the errored group's lone survivor has advantage 0: prime-rl ships none of it"
+    return oracle, pruned
+
+
+def assert_shipped_as_prime_rl(micro_batches, oracle: dict, pruned: set, at_least: int) -> None:
+    """Every sequence of the micro-batches is one prime-rl would ship, once, decoded as its
+    sample; and every kind shipped."""
+    seen: set[tuple[int, ...]] = set()
+    for mb in micro_batches:
+        rows, start = routed_rows(mb), 0
+        for length in values(mb.sequence_lengths):
+            span = slice(start, start + length)
+            start += length
+            if set(mb.env_names[span]) == {"padding"}:
+                continue
+            key = tuple(values(mb.input_ids)[span])
+            assert key not in pruned and key in oracle, "every sequence shipped is one prime-rl would ship"
+            assert key not in seen, "once"
+            seen.add(key)
+            assert_decodes_as(mb, span, None if rows is None else rows[span], oracle[key])
+    assert len(seen) >= at_least
+    shipped = [oracle[key] for key in seen]
+    assert any(s.mm_token_type_ids for s in shipped), "a multimodal branch shipped"
+    assert any(s.ce_weights for s in shipped), "given credit with loss streams shipped"
+    assert any(np.count_nonzero(s.logprobs) > sum(s.mask) for s in shipped), "a fork's shared turn as context"
 
 
 def test_episode_groups_reach_stock_ranks_as_prime_rl_would_make_them(
@@ -115,21 +159,7 @@ def test_episode_groups_reach_stock_ranks_as_prime_rl_would_make_them(
         batch_size=8, group_size=2, max_off_policy_steps=100, wire="prime-rl-559b447",
     )  # fmt: skip
     open_policy_gate(settings)
-    producer = EpisodeProducer.for_run(client, settings, admitted=False, temperature=TEMPERATURE)
-    rng = np.random.default_rng(0)
-    oracle: dict[tuple[int, ...], PrimeSample] = {}
-    pruned: set[tuple[int, ...]] = set()
-    for round_ in range(2):
-        for episodes in groups_of_every_kind(run_id, rng, round_):
-            for sample in group_samples(episodes, temperature=TEMPERATURE):
-                if prune_zero_advantages(sample):
-                    oracle[tuple(sample.token_ids)] = sample
-                else:
-                    pruned.add(tuple(sample.token_ids))
-            producer.produce(episodes)
-    assert producer.errored_traces == 2 and producer.not_trainable_traces == 4
-    assert pruned, "the errored group's lone survivor has advantage 0: prime-rl ships none of it"
-
+    oracle, pruned = produce_every_kind(client, settings, seed=0)
     records, peers = start_stock_ranks(settings, [STEPS] * settings.ranks)
     try:
         ship(settings, trainers=False, produce=False)
@@ -138,21 +168,43 @@ def test_episode_groups_reach_stock_ranks_as_prime_rl_would_make_them(
     finally:
         for peer in peers:
             peer.kill()
+    assert_shipped_as_prime_rl(file_micro_batches(tmp_path), oracle, pruned, STEPS * settings.batch_size)
 
-    seen: set[tuple[int, ...]] = set()
-    for mb, span, experts in decoded_sequences(tmp_path):
-        key = tuple(mb.input_ids[span])
-        if set(mb.env_names[span]) == {"padding"}:
-            continue
-        assert key not in pruned and key in oracle, "every sequence shipped is one prime-rl would ship"
-        assert key not in seen, "once"
-        seen.add(key)
-        assert_decodes_as(mb, span, experts, oracle[key])
-    assert len(seen) >= STEPS * settings.batch_size
-    shipped = [oracle[key] for key in seen]
-    assert any(s.mm_token_type_ids for s in shipped), "a multimodal branch shipped"
-    assert any(s.ce_weights for s in shipped), "given credit with loss streams shipped"
-    assert any(np.count_nonzero(s.logprobs) > sum(s.mask) for s in shipped), "a fork's shared turn as context"
+
+def test_episode_groups_reach_rlships_ranks_as_prime_rl_would_make_them(
+    client, redis_url, run_id, workers, tmp_path
+):
+    """The same over ZMQ to rlship's receivers (ZMQMicroBatchReceiver, each step once and in
+    order), what they decode compared as it is."""
+    settings = ship_settings(
+        run_id, redis_url, workers, tmp_path, steps=STEPS, trainers="external", batch_size=8,
+        group_size=2, max_off_policy_steps=100,
+    )  # fmt: skip
+    open_policy_gate(settings)
+    oracle, pruned = produce_every_kind(client, settings, seed=5)
+    got: dict[int, list] = {rank: [] for rank in range(settings.ranks)}
+
+    def rank(number: int) -> None:
+        transport = SimpleNamespace(host=settings.zmq_host, port=settings.zmq_port)
+        receiver = ZMQMicroBatchReceiver(
+            settings.output_dir, number, settings.start_step, transport,
+            run_id=settings.run_id, redis_url=settings.redis_url, ranks=settings.ranks,
+        )  # fmt: skip
+        try:
+            for _ in settings.step_numbers:
+                got[number].append(receiver.receive())
+        finally:
+            receiver.close()
+
+    ranks = [threading.Thread(target=rank, args=(number,), daemon=True) for number in range(settings.ranks)]
+    for thread in ranks:
+        thread.start()
+    ship(settings, trainers=False, produce=False)
+    for thread in ranks:
+        thread.join(timeout=60)
+    assert [len(steps) for steps in got.values()] == [STEPS] * settings.ranks
+    micro_batches = [mb for steps in got.values() for step in steps for mb in step]
+    assert_shipped_as_prime_rl(micro_batches, oracle, pruned, STEPS * settings.batch_size)
 
 
 def test_routed_experts_by_handle_reach_stock_0f59b24_ranks_as_prime_rl_makes_them(
