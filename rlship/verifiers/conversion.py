@@ -216,7 +216,7 @@ def _policy_version(episode: vf.Episode, conversion: Conversion) -> int | None:
 
 def _trace_problems(trace: vf.Trace, conversion: Conversion, where: str) -> dict[str, str]:
     """Why a clean trace of a trainable agent cannot train: node by node, named."""
-    if not any(node.token_ids for node in trace.nodes):
+    if trace.nodes and not any(node.token_ids for node in trace.nodes):
         return {where: f"trace {where}: no token ids on any node (an eval client's trace?)"}
     problems = []
     for index, node in enumerate(trace.nodes):

@@ -137,10 +137,12 @@ def test_errored_and_non_trainable_traces_are_left_out_and_counted() -> None:
     ]
     failed_early = vf.Episode(env=vf.EnvInfo(name="math"), task=group[0].task, group=vf.GroupInfo(id="g3"))
     group.append(failed_early)  # no trace at all, not ok: counted as prime-rl counts it
+    silent = build.TraceBuilder(rng).trace(0.0)  # ok, but no message at all: nothing to train
+    group.append(build.episode([silent], "g3"))
     result = ours(group, policy_version=0)
     assert_same(result.rollouts, group_samples(group))
     assert result.errored_traces == errored_count(group) == 2
-    assert result.not_trainable_traces == 1
+    assert result.not_trainable_traces == 1 and result.untrained_traces == 1
     assert {record.rollout_id.split("/")[1] for record, _ in result.rollouts} == {
         group[0].traces[0].id,
         group[1].traces[0].id,
