@@ -174,11 +174,13 @@ class RunSettings(SettingsRules):
     broadcast_dir: Path | None = Field(
         default=None, description="prime-rl's weight-broadcast directory; unset: output_dir/broadcasts"
     )
-    workload: Literal["dense", "moe", "moe-inline"] = Field(
+    workload: Literal["dense", "moe", "moe-inline", "episodes"] = Field(
         default="dense",
         description="what the synthetic producer makes: dense rollouts, or moe (each also with routed "
         "experts of a 48-layer top-8 model, uint8, written to files under payload_root and passed by "
-        "handle), or moe-inline (the same routed experts inline, as trainers on wire 559b447 take them)",
+        "handle), or moe-inline (the same routed experts inline, as trainers on wire 559b447 take them), "
+        "or episodes (groups of verifiers v1 episodes: multi-turn, tool-using, forked, some with "
+        "per-token advantages, some errored; needs the verifiers extra)",
     )
     wire: Literal["prime-rl-559b447", "prime-rl-0f59b24"] | None = Field(
         default=None,

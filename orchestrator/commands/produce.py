@@ -37,6 +37,7 @@ from transport.run_files import DiskFull, restrict
 from transport.store import PayloadStore
 
 WAIT_REPORT_SECONDS = 5.0  # how often a waiting producer says why
+NEEDS_VERIFIERS = "needs the verifiers extra (pip install -e '.[verifiers]')"
 # The moe workload's routed experts: Qwen3-30B-A3B's 48 layers, top-8 of 128 experts, one
 # uint8 expert id per layer and slot: 384 bytes a token.
 MOE_LAYERS, MOE_TOPK, MOE_EXPERTS = 48, 8, 128
@@ -246,13 +247,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def produce_episodes(settings: RunSettings, path: Path) -> int:
-    """`--episodes`: the files' whole groups of episodes into the run (rlship.verifiers.files);
+    """`--episodes`: the files' whole groups of episodes into the run (rlship.verifiers.produce);
     0 if every one was written, 1 (each named) if not, 2 without the verifiers extra."""
     try:
-        from rlship.verifiers.files import EpisodeFileError, produce_episode_files
+        from rlship.verifiers.produce import EpisodeFileError, produce_episode_files
     except ImportError as exc:
-        print(f"rlship produce: --episodes needs the verifiers extra (pip install -e '.[verifiers]'): {exc}",
-              file=sys.stderr)  # fmt: skip
+        print(f"rlship produce: --episodes {NEEDS_VERIFIERS}: {exc}", file=sys.stderr)
         return 2
     try:
         written, problems = produce_episode_files(connect_redis(settings.redis_url), settings, path)
@@ -265,6 +265,17 @@ def produce_episodes(settings: RunSettings, path: Path) -> int:
     return 1 if problems else 0
 
 
+def produce_synthetic_episodes(settings: RunSettings, groups: int | None) -> int:
+    """`--workload episodes`: synthetic groups of verifiers episodes (rlship.verifiers.synthetic)."""
+    try:
+        from rlship.verifiers.produce import run_synthetic_episodes
+    except ImportError as exc:
+        print(f"rlship produce: --workload episodes {NEEDS_VERIFIERS}: {exc}", file=sys.stderr)
+        return 2
+    run_synthetic_episodes(connect_redis(settings.redis_url), settings, groups=groups)
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     settings = settings_from_args(args).for_role("producer")
     configure_logging(settings.log_json, logging.INFO, run_id=settings.run_id)
@@ -273,6 +284,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.episodes is not None:
             return produce_episodes(settings, args.episodes)
+        if settings.workload == "episodes":
+            return produce_synthetic_episodes(settings, args.groups)
         run_producer(settings, groups=args.groups)
     except (RunNotStarted, SettingsDisagree) as exc:
         print(f"rlship produce: {exc}", file=sys.stderr)

@@ -13,7 +13,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
+import subprocess
 import threading
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -36,12 +39,13 @@ from tests.support.prime_559b447_samples import (  # noqa: E402
     prune_zero_advantages,
     routed_rows,
 )
-from tests.support.processes import rlship  # noqa: E402
+from tests.support.processes import REPO, python_command, rlship, session_queue  # noqa: E402
 from tests.support.shiprun import open_policy_gate, ship, ship_settings  # noqa: E402
 from tests.support.stock_peers import WIRE_0F59B24, read_record, start_stock_ranks  # noqa: E402
 from tests.system.test_side_arrays_by_handle import ship_to_0f59b24_ranks  # noqa: E402
 from transport.connection import connect_redis_async  # noqa: E402
 from transport.keys import RunKeys  # noqa: E402
+from transport.zmq_sockets import free_port_pair  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 STEPS = 2
@@ -317,3 +321,29 @@ def test_rlship_produce_writes_the_whole_groups_of_episode_files(client, redis_u
             "produce", "--run-id", run_id, "--redis-url", redis_url, "--episodes", str(files / "a.msgpack")
         )
         assert done.returncode == 2 and problem in done.stderr, done.stderr
+
+
+def test_rlship_run_with_the_episodes_workload_ships_every_step(redis_url, tmp_path):
+    """`rlship run --workload episodes`: the synthetic producer writes groups of verifiers
+    episodes; every step reaches every rank."""
+    run_id = f"episodes-{uuid.uuid4().hex[:8]}"
+    command = [
+        *python_command(), "run", "--workload", "episodes", "--steps", "3", "--ranks", "2",
+        "--batch-size", "16", "--group-size", "4", "--seq-len", "512", "--run-id", run_id,
+        "--zmq-port", str(free_port_pair()), "--output-dir", str(tmp_path),
+        "--cpu-queue", session_queue(f"cpu-{run_id}"), "--ship-queue", session_queue(f"ship-{run_id}"),
+    ]  # fmt: skip
+    done = subprocess.run(
+        command,
+        env={**os.environ, "REDIS_URL": redis_url},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"rlship run {run_id}: 3 steps shipped" in done.stdout
+    for rank in (0, 1):
+        assert f"rank {rank}: received steps [0, 1, 2]" in done.stdout
+    samples = [json.loads(line) for path in (tmp_path / "samples").glob("*.jsonl") for line in path.open()]
+    assert samples and all(s["rollout_id"].count("/") == 2 for s in samples), "episode/trace/branch ids"

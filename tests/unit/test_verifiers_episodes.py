@@ -20,6 +20,7 @@ from rlship.verifiers import (  # noqa: E402
     episode_rollouts,
     grpo_advantages,
 )
+from rlship.verifiers.synthetic import SyntheticEpisodes  # noqa: E402
 from tests.support import episodes as build  # noqa: E402
 from tests.support.prime_559b447_samples import PrimeSample, errored_count, group_samples  # noqa: E402
 
@@ -238,3 +239,25 @@ def test_an_abandoned_compaction_attempt_trains_nothing() -> None:
     assert [branch.trainable for branch in trace.branches] == [True, False]
     assert_same(result.rollouts, group_samples(group))
     assert len(result.rollouts) == 3
+
+
+def test_the_synthetic_workload_makes_every_kind_and_converts_as_prime_rl() -> None:
+    """`--workload episodes`: forks, judges, errors and given credit all appear; each group
+    converts to prime-rl's samples."""
+    synthetic = SyntheticEpisodes(
+        RUN, seed=3, group_size={"math": 4, "code": 2}, envs=("math", "code"), seq_len=256
+    )
+    seen = {"fork": 0, "judge": 0, "errored": 0, "given": 0}
+    for _ in range(40):
+        group = synthetic.group(version=2)
+        assert len(group) == {"math": 4, "code": 2}[group[0].env.name]
+        traces = [trace for episode in group for trace in episode.traces]
+        seen["fork"] += sum(trace.num_branches > 1 for trace in traces)
+        seen["judge"] += sum(not trace.agent.trainable for trace in traces)
+        seen["errored"] += sum(trace.has_error for trace in traces)
+        seen["given"] += any(node.advantages for trace in traces for node in trace.nodes)
+        result = ours(group)
+        assert_same(result.rollouts, group_samples(group))
+        assert all(len(arrays["input_ids"]) <= 256 for _, arrays in result.rollouts)
+        assert all(record.policy_version == 2 for record, _ in result.rollouts)
+    assert all(seen.values()), seen

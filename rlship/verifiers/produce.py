@@ -1,13 +1,17 @@
-"""Episodes from files, and `rlship produce --episodes PATH`: a file holds one or more
-episodes as verifiers' serve encoding packs them (msgpack, back to back); a directory, every
-`*.msgpack` file in it, by name. Episodes are grouped by env and group id in the order read;
-each whole group (the run's group_size for its env) is written through an EpisodeProducer
-as the run admits it.
+"""Episodes into a run from the command line, through an EpisodeProducer as the run admits
+each group:
+- `rlship produce --episodes PATH`: a file holds one or more episodes as verifiers' serve
+  encoding packs them (msgpack, back to back); a directory, every `*.msgpack` file in it, by
+  name. Episodes are grouped by env and group id in the order read; each whole group (the
+  run's group_size for its env) is written;
+- `rlship produce` of a run with `--workload episodes` (as `rlship run` starts it): synthetic
+  groups (rlship.verifiers.synthetic), stamped with the trainers' policy version.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,8 +28,10 @@ from orchestrator.records import RecordRejected, describe_validation_error
 from orchestrator.rollout_checks import RolloutRejected
 from orchestrator.settings import RunSettings
 from rlship.verifiers.producers import EpisodeProducer
+from rlship.verifiers.synthetic import SyntheticEpisodes
 
 log = logging.getLogger("rlship.producer")
+DEFAULT_ENVS = ("math", "code", "chat")
 WAIT_REPORT_SECONDS = 5.0
 
 
@@ -113,10 +119,39 @@ def produce_episode_files(client: redis.Redis, settings: RunSettings, path: Path
     return written, problems
 
 
-def _produce(producer: EpisodeProducer, episodes: list[vf.Episode]) -> str | None:
-    """Write one group as the run admits it: None once written, FINISHED, or why not."""
+def run_synthetic_episodes(
+    client: redis.Redis, settings: RunSettings, stop: threading.Event | None = None, groups: int | None = None
+) -> int:
+    """Synthetic groups of episodes into the run until `groups` are written, `stop` is set or
+    the run has finished; a group the run refuses for good is skipped, saying why. The
+    groups written."""
+    producer = EpisodeProducer.for_run(client, settings)
+    synthetic = SyntheticEpisodes(
+        settings.run_id, settings.seed, settings.group_size, tuple(settings.envs or DEFAULT_ENVS),
+        settings.seq_len, settings.vocab_size,
+    )  # fmt: skip
+    written = 0
+    while (groups is None or written < groups) and not (stop is not None and stop.is_set()):
+        outcome = _produce(producer, synthetic.group(producer.rollouts.policy_version()), stop)
+        if stop is not None and stop.is_set():
+            break
+        if outcome == FINISHED:
+            log.info("run %s has finished; the producer stops", settings.run_id)
+            break
+        if outcome:
+            log.warning("%s; group skipped", outcome)
+        else:
+            written += 1
+    return written
+
+
+def _produce(
+    producer: EpisodeProducer, episodes: list[vf.Episode], stop: threading.Event | None = None
+) -> str | None:
+    """Write one group as the run admits it: None once written (or told to stop), FINISHED, or
+    why not."""
     reported = 0.0
-    while True:
+    while not (stop is not None and stop.is_set()):
         try:
             producer.produce(episodes, timeout=0.5)
             return None
@@ -130,3 +165,4 @@ def _produce(producer: EpisodeProducer, episodes: list[vf.Episode]) -> str | Non
             if time.monotonic() - reported >= WAIT_REPORT_SECONDS:
                 log.warning("producer waits: %s", exc)
                 reported = time.monotonic()
+    return None
