@@ -8,6 +8,7 @@ bytes gone before any further cut) and the accounting still balances."""
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from orchestrator.producer import RolloutProducer, RolloutRejected
 from tests.support.factories import rollout
 from tests.support.reference import prime_rl_weights
 from tests.support.shiprun import ShipResult, delivered, open_policy_gate, ship, ship_settings
+from tests.support.stock_peers import read_record, start_stock_ranks
 from transport.checksum import payload_checksum
 from transport.keys import RunKeys
 from transport.store import PayloadStore
@@ -179,30 +181,57 @@ def test_given_credit_groups_per_env_and_a_cancelled_group(client, redis_url, ru
     assert all(r["credit/given"] + r["credit/group_baseline"] == r["progress/rollouts"] for r in records)
 
 
-def test_rlships_own_ranks_receive_the_same_steps_over_zmq(client, redis_url, run_id, workers, tmp_path):
-    """The same workload to rlship's trainer ranks over ZMQ: each decodes and checks every
-    step (transport.trainer) and records its checksum, equal to the payload the files held."""
+def test_rlships_and_prime_rls_stock_ranks_receive_the_same_steps_over_zmq(
+    client, redis_url, run_id, workers, tmp_path
+):
+    """The same workload over ZMQ to rlship's trainer ranks (each decodes, checks and records
+    every step: transport.trainer) and to prime-rl's stock receivers (tests/support/stock_peers:
+    msgspec decodes as a 559b447 rank): the bytes each rank got are the files' of the first run."""
+    common = dict(
+        steps=2, batch_size=BATCH, group_size=GROUP_SIZE, envs=["math", "code"], max_off_policy_steps=100
+    )
     files = ship_settings(
-        run_id, redis_url, workers, tmp_path / "fs", steps=2, transport="fs", trainers="external",
-        batch_size=BATCH, group_size=GROUP_SIZE, envs=["math", "code"], max_off_policy_steps=100,
-    )  # fmt: skip
+        run_id, redis_url, workers, tmp_path / "fs", transport="fs", trainers="external", **common
+    )
     open_policy_gate(files)
     folders = [Path(tmp_path, "fs", "rollouts", f"step_{n}") for n in files.step_numbers]
     run_workload(client, files, lambda k: (folders[k] / "rank_1.bin").exists())
-    zmq = ship_settings(
-        f"{run_id}-zmq", redis_url, workers, tmp_path / "zmq", steps=2, trainers="builtin",
-        batch_size=BATCH, group_size=GROUP_SIZE, envs=["math", "code"], max_off_policy_steps=100,
-    )  # fmt: skip
+    expected = [
+        [(folder / f"rank_{rank}.bin").read_bytes() for rank in range(files.ranks)] for folder in folders
+    ]
+
+    ours = ship_settings(
+        f"{run_id}-ours", redis_url, workers, tmp_path / "ours", trainers="builtin", **common
+    )
+    stock = ship_settings(
+        f"{run_id}-stock", redis_url, workers, tmp_path / "stock", trainers="external", **common
+    )
+    peers: list = []
     try:
-        received = lambda: delivered(client, zmq.run_id, zmq.ranks)[0]  # noqa: E731
+        received = lambda: delivered(client, ours.run_id, ours.ranks)[0]  # noqa: E731
         run_workload(
-            client, zmq, lambda k: all(zmq.step_numbers[k] in received()[r] for r in range(zmq.ranks))
+            client, ours, lambda k: all(ours.step_numbers[k] in received()[r] for r in range(ours.ranks))
         )
-        expected = [
-            {rank: payload_checksum((folder / f"rank_{rank}.bin").read_bytes()) for rank in range(zmq.ranks)}
-            for folder in folders
-        ]
         got = received()
-        assert [{r: got[r][step] for r in range(zmq.ranks)} for step in zmq.step_numbers] == expected
+        assert [[got[r][step] for r in range(ours.ranks)] for step in ours.step_numbers] == [
+            [payload_checksum(payload) for payload in step] for step in expected
+        ]
+
+        Path(stock.output_dir).mkdir(parents=True)
+        records, peers = start_stock_ranks(stock, [None] * stock.ranks)
+
+        def stock_has(k: int) -> bool:
+            step = stock.step_numbers[k]
+            return all(any(line["topic_step"] == step for line in read_record(r)) for r in records)
+
+        run_workload(client, stock, stock_has)
+        by_rank = [{line["topic_step"]: line["sha256"] for line in read_record(r)} for r in records]
+        assert [[by_rank[r][step] for r in range(stock.ranks)] for step in stock.step_numbers] == [
+            [hashlib.sha256(payload).hexdigest() for payload in step] for step in expected
+        ]
     finally:
-        PayloadStore(client, zmq.run_id).expire_run(3600)
+        for peer in peers:
+            peer.kill()
+            peer.wait()
+        for settings in (ours, stock):
+            PayloadStore(client, settings.run_id).expire_run(3600)
