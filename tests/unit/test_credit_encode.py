@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tasks.cohort import NUMERIC_COLUMNS, CohortBuilder
-from tasks.stages.encode import encode_rank, prepare_samples
+from tasks.stages.encode import SampleWire, assemble_rank, encode_rank, prepare_samples
 from tasks.stages.pack import MicroBatchPlan
 from tests.support import prime_0f59b24
 from transport.schema import WIRE_0F59B24, WIRE_559B447
@@ -89,8 +89,13 @@ def test_the_0f59b24_payload_is_the_hand_written_micro_batch() -> None:
     assert (batch.advantages, batch.rl_weights, batch.temperatures) == (ADVANTAGES, RL_WEIGHTS, TEMPERATURES)
 
 
-def test_the_plain_kind_keeps_its_prepared_path_and_credit_streams_do_not() -> None:
-    assert set(prepare_samples(ARRAYS)) == {"plain"}
+def test_the_parts_prepared_before_the_cut_join_into_the_same_bytes() -> None:
+    """Credit streams of their own are prepared with the rollout (given rl weights only with
+    given advantages: else they follow the row's advantage)."""
+    weights_only = {"w": ARRAYS["plain"] | {"rl_weights": np.array([0.0, 2.0])}}
+    assert set(prepare_samples(ARRAYS | weights_only)) == {"given", "adv_only", "plain"}
+    wires = {rid: SampleWire.from_bytes(wire.to_bytes()) for rid, wire in prepare_samples(ARRAYS).items()}
+    assert assemble_rank(PLAN, _samples(), wires) == msgpack.packb([_fields_559b447()])
 
 
 @pytest.mark.parametrize(
