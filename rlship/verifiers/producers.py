@@ -29,7 +29,6 @@ from rlship.verifiers.conversion import (
     ActionLoss,
     Conversion,
     GroupRollouts,
-    Rollout,
     convert_group,
     decode_episode,
     grpo_advantages,
@@ -63,9 +62,10 @@ class _EpisodeConverter:
         self.not_trainable_traces = 0
         self.untrained_traces = 0
 
-    def _group(self, episodes: Sequence[vf.Episode | bytes]) -> tuple[GroupRollouts, list[Rollout]]:
-        """The group's rollouts, checked and ready for the rollout producer, or
-        RolloutRejected naming every bad episode, trace and branch."""
+    def _group(self, episodes: Sequence[vf.Episode | bytes]) -> GroupRollouts:
+        """The group's rollouts, checked and as the rollout producer is to write them (sized,
+        side arrays by handle where the run takes them), or RolloutRejected naming every bad
+        episode, trace and branch."""
         decoded = [decode_episode(episode) for episode in episodes]
         self._check_group(decoded)
         conversion = Conversion(
@@ -81,11 +81,11 @@ class _EpisodeConverter:
         self.not_trainable_traces += group.not_trainable_traces
         self.untrained_traces += group.untrained_traces
         size = len(group.rollouts)
-        rollouts = [
+        group.rollouts = [
             (record.model_copy(update={"group_rollouts": size}), self._by_handle(record, arrays))
             for record, arrays in group.rollouts
         ]
-        return group, rollouts
+        return group
 
     def _check_group(self, episodes: Sequence[vf.Episode]) -> None:
         """A call is one whole group: one group id, one env, as many episodes as the run's
@@ -159,9 +159,9 @@ class EpisodeProducer(_EpisodeConverter):
         """Write one whole group of episodes (or their msgpack bytes); returns what it became.
         Raises as `RolloutProducer.produce` does: RolloutRejected (naming each bad episode,
         trace and branch; nothing written) or AdmissionRefused."""
-        group, rollouts = self._group(episodes)
-        if rollouts:
-            self.rollouts.produce(rollouts, timeout=timeout)
+        group = self._group(episodes)
+        if group.rollouts:
+            self.rollouts.produce(group.rollouts, timeout=timeout)
         return group
 
 
@@ -187,7 +187,7 @@ class AsyncEpisodeProducer(_EpisodeConverter):
     ) -> GroupRollouts:
         """See `EpisodeProducer.produce`."""
         await self.rollouts.ready()
-        group, rollouts = self._group(episodes)
-        if rollouts:
-            await self.rollouts.produce(rollouts, timeout=timeout)
+        group = self._group(episodes)
+        if group.rollouts:
+            await self.rollouts.produce(group.rollouts, timeout=timeout)
         return group

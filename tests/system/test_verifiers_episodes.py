@@ -347,3 +347,16 @@ def test_rlship_run_with_the_episodes_workload_ships_every_step(redis_url, tmp_p
         assert f"rank {rank}: received steps [0, 1, 2]" in done.stdout
     samples = [json.loads(line) for path in (tmp_path / "samples").glob("*.jsonl") for line in path.open()]
     assert samples and all(s["rollout_id"].count("/") == 2 for s in samples), "episode/trace/branch ids"
+
+
+def test_bench_episodes_measures_both_ways_and_leaves_nothing(client, redis_url, tmp_path):
+    """`rlship bench episodes` (BENCHMARKS.md): both producers' CPU over the same tokens, in
+    throwaway runs it deletes again."""
+    before = set(client.scan_iter(match="rlship:bench-episodes-*"))
+    done = rlship("bench", "episodes", "--branches", "40", "--rounds", "1", "--redis-url", redis_url,
+                  "--json", str(tmp_path / "bench.json"))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "episodes / plain: " in done.stdout
+    [round_] = json.loads((tmp_path / "bench.json").read_text())["rounds"]
+    assert round_["rollouts"] > 0 and round_["tokens"] > 0 and round_["episodes_cpu"] > 0
+    assert set(client.scan_iter(match="rlship:bench-episodes-*")) <= before
