@@ -235,3 +235,17 @@ def test_redis_memory_is_what_info_says(start_redis, tmp_path: Path) -> None:
     }
     used = values(families["rlship_redis_memory_used_bytes"], "rlship_redis_memory_used_bytes")[""]
     assert min(before, after) - (64 << 10) <= used <= max(before, after) + (64 << 10), (before, used, after)
+
+
+def test_a_task_that_raises_counts_one_failure_of_its_stage(
+    faulty_workers: Workers, client: redis.Redis, run_id: str, redis_url: str, tmp_path: Path
+) -> None:
+    # The failed prune is acknowledged, not redelivered: the stall watchdog enqueues the step again.
+    settings = ship_settings(run_id, redis_url, faulty_workers, tmp_path / "run", steps=2, stall_seconds=2.0)
+    arm(client, run_id, "prune", step=1, how="raise")
+    result = ship(settings)
+    assert client.hlen(RunKeys(run_id).faults) == 0, "the armed fault fired"
+    families, _, endpoint = finished_endpoint_samples(result, settings)
+    endpoint.close()
+    failures = values(families["rlship_task_failures"], "rlship_task_failures_total", "stage")
+    assert failures == {"prune": 1}, failures
