@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+from collections.abc import Callable
 
 import redis
 
@@ -52,8 +53,17 @@ def arm(
     pipe.execute()
 
 
-def crash_if_armed(client: redis.Redis, run_id: str, stage: str, step: int, rank: int | None = None) -> None:
-    """Die (or raise) here, now, if this stage of this step (and rank) is armed."""
+def crash_if_armed(
+    client: redis.Redis,
+    run_id: str,
+    stage: str,
+    step: int,
+    rank: int | None = None,
+    before: Callable[[], None] | None = None,
+) -> None:
+    """Die (or raise) here, now, if this stage of this step (and rank) is armed; before a
+    kill, `before`, to make the moment what the fault names (a send's bytes flushed out of
+    the process, say)."""
     if not enabled():
         return
     faults, field = RunKeys(run_id).faults, fault_field(stage, step, rank)
@@ -64,4 +74,6 @@ def crash_if_armed(client: redis.Redis, run_id: str, stage: str, step: int, rank
     if how == RAISE.encode():
         raise InjectedFault(f"{field}: a fault armed to raise")
     if how is not None:
+        if before is not None:
+            before()
         os.kill(os.getpid(), signal.SIGKILL)
