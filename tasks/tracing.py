@@ -246,7 +246,9 @@ def _end(task_id: str | None = None, state: str | None = None, retval: Any = Non
     finally:
         otel_context.detach(token)
     processor = tracing("worker").task_end
-    if processor is not None:
+    # A stage task's spans leave now; a prepare span (its own trace, not a step's) goes with
+    # the next stage task's: one request less per prepare, a step's count of requests as it was.
+    if processor is not None and STAGE.get(span_.name.removeprefix("rlship.")) is not None:
         processor.flush(TASK_END_EXPORT_WAIT_SECONDS)
 
 

@@ -70,6 +70,7 @@ from orchestrator.commands.bench.summary import (
     print_report,
     summarize,
     summary_line,
+    tracing_cost,
 )
 from orchestrator.commands.processes import redis_answers
 from orchestrator.settings import RunSettings
@@ -265,6 +266,7 @@ def main(args: argparse.Namespace) -> int:
         "goals": moe_goals(results) if args.workload == "moe" else goals(results, args.rollouts),
         **({"ratios": moe_ratios(results), "stopped_for_memory": stopped} if args.workload == "moe" else {}),
         "durability_cost": durability_cost(results),
+        "tracing_cost": tracing_cost(results),
         "wall_seconds": time.time() - started,
     }
     args.json.write_text(json.dumps(report, indent=1))
