@@ -259,3 +259,18 @@ def test_memory_watch_stops_the_placement_s_processes() -> None:
     finally:
         victim.kill()
         victim.wait()
+
+
+def test_celery_traced_beside_celery_reports_what_tracing_costs(tmp_path: Path) -> None:
+    """The traced placement's processes export to the bench's sink (requests counted, so a
+    placement that did not trace shows 0), and the report divides its CPU per step by the
+    plain placement's (issue 37's goal, no timing asserted at this size)."""
+    out = tmp_path / "loop.json"
+    argv = ["--placements", "celery,celery-traced", "--rollouts", "32", "--seq-len", "512", "--ranks", "2"]
+    done = main(["bench", "loop", "--json", str(out), *argv, "--steps", "2", "--warmup-steps", "0"])
+    report = json.loads(out.read_text())
+    assert done == 0 and report["steps_identical"]
+    cost = report["tracing_cost"]
+    assert cost["otlp_requests"] > 0 and cost["otlp_bytes"] > 0, "the traced placement's processes exported"
+    assert cost["cpu_seconds_per_step_ratio"] > 0 and cost["cpu_goal"] == 1.03
+    assert "otlp_received" not in report["placements"]["celery"]
