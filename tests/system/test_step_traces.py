@@ -6,12 +6,17 @@ here: the stage graph as docs/observability.md draws it, not `tasks.graph`."""
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 
 import pytest
 
+from orchestrator.step_traces import StepTraces
+from tasks.cohort import Cohort
 from tasks.faults import arm
+from tasks.manifest import ShipConfig, StepManifest
 from tasks.tracing import GRPC_EXPORTER
 from tasks.tracing import _installed as tracing_installed
 from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan
@@ -165,3 +170,25 @@ def test_rlship_run_refuses_in_one_line_when_its_processes_could_not_trace(tmp_p
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
     done = rlship("run", "--steps", "1", "--output-dir", str(tmp_path), env=env)
     refused(done, "opentelemetry-exporter-otlp-proto-grpc")
+
+
+def test_a_root_taken_back_or_abandoned_ends_with_an_error(receiver, monkeypatch):
+    """A cut taken back (every rollout dropped) ends its root with an error status, and so
+    does a run that stops with steps in flight; the status says which."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+    run_id = f"roots-{uuid.uuid4().hex[:8]}"
+    traces = StepTraces(run_id)
+    for step in (5, 6):
+        config = ShipConfig(ranks=2, seq_len=512)
+        manifest = StepManifest(run_id, step, step - 1, time.time(), config, Cohort(), Cohort())
+        assert traces.open(manifest, policy_version=3) is not None
+    traces.end(5, "every rollout dropped: the cut is taken back")
+    traces.close()
+
+    def roots() -> dict[int, ReceivedSpan]:
+        found = receiver.received()
+        return {s.attributes["rlship.step"]: s for s in found if s.attributes.get("rlship.run_id") == run_id}
+
+    ended = wait_for("both roots", lambda: len(roots()) == 2 and roots())
+    assert ended[5].status_code == ended[6].status_code == ERROR
+    assert ended[5].trace_id != ended[6].trace_id
