@@ -53,6 +53,8 @@ class TaskEndExport(SpanProcessor):
         be sent. An export still under way (a collector that does not answer: the exporter
         retries for OTEL_EXPORTER_OTLP_TIMEOUT) keeps them queued for the next hand-off,
         and while the collector's last answer was a failure no task waits for it."""
+        if not self._spans:  # nothing recorded (a step not sampled)
+            return True
         if not self._exported.is_set():
             return False
         self._exported.clear()
