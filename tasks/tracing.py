@@ -251,6 +251,13 @@ def _end(task_id: str | None = None, state: str | None = None, retval: Any = Non
         processor.flush(TASK_END_EXPORT_WAIT_SECONDS)
 
 
+def _flush_at_exit(**_: Any) -> None:
+    """worker_process_shutdown: what is still queued (prepare spans) leaves with the process."""
+    found = _tracing.get(os.getpid())
+    if found is not None and found.task_end is not None:
+        found.task_end.flush(TASK_END_EXPORT_WAIT_SECONDS)
+
+
 _worker_tracing = False
 
 
@@ -261,3 +268,4 @@ def connect_celery(signals: Any) -> None:
     signals.before_task_publish.connect(_inject, weak=False)
     signals.task_prerun.connect(_start, weak=False)
     signals.task_postrun.connect(_end, weak=False)
+    signals.worker_process_shutdown.connect(_flush_at_exit, weak=False)

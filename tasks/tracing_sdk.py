@@ -98,7 +98,9 @@ def _exporter() -> SpanExporter:
 
 class Tracing:
     """This process's tracer provider, its tracer and, in a Celery pool process, the
-    processor flushed at each task's end."""
+    processor flushed at each task's end; unless the operator set `OTEL_BSP_SCHEDULE_DELAY`:
+    then it batches on that timer as the SDK's batch processor does (one request a delay
+    instead of one a task, and a killed pool process loses the spans it had not sent)."""
 
     def __init__(self, role: str) -> None:
         attributes: dict[str, Any] = {
@@ -113,7 +115,7 @@ class Tracing:
             attributes["service.name"] = f"rlship-{role}"
         self.provider = TracerProvider(resource=Resource.create(attributes))
         self.task_end: TaskEndExport | None = None
-        if role == "worker":
+        if role == "worker" and not os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "").strip():
             self.task_end = TaskEndExport(_exporter())
             self.provider.add_span_processor(self.task_end)
         else:
