@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+from collections.abc import Callable
 
 import redis
 
@@ -39,7 +40,17 @@ def arm(client: redis.Redis, run_id: str, stage: str, step: int, rank: int | Non
     pipe.execute()
 
 
-def crash_if_armed(client: redis.Redis, run_id: str, stage: str, step: int, rank: int | None = None) -> None:
-    """Die here, now, if this stage of this step (and rank) is armed."""
+def crash_if_armed(
+    client: redis.Redis,
+    run_id: str,
+    stage: str,
+    step: int,
+    rank: int | None = None,
+    before: Callable[[], None] | None = None,
+) -> None:
+    """Die here, now, if this stage of this step (and rank) is armed; `before` first, to make
+    the moment what the fault names (a send's bytes flushed out of the process, say)."""
     if enabled() and client.hdel(RunKeys(run_id).faults, fault_field(stage, step, rank)):
+        if before is not None:
+            before()
         os.kill(os.getpid(), signal.SIGKILL)
