@@ -251,6 +251,11 @@ def _end(task_id: str | None = None, state: str | None = None, retval: Any = Non
         processor.flush(TASK_END_EXPORT_WAIT_SECONDS)
 
 
+def _set_up(**_: Any) -> None:
+    """worker_process_init: the SDK set up as the pool process starts, not in its first task."""
+    tracing("worker")
+
+
 def _flush_at_exit(**_: Any) -> None:
     """worker_process_shutdown: what is still queued (prepare spans) leaves with the process."""
     found = _tracing.get(os.getpid())
@@ -268,4 +273,5 @@ def connect_celery(signals: Any) -> None:
     signals.before_task_publish.connect(_inject, weak=False)
     signals.task_prerun.connect(_start, weak=False)
     signals.task_postrun.connect(_end, weak=False)
+    signals.worker_process_init.connect(_set_up, weak=False)
     signals.worker_process_shutdown.connect(_flush_at_exit, weak=False)
