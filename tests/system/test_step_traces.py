@@ -6,6 +6,7 @@ here: the stage graph as docs/observability.md draws it, not `tasks.graph`."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections import defaultdict
@@ -22,6 +23,7 @@ from tasks.tracing import _installed as tracing_installed
 from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.support.processes import Workers, refused, rlship, running_workers, wait_for
 from tests.support.shiprun import deterministic_run, ship
+from transport.connection import connect_redis_async
 from transport.keys import RunKeys
 
 pytestmark = pytest.mark.timeout(180)
@@ -192,3 +194,25 @@ def test_a_root_taken_back_or_abandoned_ends_with_an_error(receiver, monkeypatch
     ended = wait_for("both roots", lambda: len(roots()) == 2 and roots())
     assert ended[5].status_code == ended[6].status_code == ERROR
     assert ended[5].trace_id != ended[6].trace_id
+
+
+def test_a_resuming_orchestrator_enqueues_a_steps_tasks_in_the_trace_its_predecessor_opened(
+    client, redis_url, run_id, receiver, monkeypatch
+):
+    """The root of a step in flight goes with a killed orchestrator; the next one reads the
+    step's `traceparent` from Redis, and the tasks it enqueues again carry it."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+    stored = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    client.set(RunKeys(run_id).trace(7), stored, ex=60)
+    traces = StepTraces(run_id)
+
+    async def resume() -> None:
+        redis_async = connect_redis_async(redis_url)
+        try:
+            await traces.resume(redis_async, [7, 8])
+        finally:
+            await redis_async.aclose()
+
+    asyncio.run(resume())
+    assert traces.headers(7) == {"traceparent": stored}
+    assert traces.headers(8) == {}, "a step without a stored trace carries none"
