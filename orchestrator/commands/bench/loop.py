@@ -12,7 +12,9 @@ Per placement: loop lag (10 ms probe) and heartbeat delay (50 ms) over the ship 
 time per step (its last rollout arriving to its last rank having decoded it), the orchestrator
 process's peak RSS, tokens shipped, and whether every rank received byte-identical
 payloads (by checksum, against a reference computed here with a plain call of the
-stages). The first `--warmup-steps` steps bind sockets and warm the workers; they are
+stages). `--placements celery,celery-traced` runs the celery placement beside itself with
+tracing on (every process exporting to a local OTLP receiver that discards) and reports the
+ratio of CPU per step (issue 37's goal: at most 1.03). The first `--warmup-steps` steps bind sockets and warm the workers; they are
 shipped and checked but not measured. A PNG of lag over time is written beside the JSON.
 
 `--workload moe` compares variants instead (`orchestrator.commands.bench.moe.VARIANTS`): the
