@@ -14,8 +14,9 @@ process's peak RSS, tokens shipped, and whether every rank received byte-identic
 payloads (by checksum, against a reference computed here with a plain call of the
 stages). `--placements celery,celery-traced` runs the celery placement beside itself with
 tracing on (every process exporting to a local OTLP receiver that discards) and reports the
-ratio of CPU per step (issue 37's goal: at most 1.03). The first `--warmup-steps` steps bind sockets and warm the workers; they are
-shipped and checked but not measured. A PNG of lag over time is written beside the JSON.
+ratio of CPU per step (issue 37's goal: at most 1.03). The first `--warmup-steps` steps
+bind sockets and warm the workers; they are shipped and checked but not measured. A PNG
+of lag over time is written beside the JSON.
 
 `--workload moe` compares variants instead (`orchestrator.commands.bench.moe.VARIANTS`): the
 same rollouts, each with routed experts of a 48-layer top-8 model (384 bytes a token), shipped
