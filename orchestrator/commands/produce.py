@@ -13,7 +13,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ import numpy as np
 
 from orchestrator.admission import FINISHED, AdmissionRefused
 from orchestrator.commands.checks import preflight_client
+from orchestrator.groups import group_size_of
 from orchestrator.lease import ALIVE_SECONDS
 from orchestrator.logs import configure_logging
 from orchestrator.producer import RolloutProducer, RolloutRejected
@@ -41,6 +42,7 @@ WAIT_REPORT_SECONDS = 5.0  # how often a waiting producer says why
 # uint8 expert id per layer and slot: 384 bytes a token.
 MOE_LAYERS, MOE_TOPK, MOE_EXPERTS = 48, 8, 128
 log = logging.getLogger("rlship.producer")
+DEFAULT_ENVS = ("math", "code", "chat")
 
 
 @dataclass
@@ -48,10 +50,10 @@ class SyntheticWorkload:
     """Seeded synthetic rollouts, one group at a time."""
 
     seed: int = 0
-    group_size: int = 8
+    group_size: int | Mapping[str, int] = 8  # the run's, or its envs' (then its envs)
     seq_len: int = 2048
     vocab_size: int = 151_936
-    envs: tuple[str, ...] = ("math", "code", "chat")
+    envs: tuple[str, ...] = DEFAULT_ENVS
     error_rate: float = 0.02
     cancel_rate: float = 0.01
     policy_version: int = 0
@@ -73,6 +75,7 @@ class SyntheticWorkload:
         return cls(
             seed=settings.seed,
             group_size=settings.group_size,
+            envs=tuple(settings.group_size) if isinstance(settings.group_size, Mapping) else DEFAULT_ENVS,
             seq_len=settings.seq_len,
             vocab_size=settings.vocab_size,
             moe_rows=moe_rows,
@@ -115,7 +118,7 @@ class SyntheticWorkload:
         return arrays | {PAYLOAD_FIELD: write_segment_file(path, {"routed_experts": experts})}
 
     def group(self, write: bool = True) -> list[tuple[RolloutRecord, dict[str, Any]]]:
-        """One group: `group_size` rollouts of one task of one env (`write` False: made only to
+        """One group: its env's `group_size` rollouts of one task (`write` False: made only to
         be skipped, so no file of side-array rows is written)."""
         rng = self._rng
         index = self._groups
@@ -124,7 +127,7 @@ class SyntheticWorkload:
         difficulty = float(rng.beta(0.6, 0.6))  # near 0 or 1 often: many zero-advantage groups
         fractional = env == "chat"
         out = []
-        for member in range(self.group_size):
+        for member in range(group_size_of(self.group_size, env)):
             prompt, completion = self._lengths()
             turns = int(rng.integers(1, 4)) if env == "code" else 1
             error = "timeout" if rng.random() < self.error_rate else None
@@ -173,8 +176,9 @@ def run_producer(
     producer = RolloutProducer.for_run(client, settings)
     workload = SyntheticWorkload.for_run(settings)
     # A resumed run: the groups its earlier start wrote are made again (same seed) and skipped.
-    for _ in range(int(client.get(producer.keys.produced) or 0) // settings.group_size):
-        workload.group(write=False)
+    skipped, produced = 0, int(client.get(producer.keys.produced) or 0)
+    while skipped < produced:
+        skipped += len(workload.group(write=False))
     stopped = stop.is_set if stop is not None else lambda: False
     rows = settings.run_rows()
     written = 0

@@ -95,9 +95,10 @@ def step_batches(settings: RunSettings, steps: int, moe: bool = False) -> Iterat
     orchestrator then cuts exactly these rollouts, in this order, at every step, so every
     placement ships the same cohort. Step `k`'s rollouts carry policy version `k`.
     """
-    if settings.batch_size % settings.group_size:
+    if not isinstance(settings.group_size, int) or settings.batch_size % settings.group_size:
         raise ValueError(
-            f"rollouts: {settings.batch_size} is not a multiple of group_size {settings.group_size}"
+            f"rollouts: {settings.batch_size} is not a multiple of group_size {settings.group_size} "
+            "(the bench takes one size for every env)"
         )
     workload = SyntheticWorkload(
         seed=settings.seed,
