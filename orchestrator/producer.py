@@ -128,6 +128,7 @@ class _Producer:
             self.keys.held_bytes,
             self.keys.held_bytes_total,
             self.keys.finished,
+            self.keys.rollout_flow,
         ]
         args: list[Any] = []
         sizes = []

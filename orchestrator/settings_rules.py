@@ -54,7 +54,7 @@ class SettingsRules(BaseSettings):
     def _group_size_text(cls, value: Any) -> Any:
         """`8`, or `math=8,code=4` (a flag or variable), or a JSON object (how
         `settings_to_env` passes a mapping on); a TOML table or an int as it is."""
-        if not isinstance(value, str) or value.strip().isdigit():
+        if not isinstance(value, str) or value.strip().lstrip("-").isdigit():
             return value
         if value.lstrip().startswith("{"):
             return json.loads(value)
