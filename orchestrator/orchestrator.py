@@ -66,6 +66,7 @@ from orchestrator.resume import resumed, stored_form
 from orchestrator.rollout_log import RolloutLog
 from orchestrator.run_info import RunInfo
 from orchestrator.settings import RunSettings
+from orchestrator.step_metrics import StepMetrics, take_step_seconds
 from orchestrator.watchdog import StallWatchdog
 from tasks.app import use_redis
 from tasks.ship import prepare
@@ -96,6 +97,10 @@ class Orchestrator:
         # Components.
         self.rollout_log = RolloutLog(settings.record_rollouts)
         self.probe = probe or LagProbe()  # the benchmark's keeps its timeline
+        # The endpoint's histograms (served with `metrics_port`): each sample of the probe,
+        # each released step's stage seconds (`step_released`).
+        self.step_metrics = StepMetrics(settings.run_id)
+        self.probe.on_sample = self.step_metrics.observe_lag
         self.publisher = Publisher(settings)
         self.policy = PolicyVersion(settings, client)
         self.gate = PolicyGate(settings, client, self.policy, self._stopping)
@@ -124,7 +129,9 @@ class Orchestrator:
             on_fatal=self._abort,
             loss_report=self.loss_report,
         )
-        self.releases = Releases(settings, client, self.store, self.publisher, self._stopping)
+        self.releases = Releases(
+            settings, client, self.store, self.publisher, self._stopping, on_released=self.step_released
+        )
         self.follower = RecordFollower(settings, client, self._stopping, self.step_published)
         self.lease = Lease(
             client,
@@ -185,6 +192,10 @@ class Orchestrator:
         await self.dispatcher.log_shipped(step)
         self._work.set()
         await self.releases.schedule(step)
+
+    async def step_released(self, step: int) -> None:
+        """A step is released: its tasks' seconds go into the endpoint's histograms."""
+        self.step_metrics.observe_step(step, await take_step_seconds(self.client, self.keys, step))
 
     # -- the run's start and end -----------------------------------------------------
 
@@ -264,7 +275,7 @@ class Orchestrator:
                 # Imported here: prometheus_client is loaded only by a run that serves metrics.
                 from orchestrator.exporter import serve_metrics
 
-                metrics_server = serve_metrics(self.settings, self.follower, self.probe)
+                metrics_server = serve_metrics(self.settings, self.follower, self.probe, self.step_metrics)
             await self.follower.follow()
             await self.releases.drain()
         finally:
@@ -282,8 +293,7 @@ class Orchestrator:
             self.follower.close()
             self.rollout_log.close()
             if metrics_server is not None:
-                metrics_server.shutdown()
-                metrics_server.server_close()
+                metrics_server.close()
         if isinstance(self._aborted, RunStateLost):
             path = Path(self.settings.output_dir) / "lost.json"
             path.write_text(json.dumps(self._aborted.report, indent=1))

@@ -51,8 +51,8 @@ __all__ = [
 ]
 
 # KEYS: the rollout stream, the produced and accounted counters, the refused-writes counter,
-# the run's next step, the held-bytes hash and total, the run's finished mark, then one
-# payload key per rollout. ARGV:
+# the run's next step, the held-bytes hash and total, the run's finished mark, the rollout
+# flow (bytes produced), then one payload key per rollout. ARGV:
 # the TTL, the backlog limit (-1: not admitted), the room the policy gate leaves, the next
 # step that room was worked out for (as read, '' if unset), the byte budget (-1: none), the
 # batch size, the call's bytes, then per rollout its arrays blob, its record, its
@@ -78,7 +78,7 @@ if redis.call('EXISTS', KEYS[8]) == 1 then
 end
 local limit = tonumber(ARGV[2])
 if limit >= 0 then
-  local calls = #KEYS - 8
+  local calls = #KEYS - 9
   local backlog = tonumber(redis.call('GET', KEYS[2]) or '0') - tonumber(redis.call('GET', KEYS[3]) or '0')
   if (redis.call('GET', KEYS[5]) or '') ~= ARGV[4] then
     return {'moved', backlog}
@@ -96,19 +96,20 @@ if limit >= 0 then
   end
 end
 local reply = {'ok', 0}
-for i = 9, #KEYS do
-  local at = 8 + (i - 9) * 4
+for i = 10, #KEYS do
+  local at = 8 + (i - 10) * 4
   if redis.call('SET', KEYS[i], ARGV[at], 'NX', 'EX', ARGV[1]) then
     redis.call('XADD', KEYS[1], '*', 'record', ARGV[at + 1], 'facts', ARGV[at + 2])
     redis.call('INCR', KEYS[2])
     redis.call('HSET', KEYS[6], string.match(KEYS[i], ':rollout:(.*)$'), ARGV[at + 3])
     redis.call('INCRBY', KEYS[7], ARGV[at + 3])
+    redis.call('HINCRBY', KEYS[9], 'produced_bytes', ARGV[at + 3])
   else
     redis.call('INCR', KEYS[4])
-    table.insert(reply, i - 8)
+    table.insert(reply, i - 9)
   end
 end
-for _, key in ipairs({KEYS[1], KEYS[2], KEYS[4], KEYS[6], KEYS[7]}) do
+for _, key in ipairs({KEYS[1], KEYS[2], KEYS[4], KEYS[6], KEYS[7], KEYS[9]}) do
   redis.call('EXPIRE', key, ARGV[1])
 end
 return reply
@@ -117,7 +118,7 @@ return reply
 ADMISSION_POLL_SECONDS = 0.05
 # The inline side arrays a run that keeps payloads out of Redis keeps in files until the cut.
 ROWS_OUT_OF_REDIS = ("routed_experts",)
-FIXED_KEYS = 8  # the script's keys before the per-rollout ones
+FIXED_KEYS = 9  # the script's keys before the per-rollout ones
 
 
 class _Producer:
@@ -190,6 +191,7 @@ class _Producer:
             self.keys.held_bytes,
             self.keys.held_bytes_total,
             self.keys.finished,
+            self.keys.rollout_flow,
         ]
         args: list[Any] = []
         sizes = []

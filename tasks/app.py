@@ -19,6 +19,7 @@ from tasks import logs  # noqa: F401  (connects the worker logging hooks)
 from transport.connection import celery_redis_options, with_credentials
 from transport.keys import is_run_queue, queue_traces
 from transport.store import DEFAULT_TTL_SECONDS
+from transport.task_metrics import stamp_enqueue_time
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 CPU_QUEUE = "cpu"
@@ -64,6 +65,10 @@ def expire_run_queues(sender: Any, **_: Any) -> None:
         for key in [key for queue in filter(is_run_queue, queues) for key in queue_traces(queue)]:
             client.expire(key, DEFAULT_TTL_SECONDS, nx=True)
             client.expire(key, DEFAULT_TTL_SECONDS, gt=True)
+
+
+# Every task message, whichever process publishes it, carries its enqueue time (the queue wait).
+signals.before_task_publish.connect(stamp_enqueue_time)
 
 
 # A worker connects as its role's user when it has one (the setting `redis_worker_auth`).

@@ -320,6 +320,34 @@ class RunKeys:
         return self.run_key("served_by")
 
     @property
+    def queue_wait(self) -> str:
+        """The run's tasks' waits in their queue, from enqueue (or a retry's due time) to
+        start, as histogram buckets per queue kind (`transport.task_metrics`)."""
+        return self.run_key("queue_wait")
+
+    @property
+    def task_failures(self) -> str:
+        """Per stage, deliveries that raised or were redelivered after their worker was lost."""
+        return self.run_key("task_failures")
+
+    @property
+    def stage_seconds(self) -> str:
+        """`{step}:{stage}` -> seconds a stage of the step computed (and `{step}:ship`), for
+        the orchestrator's stage histograms: outlives the step's keys until it reads them."""
+        return self.run_key("stage_seconds")
+
+    @property
+    def trainer_idle(self) -> str:
+        """Per rank, seconds rlship's trainer rank waited with no step to take (a counter)."""
+        return self.run_key("trainer_idle")
+
+    @property
+    def rollout_flow(self) -> str:
+        """Rollouts leaving the byte budget (`released`) and the bytes in and out of it
+        (`produced_bytes`, `released_bytes`); rollouts in are `produced`."""
+        return self.run_key("rollout_flow")
+
+    @property
     def tasks_dropped(self) -> str:
         return self.run_key("tasks_dropped")
 
