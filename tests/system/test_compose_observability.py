@@ -20,8 +20,7 @@ from tests.support.processes import REPO
 
 PROFILE = {"prometheus", "grafana", "jaeger", "redis-exporter"}
 OBSERVABILITY_ENV = REPO / "ops" / "observability.env"
-OTEL = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_HEADERS",
-        "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG")  # fmt: skip
+OTEL = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_HEADERS")
 
 
 def rlship_services(services: dict) -> dict:
