@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import gc
 import json
 import logging
@@ -112,7 +111,7 @@ class Orchestrator:
             self._work,
             next_step=lambda: self.dispatcher.next_step,
             status=self.status,
-            prepare=functools.partial(self.publisher.enqueue, prepare),
+            prepare=self._prepare,
         )
         self.dispatcher = Dispatcher(
             settings,
@@ -159,6 +158,11 @@ class Orchestrator:
             on_fatal=self._abort,
         )
 
+    async def _prepare(self, rollout_ids: list[str]) -> None:
+        """Have the workers prepare rollouts for the wire before the cut (`tasks.ship.prepare`)."""
+        headers = self.publisher.traces.prepare_headers(rollout_ids)
+        await self.publisher.enqueue(prepare, rollout_ids, headers=headers)
+
     def _abort(self, error: Exception) -> None:
         """Stop every loop at its next turn; `run` raises `error` once they have."""
         self._aborted = error
@@ -189,6 +193,7 @@ class Orchestrator:
         """A step's record is published: tell the rollout log which of its rollouts shipped
         (read before the release deletes the step's keys), wake the dispatcher (there is
         room in flight) and release the step."""
+        self.publisher.traces.published(step)
         await self.dispatcher.log_shipped(step)
         self._work.set()
         await self.releases.schedule(step)
@@ -288,6 +293,7 @@ class Orchestrator:
                 pipe.hset(self.keys.status, mapping=self.status())
                 pipe.expire(self.keys.status, DEFAULT_TTL_SECONDS)
                 await pipe.execute()
+            self.publisher.traces.close()
             self.publisher.close()
             self.watchdog.close()
             self.follower.close()

@@ -57,7 +57,7 @@ class Releases:
         self.pending = asyncio.create_task(self._await_released(step))
 
     async def _enqueue_release(self, step: int) -> None:
-        await self.publisher.enqueue(release, step, self.settings.ranks, self.settings.replay_steps)
+        await self.publisher.enqueue_step(release, step, self.settings.ranks, self.settings.replay_steps)
 
     async def _await_released(self, step: int) -> None:
         """Until the step is released; its task is enqueued again after `stall_seconds`

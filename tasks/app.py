@@ -15,7 +15,7 @@ from celery import Celery, signals
 from celery.app.amqp import AMQP, Queues
 from kombu import Queue
 
-from tasks import logs  # noqa: F401  (connects the worker logging hooks)
+from tasks import logs, tracing  # noqa: F401  (logs connects the worker logging hooks)
 from transport.connection import celery_redis_options, with_credentials
 from transport.keys import is_run_queue, queue_traces
 from transport.store import DEFAULT_TTL_SECONDS
@@ -102,6 +102,14 @@ app.conf.update(
     },
     worker_hijack_root_logger=False,
 )
+
+
+if tracing.enabled():
+    # A worker that cannot trace says so in one line and ships untraced.
+    if (_tracing_problem := tracing.problem()) is not None:
+        tracing.log.error("rlship: tracing off: %s", _tracing_problem)
+    else:
+        tracing.connect_celery(signals)
 
 
 def use_redis(url: str) -> None:

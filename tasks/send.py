@@ -16,6 +16,7 @@ from typing import Any
 
 import zmq
 
+from tasks import tracing
 from tasks.context import StepContext, redis_client, stage_task
 from tasks.manifest import ShipConfig
 from transport.base import StepSender
@@ -147,7 +148,8 @@ def _send_now(ctx: StepContext, rank: int) -> bool:
     ctx.crash_if_armed("sending", rank)  # marked, not sent: the redelivery sends it, once
     started = time.perf_counter()
     try:
-        sender.send(step, rank, ctx.store.get_payload(step, rank))
+        with tracing.span(f"rlship.{config.transport}_send", **{"rlship.step": step, "rlship.rank": rank}):
+            sender.send(step, rank, ctx.store.get_payload(step, rank))
     except TimeoutError:
         log.warning("step %d rank %d: trainer not reading; retrying", step, rank)
         raise ctx.retry(countdown=RETRY_SECONDS, queue=config.ship_queue) from None

@@ -281,6 +281,11 @@ class RunKeys:
         """Set when the run shipped all its steps: its id is not reused."""
         return self.run_key("finished")
 
+    def trace(self, step: int) -> str:
+        """The W3C `traceparent` of the step's root span (`tasks.tracing`): the step's trace
+        id in one read. Outside the step's keys, so it outlives the step's release."""
+        return self.run_key(f"trace:{step}")
+
     # The tasks' bookkeeping.
 
     @property
