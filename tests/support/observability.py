@@ -58,13 +58,14 @@ def board_panels() -> list[dict[str, Any]]:
     return panels
 
 
-def board_queries() -> list[tuple[str, str]]:
-    """(panel title, PromQL) for every Prometheus query of every panel."""
+def board_queries(exemplars: bool = False) -> list[tuple[str, str]]:
+    """(panel title, PromQL) for every Prometheus query of every panel (with `exemplars`,
+    those that ask for exemplars)."""
     return [
         (panel["title"], target["expr"])
         for panel in board_panels()
         for target in panel.get("targets", [])
-        if "expr" in target
+        if "expr" in target and (target.get("exemplar") or not exemplars)
     ]
 
 

@@ -19,6 +19,7 @@ import math
 import re
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,7 @@ from orchestrator.producer import RolloutProducer
 from orchestrator.settings import RunSettings
 from tests.support.observability import (
     RULES,
+    Prometheus,
     alert_rules,
     board,
     board_panels,
@@ -39,8 +41,11 @@ from tests.support.observability import (
     running_prometheus,
     shorten_windows,
 )
-from tests.support.processes import Workers, free_port
-from tests.support.shiprun import ship, ship_settings
+from tests.support.otlp_receiver import OtlpReceiver
+from tests.support.processes import Workers, free_port, wait_for
+from tests.support.shiprun import ship_settings, start_orchestrator, start_trainers
+from tests.support.shiprun import stop as stop_processes
+from transport.store import PayloadStore
 
 WINDOW = "10s"
 STEPS = 12
@@ -119,14 +124,50 @@ def produce_paced(settings: RunSettings, stop: threading.Event) -> None:
         stop.wait(GROUP_EVERY_SECONDS)
 
 
+def step_trace_ids(receiver: OtlpReceiver, run_id: str) -> set[str]:
+    """The traces whose root is a step of the run (`rlship.step`, with its `rlship.run_id`)."""
+    return {
+        span.trace_id
+        for span in receiver.received()
+        if span.name == "rlship.step" and span.attributes.get("rlship.run_id") == run_id
+    }
+
+
 def finite(series: list[dict]) -> bool:
     return any(math.isfinite(float(value)) for s in series for _, value in s["values"])
 
 
+@pytest.fixture
+def receiver() -> Iterator[OtlpReceiver]:
+    running = OtlpReceiver().start()
+    yield running
+    running.stop()
+
+
+def exemplar_trace_ids(prometheus: Prometheus, expr: str, start: float, end: float) -> set[str]:
+    """The `trace_id`s of the exemplars Prometheus keeps for the series `expr` selects."""
+    found = prometheus.api("query_exemplars", query=expr, start=start, end=end)
+    return {
+        exemplar["labels"].get("trace_id", f"no trace_id label in {exemplar['labels']}")
+        for series in found
+        for exemplar in series["exemplars"]
+    }
+
+
 @pytest.mark.timeout(300)
 def test_every_board_query_and_alert_on_a_live_run(
-    workers: Workers, client: redis.Redis, run_id: str, redis_url: str, tmp_path: Path
+    workers: Workers,
+    client: redis.Redis,
+    run_id: str,
+    redis_url: str,
+    tmp_path: Path,
+    receiver: OtlpReceiver,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """The run's orchestrator (a process of its own, as the trainer ranks) traces to a real
+    OTLP receiver: the stage panel's exemplars must name traces of the run's steps (what
+    Grafana's exemplar link opens in Jaeger)."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
     port = free_port()
     rules = tmp_path / "rules.yml"
     groups = yaml.safe_load(RULES.read_text())
@@ -142,13 +183,19 @@ def test_every_board_query_and_alert_on_a_live_run(
     settings = ship_settings(run_id, redis_url, workers, tmp_path / "run", steps=STEPS, metrics_port=port)
     with running_prometheus(config, tmp_path) as prometheus:
         began, stop = time.time(), threading.Event()
+        ranks = start_trainers(settings)
+        orchestrator = start_orchestrator(settings, tmp_path / "orchestrator.log")
         producer = threading.Thread(target=produce_paced, args=(settings, stop))
         producer.start()
         try:
-            ship(settings, produce=False)
+            status = orchestrator.wait(180)
         finally:
             stop.set()
             producer.join()
+            orchestrator.kill()
+            stop_processes(ranks)
+            PayloadStore(client, run_id).delete_all_rollouts()  # as `rlship run` does at the end
+        assert status == 0, (tmp_path / "orchestrator.log").read_text()[-3000:]
         time.sleep(2)  # the scrape that finds the endpoint gone marks its series stale
         scraped = prometheus.query_range(f'rlship_steps_wanted{{run_id="{run_id}"}}', began, time.time(), 1)
         assert scraped, f"Prometheus never scraped the run ({tmp_path / 'prometheus.log'})"
@@ -176,8 +223,18 @@ def test_every_board_query_and_alert_on_a_live_run(
             for name, _ in _METRIC.findall(expr):
                 if not over_run(f'{name}{{run_id="{run_id}"}}'):
                     unread.add(name)
-        assert not fired, f"alert expressions true on a healthy run: {fired}"
+        assert not fired, f"alert expressions true on a healthy run scraped from {start} to {end}: {fired}"
         assert not unread, f"series alerts read that the run does not have: {sorted(unread)}"
+
+        wait_for("the orchestrator's step spans", lambda: step_trace_ids(receiver, run_id), timeout=30)
+        traced = step_trace_ids(receiver, run_id)
+        for title, expr in board_queries(exemplars=True):
+            linked = exemplar_trace_ids(
+                prometheus, fill_variables(shorten_windows(expr, WINDOW), variables), start, end
+            )
+            assert linked and linked <= traced, (
+                f"{title}: exemplars {sorted(linked)[:3]} not among the run's traces"
+            )
 
         loaded = [r for g in prometheus.api("rules")["groups"] for r in g["rules"] if r["type"] == "alerting"]
         assert {r["name"] for r in loaded} == {r["alert"] for r in alert_rules()}
