@@ -1,8 +1,8 @@
-"""The endpoint's metrics that other processes count in the run's Redis, read in one round
-trip per scrape on the endpoint's thread: the tasks' queue waits and failures
+"""The endpoint's metrics that other processes count in the run's Redis, read in two round
+trips per scrape (a pipeline, and `INFO memory`) on the endpoint's thread: the tasks' queue waits and failures
 (`transport.task_metrics`, from the workers), the trainer ranks' idle seconds, rollouts and
 bytes into and out of the byte budget (the produce script and the release scripts,
-`transport.store`), the newest record's publication and staleness, and Redis's own memory.
+`transport.store`), the newest record's publication and staleness, and Redis' own memory.
 """
 
 from __future__ import annotations

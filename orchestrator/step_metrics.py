@@ -57,6 +57,9 @@ class StepMetrics:
             buckets=LAG_BUCKETS,
             registry=None,
         )
+        # Each label set's child, looked up once (a lookup takes the metric's lock).
+        self._stages = {stage: self.stage_seconds.labels(run_id, stage) for stage in STAGE_NAMES}
+        self._ship = self.ship_seconds.labels(run_id)
         self._lag = self.loop_lag.labels(run_id)
 
     def observe_step(
@@ -64,11 +67,11 @@ class StepMetrics:
     ) -> None:
         """Observe one shipped step's timings (stage name or `ship` -> seconds); `exemplar`
         (the step's trace id) goes with each observation. `step` names the step observed."""
-        for stage in STAGE_NAMES:
+        for stage, child in self._stages.items():
             if stage in seconds:
-                self.stage_seconds.labels(self.run_id, stage).observe(seconds[stage], exemplar)
+                child.observe(seconds[stage], exemplar)
         if SHIP in seconds:
-            self.ship_seconds.labels(self.run_id).observe(seconds[SHIP], exemplar)
+            self._ship.observe(seconds[SHIP], exemplar)
 
     def observe_lag(self, lag_seconds: float) -> None:
         """The lag probe's hook: one sample."""

@@ -85,8 +85,10 @@ class StepContext:
     def get(self, name: str) -> Any:
         return msgpack.unpackb(self.store.get_step_value(self.step, name), raw=False)
 
-    def crash_if_armed(self, stage: str, rank: int | None = None) -> None:
-        crash_if_armed(self.client, self.run_id, stage, self.step, rank)
+    def crash_if_armed(
+        self, stage: str, rank: int | None = None, before: Callable[[], None] | None = None
+    ) -> None:
+        crash_if_armed(self.client, self.run_id, stage, self.step, rank, before)
 
     def retry(self, countdown: float, queue: str) -> Retry:
         """The delivery's retry, `countdown` seconds from now on `queue`, for the task to raise."""

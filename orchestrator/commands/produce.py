@@ -31,6 +31,7 @@ from orchestrator.settings_resolution import add_settings_arguments, settings_fr
 from orchestrator.stored_settings import RunNotStarted, SettingsDisagree
 from transport.connection import connect_redis
 from transport.keys import RunKeys
+from transport.outcomes import UNKNOWN
 from transport.payload_segments import PAYLOAD_FIELD, rollout_rows_path, write_segment_file
 from transport.run_files import DiskFull, restrict
 from transport.store import PayloadStore
@@ -199,7 +200,12 @@ def run_producer(
                 log.warning("%s; group skipped", exc)
                 break
             except RolloutRejected as exc:
-                log.warning("%s", exc)  # some of the call were written (their files are the run's)
+                log.warning("%s", exc)
+                # Refused by its checks, nothing of the call was written (a file the run's end
+                # removed while the group was being made, say); refused as duplicates, the
+                # others were. The files of those the run does not know are nobody's.
+                ids = [record.rollout_id for record, _ in group]
+                rows.unlink(rid for rid, outcome in producer.outcome(ids).items() if outcome.state == UNKNOWN)
             taken = True
             break
         if not taken:

@@ -17,12 +17,14 @@ import pytest
 import redis
 
 from orchestrator.exporter import serve_metrics
+from orchestrator.run_gauges import RunGauges
+from orchestrator.settings import RunSettings
 from tasks.faults import arm
 from tasks.graph import STAGE_NAMES
 from tests.support.celery_events import TaskStarts
 from tests.support.processes import Workers, running_workers, wait_for
 from tests.support.prometheus import exposition, run_samples
-from tests.support.shiprun import ShipResult, metrics_lines, ship, ship_settings
+from tests.support.shiprun import ShipResult, metrics_lines, ship, ship_settings, start_trainers, stop
 from transport.keys import RunKeys
 from transport.zmq_sockets import free_port_pair
 
@@ -55,6 +57,14 @@ def histogram(families, family: str, label: str | None = None) -> tuple[dict[str
     return values(samples, f"{family}_count", label), values(samples, f"{family}_sum", label)
 
 
+def held(client: redis.Redis, keys: RunKeys) -> bool:
+    """The policy gate holds the run: it waits on ranks, and every step cut is published
+    and released."""
+    status = client.hgetall(keys.status)
+    cut = int(status.get(b"next_step", 0))
+    return b"stalled_ranks" in status and cut > 0 and client.hlen(keys.released) == cut
+
+
 def finished_endpoint_samples(result: ShipResult, settings, openmetrics: bool = False):
     """The endpoint served on the finished run's own components, scraped once the workers
     have been asked who consumes the run's queues."""
@@ -79,22 +89,30 @@ def test_every_metric_of_a_live_run_and_its_values_after(
 ) -> None:
     port = free_port_pair()
     settings = ship_settings(
-        run_id, redis_url, workers, tmp_path / "run", steps=STEPS, metrics_port=port, max_held_bytes=BUDGET
-    )
+        run_id, redis_url, workers, tmp_path / "run", steps=STEPS, metrics_port=port, max_held_bytes=BUDGET,
+        transport="fs",  # the ship worker writes the steps without waiting for the late ranks
+    )  # fmt: skip
     keys = RunKeys(run_id)
     events = TaskStarts(run_id)
     events.start()
     results: list[ShipResult] = []
-    run = threading.Thread(target=lambda: results.append(ship(settings)))
+    # The trainer ranks start late: the policy gate holds the run once the steps it lets
+    # through are shipped and released, and the live scrape reads a run that stays put.
+    run = threading.Thread(target=lambda: results.append(ship(settings, trainers=False)))
     run.start()
+    ranks = []
     try:
-        # Live: once a step is released (its stage seconds observed), every metric is there.
-        wait_for("a released step", lambda: client.hlen(keys.released) >= 1, timeout=120)
-        live = wait_for(
-            "the first step's stage seconds",
-            lambda: (f := run_samples(port, run_id)) and f["rlship_stage_duration_seconds"] and f,
-            timeout=30,
-        )
+        wait_for("the policy gate to hold the run", lambda: held(client, keys), timeout=120)
+        # Every step released is observed once per stage (the orchestrator observes a step
+        # when it sees it released: read until it has).
+        expected = dict.fromkeys(STAGE_NAMES, client.hlen(keys.released))
+        for _ in range(100):
+            live = run_samples(port, run_id)
+            counts, _ = histogram(live, "rlship_stage_duration_seconds", "stage")
+            if counts == expected:
+                break
+            time.sleep(0.2)
+        assert counts == expected, counts
         assert set(EXPECTED) <= set(live), sorted(set(EXPECTED) - set(live))
         produced, released = (values(live[f"rlship_rollouts_{kind}"], f"rlship_rollouts_{kind}_total")[""]
                               for kind in ("produced", "released"))  # fmt: skip
@@ -103,7 +121,9 @@ def test_every_metric_of_a_live_run_and_its_values_after(
         assert "# TYPE rlship_stage_duration_seconds histogram" in openmetrics
         assert openmetrics.rstrip().endswith("# EOF")
     finally:
+        ranks = start_trainers(settings)
         run.join(240)
+        stop(ranks)
     assert results and results[0].summary["steps_shipped"] == STEPS
     records = metrics_lines(settings)
     assert len(records) == STEPS
@@ -203,3 +223,33 @@ def test_a_worker_killed_mid_task_counts_one_failure_of_its_stage(
     # The stage's seconds are still observed once per step: those of the delivery that marked it.
     counts, _ = histogram(families, "rlship_stage_duration_seconds", "stage")
     assert counts == dict.fromkeys(STAGE_NAMES, settings.steps), counts
+
+
+def test_redis_memory_is_what_info_says(start_redis, tmp_path: Path) -> None:
+    """On a Redis of the test's own, with a memory limit and no other client writing."""
+    url = f"redis://{start_redis('--maxmemory', '64mb')}"
+    settings = RunSettings(run_id="memory", redis_url=url, output_dir=tmp_path)
+    gauges = RunGauges(redis.Redis.from_url(url), settings)
+    info = redis.Redis.from_url(url)
+    before = info.info("memory")["used_memory"]
+    families = {family.name: family.samples for family in gauges.collect(newest_step=-1, newest_record=None)}
+    after = info.info("memory")["used_memory"]
+    assert values(families["rlship_redis_memory_max_bytes"], "rlship_redis_memory_max_bytes") == {
+        "": 64 << 20
+    }
+    used = values(families["rlship_redis_memory_used_bytes"], "rlship_redis_memory_used_bytes")[""]
+    assert min(before, after) - (64 << 10) <= used <= max(before, after) + (64 << 10), (before, used, after)
+
+
+def test_a_task_that_raises_counts_one_failure_of_its_stage(
+    faulty_workers: Workers, client: redis.Redis, run_id: str, redis_url: str, tmp_path: Path
+) -> None:
+    # The failed prune is acknowledged, not redelivered: the stall watchdog enqueues the step again.
+    settings = ship_settings(run_id, redis_url, faulty_workers, tmp_path / "run", steps=2, stall_seconds=2.0)
+    arm(client, run_id, "prune", step=1, how="raise")
+    result = ship(settings)
+    assert client.hlen(RunKeys(run_id).faults) == 0, "the armed fault fired"
+    families, _, endpoint = finished_endpoint_samples(result, settings)
+    endpoint.close()
+    failures = values(families["rlship_task_failures"], "rlship_task_failures_total", "stage")
+    assert failures == {"prune": 1}, failures

@@ -12,14 +12,18 @@ import time
 import pytest
 
 from orchestrator.commands.produce import run_producer
+from orchestrator.producer import RolloutProducer
+from tests.support.factories import group
 from tests.support.shiprun import (
     ShipResult,
     leftover_keys,
+    open_policy_gate,
     run_orchestrator,
     ship_settings,
     start_trainers,
     stop,
 )
+from tests.support.wire_trainer import WireTrainer
 from transport.keys import RunKeys
 from transport.replay import RetainedPayloads
 from transport.store import PayloadStore
@@ -171,3 +175,55 @@ def test_a_stuck_then_restarted_trainer_gets_every_step_once(
     assert result.summary["steps_unacknowledged"] == []
     assert leftover_keys(client, run_id) == []
     assert not (tmp_path / "step-payloads" / run_id).exists(), "the payload files went with their steps"
+
+
+def test_the_replay_window_holds_exactly_replay_steps_steps(client, redis_url, run_id, workers, tmp_path):
+    """Ranks that never acknowledge (prime-rl's stock receivers, here plain sockets) leave
+    every retained payload to the window: once step s is released, a rank restarting replays
+    exactly steps s - replay_steps + 1 .. s, and nothing from the step before them. A window one
+    step shorter fails rank 0 below (its first step gone), one longer fails rank 1 (replayed)."""
+    window, shipped = 3, 6
+    settings = ship_settings(
+        run_id, redis_url, workers, tmp_path, steps=shipped + 1, ranks=2, batch_size=8, group_size=4,
+        trainers="external", max_async_level=window - 2, replay_steps=window, max_off_policy_steps=100,
+        samples_per_step=0, first_step=0,
+    )  # fmt: skip
+    open_policy_gate(settings)
+    producer = RolloutProducer(client, run_id)
+    for index in range(shipped * 2):  # two groups of 4 a step: the last step waits for more
+        producer.produce(group(f"w{index}", [1.0, 0.0, 1.0, 0.0]))
+    keys = RunKeys(run_id)
+    retained = RetainedPayloads(client, run_id)
+
+    def restarted_rank(rank: int, next_step: int) -> tuple[list[int], list[tuple[int, int]]]:
+        port = settings.zmq_port
+        with ZMQReceiver(
+            HOST, port, rank, next_step=next_step, replay=retained, replay_after=0.2, run_id=run_id
+        ) as receiver:
+            got = [m.step for m in iter(lambda: receiver.receive(timeout=3), None)]
+            return got, receiver.gaps
+
+    async def scenario() -> tuple[tuple, tuple]:
+        shipping = asyncio.create_task(run_orchestrator(settings, timeout=150))
+        with WireTrainer(HOST, settings.zmq_port, 2) as stock:
+            deadline = time.monotonic() + 90
+            while client.hlen(keys.released) < shipped:
+                assert not shipping.done() and time.monotonic() < deadline, "steps were not released"
+                await asyncio.sleep(0.05)
+            assert sorted(step for rank, step, _ in stock.messages if rank == 0) == list(range(shipped))
+        loop = asyncio.get_running_loop()
+        inside = await loop.run_in_executor(None, restarted_rank, 0, shipped - window)
+        before = await loop.run_in_executor(None, restarted_rank, 1, shipped - window - 1)
+        for index in range(shipped * 2, shipped * 2 + 2):  # the last step, so the run ends
+            producer.produce(group(f"w{index}", [1.0, 0.0, 1.0, 0.0]))
+        with WireTrainer(HOST, settings.zmq_port, 2):
+            await shipping
+        return inside, before
+
+    inside, before = asyncio.run(scenario())
+    PayloadStore(client, run_id).delete_all_rollouts()
+    assert inside == (list(range(shipped - window, shipped)), []), "the window's steps, replayed"
+    # Step 2 is gone: the replay stops at the first step it no longer holds (the gap shows
+    # once a live step arrives); a longer window would have replayed 2..5.
+    assert before == ([], []), "a step older than the window, replayed"
+    assert leftover_keys(client, run_id) == []

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from prometheus_client import CollectorRegistry, start_http_server
 
 from orchestrator.step_metrics import StepMetrics
+from tasks.graph import STAGE_NAMES
 from tests.support.processes import free_port
 from tests.support.prometheus import exposition, run_samples
 from transport.task_metrics import ENQUEUED_AT_HEADER, queue_wait_seconds
@@ -27,7 +28,8 @@ def test_a_step_observed_with_its_trace_id_shows_it_as_an_exemplar_in_openmetric
         families = run_samples(port, "run-a", openmetrics=True)
         stage = families["rlship_stage_duration_seconds"]
         counts = {s.labels["stage"]: s.value for s in stage if s.name.endswith("_count")}
-        assert counts == {"finalize": 2, "send": 1}
+        # Every stage's series is there from the start, at 0 until observed.
+        assert counts == {stage: 0 for stage in STAGE_NAMES} | {"finalize": 2, "send": 1}
         # The OpenMetrics exemplar of the bucket the observation fell in: 0.003 <= 0.005.
         marked = [(s.labels["stage"], s.labels["le"], s.exemplar) for s in stage if s.exemplar]
         assert [(name, le, e.labels, e.value) for name, le, e in marked] == [
