@@ -232,9 +232,9 @@ class Dispatcher:
         oldest_held: str,
     ) -> None:
         """The cut's one transaction, on the publisher thread: at 16k rollouts packing the
-                manifest and one SADD argument per rollout key take 50 ms, one pause on the loop;
-                here the loop gets the GIL back between the pieces (`packb_in_pieces`). With the step's
-        `traceparent` (tracing on, the step sampled), its trace key too."""
+        manifest and one SADD argument per rollout key take 50 ms, one pause on the loop;
+        here the loop gets the GIL back between the pieces (`packb_in_pieces`). With the
+        step's `traceparent` (tracing on, the step sampled), its trace key too."""
         step = manifest.step
         manifest_key = self.keys.step(step, StepValue.MANIFEST)
         client = self.publisher.client

@@ -36,6 +36,8 @@ class StepTraces:
         self.roots: dict[int, Any] = {}  # step -> its open root span
         self.parents: dict[int, str] = {}  # step -> its root's traceparent, for its tasks
         self.prepared: OrderedDict[str, Any] = OrderedDict()  # rollout id -> its prepare span's context
+        if self.enabled:  # the SDK's imports (a few hundred ms) now, not on the event loop at a cut
+            tracing.tracing("orchestrator")
 
     def _tracer(self) -> Any:
         return tracing.tracing("orchestrator").tracer

@@ -1,10 +1,11 @@
-"""Tracing: one OpenTelemetry trace per step, across the orchestrator, the workers and the
-ranks. This module owns all of it: whether tracing is on, the SDK set up from the standard
-`OTEL_*` variables, the trace context a task message carries (Celery signals: the stage code
-knows nothing of it), the span of every task, and where a step's trace id is kept.
+"""Tracing: one OpenTelemetry trace per step, across the orchestrator and the workers (with
+a span for each rank's send). This module owns all of it: whether tracing is on, the SDK
+set up from the standard `OTEL_*` variables, the trace context a task message carries
+(Celery signals: the stage code knows nothing of it), the span of every task, and where a
+step's trace id is kept.
 
 Off unless `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set:
-then no OpenTelemetry module is imported and no signal handler is connected; what the
+then rlship imports no OpenTelemetry module and connects no signal handler; what the
 stages call (`span`) is a shared no-op. On, each process sets the SDK up on its first span
 (after a fork: a Celery pool process has its own exporter thread). OTLP over HTTP
 (`http/protobuf`, the default) or gRPC (`OTEL_EXPORTER_OTLP_PROTOCOL=grpc`, its exporter
@@ -32,6 +33,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from tasks.graph import STAGE
+from transport.keys import RunKeys
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -48,7 +50,8 @@ HTTP_EXPORTER = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
 GRPC_EXPORTER = "opentelemetry.exporter.otlp.proto.grpc.trace_exporter"
 GRPC_PACKAGE = "opentelemetry-exporter-otlp-proto-grpc"
 # How long a task's end waits for its spans to reach the collector: a collector that does
-# not answer delays one task by this, then none (`tasks.tracing_sdk.TaskEndExport.flush`).
+# not answer delays one task by this, then none until it answers again
+# (`tasks.tracing_sdk.TaskEndExport.flush`).
 TASK_END_EXPORT_WAIT_SECONDS = 2.0
 
 
@@ -136,15 +139,11 @@ def trace_id_of(value: str | bytes | None) -> str | None:
 def step_trace_id(client: Any, run_id: str, step: int) -> str | None:
     """Step `step`'s trace id (32 hex), in one Redis read: None when the step was not traced
     (tracing off, or not sampled) or its key has expired. A sync redis-py client."""
-    from transport.keys import RunKeys
-
     return trace_id_of(client.get(RunKeys(run_id).trace(step)))
 
 
 async def step_trace_id_async(client: Any, run_id: str, step: int) -> str | None:
     """`step_trace_id` for a `redis.asyncio` client."""
-    from transport.keys import RunKeys
-
     return trace_id_of(await client.get(RunKeys(run_id).trace(step)))
 
 
@@ -246,8 +245,22 @@ def _end(task_id: str | None = None, state: str | None = None, retval: Any = Non
     finally:
         otel_context.detach(token)
     processor = tracing("worker").task_end
-    if processor is not None:
+    # A stage task's spans leave now; a prepare span (its own trace, not a step's) goes with
+    # the next stage task's: one request less per prepare, a step's count of requests as it was.
+    if processor is not None and STAGE.get(span_.name.removeprefix("rlship.")) is not None:
         processor.flush(TASK_END_EXPORT_WAIT_SECONDS)
+
+
+def _set_up(**_: Any) -> None:
+    """worker_process_init: the SDK set up as the pool process starts, not in its first task."""
+    tracing("worker")
+
+
+def _flush_at_exit(**_: Any) -> None:
+    """worker_process_shutdown: what is still queued (prepare spans) leaves with the process."""
+    found = _tracing.get(os.getpid())
+    if found is not None and found.task_end is not None:
+        found.task_end.flush(TASK_END_EXPORT_WAIT_SECONDS)
 
 
 _worker_tracing = False
@@ -260,3 +273,5 @@ def connect_celery(signals: Any) -> None:
     signals.before_task_publish.connect(_inject, weak=False)
     signals.task_prerun.connect(_start, weak=False)
     signals.task_postrun.connect(_end, weak=False)
+    signals.worker_process_init.connect(_set_up, weak=False)
+    signals.worker_process_shutdown.connect(_flush_at_exit, weak=False)

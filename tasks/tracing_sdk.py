@@ -13,7 +13,7 @@ from typing import Any
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, Tracer, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 from tasks.tracing import TASK_END_EXPORT_WAIT_SECONDS, protocol
 
@@ -35,6 +35,7 @@ class TaskEndExport(SpanProcessor):
         self._wake = threading.Event()
         self._exported = threading.Event()
         self._exported.set()
+        self._answering = True  # the collector took the last export
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="rlship-span-export", daemon=True)
         self._thread.start()
@@ -49,13 +50,16 @@ class TaskEndExport(SpanProcessor):
 
     def flush(self, wait: float) -> bool:
         """Hand the ended spans to the export thread; wait up to `wait` seconds for them to
-        be sent. A collector still busy with an earlier hand-off is not waited for again:
-        the spans stay queued for the next one."""
+        be sent. An export still under way (a collector that does not answer: the exporter
+        retries for OTEL_EXPORTER_OTLP_TIMEOUT) keeps them queued for the next hand-off,
+        and while the collector's last answer was a failure no task waits for it."""
+        if not self._spans:  # nothing recorded (a step not sampled)
+            return True
         if not self._exported.is_set():
             return False
         self._exported.clear()
         self._wake.set()
-        return self._exported.wait(wait)
+        return self._exported.wait(wait if self._answering else 0.0)
 
     def _run(self) -> None:
         while not self._stopped:
@@ -65,8 +69,9 @@ class TaskEndExport(SpanProcessor):
                 spans, self._spans = self._spans, []
             try:
                 if spans:
-                    self._exporter.export(spans)
+                    self._answering = self._exporter.export(spans) == SpanExportResult.SUCCESS
             except Exception:  # an exporter's error must never reach a task
+                self._answering = False
                 log.exception("exporting %d spans failed", len(spans))
             finally:
                 self._exported.set()
@@ -93,7 +98,9 @@ def _exporter() -> SpanExporter:
 
 class Tracing:
     """This process's tracer provider, its tracer and, in a Celery pool process, the
-    processor flushed at each task's end."""
+    processor flushed at each task's end; unless the operator set `OTEL_BSP_SCHEDULE_DELAY`:
+    then it batches on that timer as the SDK's batch processor does (one request a delay
+    instead of one a task, and a killed pool process loses the spans it had not sent)."""
 
     def __init__(self, role: str) -> None:
         attributes: dict[str, Any] = {
@@ -108,7 +115,7 @@ class Tracing:
             attributes["service.name"] = f"rlship-{role}"
         self.provider = TracerProvider(resource=Resource.create(attributes))
         self.task_end: TaskEndExport | None = None
-        if role == "worker":
+        if role == "worker" and not os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "").strip():
             self.task_end = TaskEndExport(_exporter())
             self.provider.add_span_processor(self.task_end)
         else:

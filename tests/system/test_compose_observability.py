@@ -21,6 +21,12 @@ from tests.support.processes import REPO
 PROFILE = {"prometheus", "grafana", "jaeger", "redis-exporter"}
 OBSERVABILITY_ENV = REPO / "ops" / "observability.env"
 OTEL = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_HEADERS")
+# No variable set: no endpoint (tracing off), and the SDK's own defaults for the rest.
+UNSET = {
+    "OTEL_EXPORTER_OTLP_ENDPOINT": "",
+    "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+    "OTEL_EXPORTER_OTLP_HEADERS": "",
+}
 
 
 def rlship_services(services: dict) -> dict:
@@ -51,7 +57,7 @@ def test_the_profile_is_off_by_default_and_tracing_with_it() -> None:
     assert not PROFILE & set(services)
     for name, service in rlship_services(services).items():
         tracing = {variable: service["environment"][variable] for variable in OTEL}
-        assert tracing == dict.fromkeys(OTEL, ""), name
+        assert tracing == UNSET, name
     # `--profile observability` alone starts the services; tracing needs the endpoint set.
     profiled = compose(profiles=("observability",))["services"]
     assert set(profiled) >= PROFILE

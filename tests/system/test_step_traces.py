@@ -6,15 +6,24 @@ here: the stage graph as docs/observability.md draws it, not `tasks.graph`."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 
 import pytest
 
+from orchestrator.step_traces import StepTraces
+from tasks.cohort import Cohort
 from tasks.faults import arm
+from tasks.manifest import ShipConfig, StepManifest
+from tasks.tracing import GRPC_EXPORTER
+from tasks.tracing import _installed as tracing_installed
 from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan
-from tests.support.processes import Workers, running_workers, wait_for
+from tests.support.processes import Workers, refused, rlship, running_workers, wait_for
 from tests.support.shiprun import deterministic_run, ship
+from transport.connection import connect_redis_async
 from transport.keys import RunKeys
 
 pytestmark = pytest.mark.timeout(180)
@@ -148,7 +157,62 @@ def test_every_step_has_one_trace_with_every_stage_span_of_every_rank(
     roots = [s for trace in traces.values() for s in by_trace[trace[0]] if s.name == "rlship.step"]
     linked = [link for root in roots for link in root.links]
     assert linked, "no root links to a prepare span"
-    for link in linked:
-        assert link in prepares, f"a root links to {link}, not a prepare span"
-        worker_side = [s for s in by_trace[link[0]] if s.parent_id == link[1]]
-        assert [s.name for s in worker_side] == ["rlship.prepare"], "the worker's span: its child"
+    assert all(link in prepares for link in linked), "a root links to something else than a prepare"
+    # The orchestrator's enqueue span is the parent of the worker's (whose span leaves with
+    # that process's next stage task: the last prepare of a process may not have yet).
+    workers_prepares = [s for link in linked for s in by_trace[link[0]] if s.parent_id == link[1]]
+    assert workers_prepares and {s.name for s in workers_prepares} == {"rlship.prepare"}
+    assert {s.resource["rlship.role"] for s in workers_prepares} == {"worker"}
+
+
+@pytest.mark.timeout(60)
+def test_rlship_run_refuses_in_one_line_when_its_processes_could_not_trace(tmp_path):
+    if tracing_installed(GRPC_EXPORTER):
+        pytest.skip("the gRPC exporter is installed here")
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+    done = rlship("run", "--steps", "1", "--output-dir", str(tmp_path), env=env)
+    refused(done, "opentelemetry-exporter-otlp-proto-grpc")
+
+
+def test_a_root_taken_back_or_abandoned_ends_with_an_error(receiver, monkeypatch):
+    """A cut taken back (every rollout dropped) ends its root with an error status, and so
+    does a run that stops with steps in flight; the status says which."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+    run_id = f"roots-{uuid.uuid4().hex[:8]}"
+    traces = StepTraces(run_id)
+    for step in (5, 6):
+        config = ShipConfig(ranks=2, seq_len=512)
+        manifest = StepManifest(run_id, step, step - 1, time.time(), config, Cohort(), Cohort())
+        assert traces.open(manifest, policy_version=3) is not None
+    traces.end(5, "every rollout dropped: the cut is taken back")
+    traces.close()
+
+    def roots() -> dict[int, ReceivedSpan]:
+        found = receiver.received()
+        return {s.attributes["rlship.step"]: s for s in found if s.attributes.get("rlship.run_id") == run_id}
+
+    ended = wait_for("both roots", lambda: len(roots()) == 2 and roots())
+    assert ended[5].status_code == ended[6].status_code == ERROR
+    assert ended[5].trace_id != ended[6].trace_id
+
+
+def test_a_resuming_orchestrator_enqueues_a_steps_tasks_in_the_trace_its_predecessor_opened(
+    client, redis_url, run_id, receiver, monkeypatch
+):
+    """The root of a step in flight goes with a killed orchestrator; the next one reads the
+    step's `traceparent` from Redis, and the tasks it enqueues again carry it."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+    stored = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    client.set(RunKeys(run_id).trace(7), stored, ex=60)
+    traces = StepTraces(run_id)
+
+    async def resume() -> None:
+        redis_async = connect_redis_async(redis_url)
+        try:
+            await traces.resume(redis_async, [7, 8])
+        finally:
+            await redis_async.aclose()
+
+    asyncio.run(resume())
+    assert traces.headers(7) == {"traceparent": stored}
+    assert traces.headers(8) == {}, "a step without a stored trace carries none"

@@ -29,6 +29,7 @@ import redis
 from orchestrator.commands.bench.cpu import CpuSampler
 from orchestrator.commands.bench.memory import DirectoryBytes, MemoryLimitReached, MemoryWatch, RedisMemory
 from orchestrator.commands.bench.moe import Rollout, StepCache, Variant, routed_experts_as
+from orchestrator.commands.bench.otlp_sink import OtlpSink
 from orchestrator.commands.bench.placements import StepBatch
 from orchestrator.commands.processes import (
     ProcessGroup,
@@ -180,6 +181,9 @@ def _run_placement(
 ) -> dict[str, Any]:
     placement, log_dir = variant.placement, Path(settings.output_dir)
     group = ProcessGroup(env=settings_to_env(settings), log_dir=log_dir)
+    sink = OtlpSink() if placement == "celery-traced" else None
+    if sink is not None:  # every process of the placement traces, as `rlship run`'s would
+        group.env = {**group.env, "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint}
     spec, result = log_dir / "spec.json", log_dir / "result.json"
     deadline = time.monotonic() + args.timeout
     client = connect_redis(settings.redis_url)
@@ -262,6 +266,7 @@ def _run_placement(
             _stop_memory(memory, directories)
         decoded.stop()
         group.stop_all()
+        otlp = sink.stop() if sink is not None else None
         if server is None:  # a server of the placement's own goes with everything in it
             delete_run_keys(settings)
         settings.run_rows().remove_all()  # what a failed run left (a finished one removed its own)
@@ -282,6 +287,7 @@ def _run_placement(
         "cpu": cpu,
         "idle_seconds": idle,
         **memory_figures,
+        **({"otlp_received": otlp} if otlp is not None else {}),
     }
 
 
