@@ -11,7 +11,9 @@ has seconds of data, so every range window (`[5m]`, `[$__rate_interval]`) is set
 query must show a number at some point of the run; each alert expression must be empty at
 every point, every series an alert reads must exist (a misnamed one would keep it silent for
 ever), and Prometheus' own evaluation of the loaded rules must never have made an alert
-pending or firing (its ALERTS series)."""
+pending or firing (its ALERTS series). The orchestrator runs as a process of its own, tracing
+to a real OTLP receiver: the exemplars of the stage panel's queries must be trace ids of the
+run's steps."""
 
 from __future__ import annotations
 
