@@ -199,8 +199,11 @@ class Orchestrator:
         await self.releases.schedule(step)
 
     async def step_released(self, step: int) -> None:
-        """A step is released: its tasks' seconds go into the endpoint's histograms."""
-        self.step_metrics.observe_step(step, await take_step_seconds(self.client, self.keys, step))
+        """A step is released: its tasks' seconds go into the endpoint's histograms, with the
+        step's trace id as their exemplar when it is traced."""
+        trace_id = self.publisher.traces.trace_id(step)
+        seconds = await take_step_seconds(self.client, self.keys, step)
+        self.step_metrics.observe_step(step, seconds, {"trace_id": trace_id} if trace_id else None)
 
     # -- the run's start and end -----------------------------------------------------
 

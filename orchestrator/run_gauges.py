@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from orchestrator.settings import RunSettings
+from tasks.graph import STAGE_NAMES
 from transport.keys import RunKeys
 from transport.task_metrics import queue_wait_histograms
 
@@ -84,7 +85,10 @@ class RunGauges:
         waits, failures, idle, flow, produced, published_at = pipe.execute()
         memory = self.client.info("memory")
         yield self._queue_waits(waits)
-        yield self._labelled("rlship_task_failures", "stage", _decoded(failures))
+        # Every stage from 0: a first failure is then a rise that increase() and the alert see
+        # (a series' first sample is none), and the board has each stage's line from the start.
+        failed = {**dict.fromkeys(STAGE_NAMES, 0.0), **_decoded(failures)}
+        yield self._labelled("rlship_task_failures", "stage", failed)
         yield self._labelled("rlship_trainer_idle_seconds", "rank", _decoded(idle))
         flows = _decoded(flow)
         values: dict[str, float | None] = {

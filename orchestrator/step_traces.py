@@ -99,6 +99,11 @@ class StepTraces:
         parent = self.parents.get(step)
         return {tracing.TRACEPARENT: parent} if parent else {}
 
+    def trace_id(self, step: int) -> str | None:
+        """The 32 hex digits of step `step`'s trace, while its context is kept (its stage
+        histograms' exemplar: `trace_id`, as Grafana's exemplar link to Jaeger reads it)."""
+        return tracing.trace_id_of(self.parents.get(step))
+
     async def resume(self, client: aioredis.Redis, steps: Iterable[int]) -> None:
         """The trace contexts of steps a previous orchestrator cut (their roots went with it):
         the tasks enqueued again for them stay in their traces."""

@@ -175,7 +175,8 @@ def test_every_metric_of_a_live_run_and_its_values_after(
                 break
             time.sleep(0.2)
         assert waited == started and started["cpu"] > STEPS * 7, (waited, events.counts())
-        assert values(families["rlship_task_failures"], "rlship_task_failures_total") == {}
+        failures = values(families["rlship_task_failures"], "rlship_task_failures_total", "stage")
+        assert failures == dict.fromkeys(STAGE_NAMES, 0), failures  # every stage, from 0
 
         idle = values(families["rlship_trainer_idle_seconds"], "rlship_trainer_idle_seconds_total", "rank")
         assert set(idle) == {"0", "1"} and all(seconds > 0 for seconds in idle.values()), idle
@@ -218,7 +219,7 @@ def test_a_worker_killed_mid_task_counts_one_failure_of_its_stage(
     families, _, endpoint = finished_endpoint_samples(result, settings)
     endpoint.close()
     failures = values(families["rlship_task_failures"], "rlship_task_failures_total", "stage")
-    assert failures == {"pack": 1}, failures
+    assert failures == {**dict.fromkeys(STAGE_NAMES, 0), "pack": 1}, failures
     # The stage's seconds are still observed once per step: those of the delivery that marked it.
     counts, _ = histogram(families, "rlship_stage_duration_seconds", "stage")
     assert counts == dict.fromkeys(STAGE_NAMES, settings.steps), counts
@@ -251,4 +252,4 @@ def test_a_task_that_raises_counts_one_failure_of_its_stage(
     families, _, endpoint = finished_endpoint_samples(result, settings)
     endpoint.close()
     failures = values(families["rlship_task_failures"], "rlship_task_failures_total", "stage")
-    assert failures == {"prune": 1}, failures
+    assert failures == {**dict.fromkeys(STAGE_NAMES, 0), "prune": 1}, failures
