@@ -33,13 +33,13 @@ _COMMANDS: dict[str, str] = {
         "incrbyfloat hget "
         "hgetall hset hsetnx hdel hincrby hincrbyfloat hmget hkeys hlen hexists sadd srem smembers scard "
         "sismember zadd zrem zrange zrangebyscore zscore zcard xadd xrange xlen lpush rpush lpop rpop "
-        "brpop llen lrange publish subscribe psubscribe unsubscribe punsubscribe scan"
+        "brpop llen lrange ltrim publish subscribe psubscribe unsubscribe punsubscribe scan"
     ),
     "orchestrator": (
         "get mget strlen set del unlink exists expire pexpire ttl time incr incrby decrby hget hgetall "
         "hset hdel hexists hincrby "
         "hmget hkeys hlen sadd srem smembers scard zadd zrem zrange zrangebyscore zcard xadd xrange "
-        "xrevrange xread xlen xtrim lpush rpush llen lrange brpop publish subscribe psubscribe "
+        "xrevrange xread xlen xtrim lpush lpop rpush llen lrange ltrim brpop publish subscribe psubscribe "
         "unsubscribe punsubscribe scan"
     ),
     "trainer": (

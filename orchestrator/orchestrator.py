@@ -65,6 +65,7 @@ from orchestrator.resume import resumed, stored_form
 from orchestrator.rollout_log import RolloutLog
 from orchestrator.run_info import RunInfo
 from orchestrator.settings import RunSettings
+from orchestrator.span_relay import SpanRelay
 from orchestrator.step_metrics import StepMetrics, take_step_seconds
 from orchestrator.watchdog import StallWatchdog
 from tasks.app import use_redis
@@ -242,7 +243,19 @@ class Orchestrator:
         )
 
     async def run(self) -> dict[str, Any]:
-        """Ship `settings.steps` steps (counting from where the run left off); return a summary."""
+        """Ship `settings.steps` steps (counting from where the run left off); return a summary.
+        With tracing on over OTLP/HTTP, the workers' spans are relayed meanwhile, and what is
+        left of them when it ends before it returns (`orchestrator.span_relay`)."""
+        relay = SpanRelay.for_run(self.settings.redis_url, self.settings.run_id)
+        if relay is not None:
+            relay.start()
+        try:
+            return await self._ship()
+        finally:
+            if relay is not None:
+                await asyncio.to_thread(relay.stop)
+
+    async def _ship(self) -> dict[str, Any]:
         started = time.perf_counter()
         self.follower.open()
         lease = asyncio.create_task(self.lease.hold())

@@ -19,8 +19,10 @@ enqueues its successors under its own span, so a fan-in (publish) is the child o
 that completed it. A message that already carries a `traceparent` keeps it: a Celery retry
 and a redelivery after a killed worker are siblings of the first attempt, in the same trace.
 
-A worker exports the spans of each task when the task ends (`TaskEndExport`), so a worker
-killed later loses only the span of the task it was running.
+A pool process hands the spans of each task on when the task ends, so one killed later
+loses only the span of the task it was running: over OTLP/HTTP it pushes them onto the
+run's span list in Redis (`TaskEndPush`, `hold_spans`), which the orchestrator relays to the
+collector (`orchestrator.span_relay`); over gRPC it exports them itself (`TaskEndExport`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from tasks.graph import STAGE
 from transport.keys import RunKeys
+from transport.store import DEFAULT_TTL_SECONDS
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -53,6 +56,9 @@ GRPC_PACKAGE = "opentelemetry-exporter-otlp-proto-grpc"
 # not answer delays one task by this, then none until it answers again
 # (`tasks.tracing_sdk.TaskEndExport.flush`).
 TASK_END_EXPORT_WAIT_SECONDS = 2.0
+# Entries (a task's spans each, 1-3 KiB) a run's span list holds while nobody relays them
+# (the orchestrator down, the collector not answering); past it the oldest are dropped.
+SPANS_HELD_MAX = 20_000
 
 
 def enabled() -> bool:
@@ -88,7 +94,42 @@ def problem() -> str | None:
     if not _installed(GRPC_EXPORTER if chosen == "grpc" else HTTP_EXPORTER):
         package = GRPC_PACKAGE if chosen == "grpc" else "opentelemetry-exporter-otlp-proto-http"
         return f"OTEL_EXPORTER_OTLP_PROTOCOL={chosen} needs the package {package} ({EXTRA})"
+    if chosen == "http/protobuf":  # the orchestrator relays the workers' spans (`tasks.otlp_target`)
+        from tasks.otlp_target import otlp_http_target
+
+        try:
+            otlp_http_target(os.environ)
+        except ValueError as bad:
+            return str(bad)
     return None
+
+
+def hold_spans(client: Any, run_id: str, entries: list[bytes], *, oldest: bool = False) -> int:
+    """Put encoded spans (OTLP `ExportTraceServiceRequest`s) on run `run_id`'s span list, at
+    its end (or its start with `oldest`: a batch the relay gives back), in one transaction
+    that keeps the newest `SPANS_HELD_MAX` and renews its expiry; the entries dropped are
+    counted in `RunKeys.spans_dropped`. Returns how many. A sync redis-py client."""
+    keys = RunKeys(run_id)
+    pipe = client.pipeline(transaction=True)
+    if oldest:
+        pipe.lpush(keys.spans, *reversed(entries))
+    else:
+        pipe.rpush(keys.spans, *entries)
+    pipe.ltrim(keys.spans, -SPANS_HELD_MAX, -1)
+    pipe.expire(keys.spans, DEFAULT_TTL_SECONDS)
+    dropped = max(0, int(pipe.execute()[0]) - SPANS_HELD_MAX)
+    if dropped:
+        count_dropped_spans(client, run_id, dropped)
+    return dropped
+
+
+def count_dropped_spans(client: Any, run_id: str, dropped: int) -> None:
+    keys = RunKeys(run_id)
+    pipe = client.pipeline(transaction=True)
+    pipe.incrby(keys.spans_dropped, dropped)
+    pipe.expire(keys.spans_dropped, DEFAULT_TTL_SECONDS)
+    pipe.execute()
+    log.warning("rlship: %d entries of run %s's span list dropped", dropped, run_id)
 
 
 # -- the SDK, once per process (`tasks.tracing_sdk`, imported only when tracing is on) ------
@@ -246,9 +287,9 @@ def _end(task_id: str | None = None, state: str | None = None, retval: Any = Non
         otel_context.detach(token)
     processor = tracing("worker").task_end
     # A stage task's spans leave now; a prepare span (its own trace, not a step's) goes with
-    # the next stage task's: one request less per prepare, a step's count of requests as it was.
+    # the next stage task's: one push (or request) less per prepare.
     if processor is not None and STAGE.get(span_.name.removeprefix("rlship.")) is not None:
-        processor.flush(TASK_END_EXPORT_WAIT_SECONDS)
+        processor.task_ended(str(span_.attributes.get("rlship.run_id", "")))
 
 
 def _set_up(**_: Any) -> None:
@@ -260,7 +301,7 @@ def _flush_at_exit(**_: Any) -> None:
     """worker_process_shutdown: what is still queued (prepare spans) leaves with the process."""
     found = _tracing.get(os.getpid())
     if found is not None and found.task_end is not None:
-        found.task_end.flush(TASK_END_EXPORT_WAIT_SECONDS)
+        found.task_end.process_exit()
 
 
 _worker_tracing = False

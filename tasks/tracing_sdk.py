@@ -1,6 +1,8 @@
 """The OpenTelemetry SDK side of `tasks.tracing`, imported only when tracing is on: a
 process's tracer provider (resource, sampler and exporter from the standard `OTEL_*`
-variables) and the span processor of Celery pool processes."""
+variables) and the span processors of Celery pool processes: `TaskEndPush` (OTLP over
+HTTP: each task's spans into the run's span list in Redis, relayed by the orchestrator) and
+`TaskEndExport` (gRPC: each task's spans exported by the pool process itself)."""
 
 from __future__ import annotations
 
@@ -11,15 +13,71 @@ import threading
 from typing import Any
 
 from opentelemetry.context import Context
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, Tracer, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-from tasks.tracing import TASK_END_EXPORT_WAIT_SECONDS, protocol
+from tasks.tracing import TASK_END_EXPORT_WAIT_SECONDS, hold_spans, protocol
 
 log = logging.getLogger("rlship.tracing")
 
 QUEUED_SPANS_MAX = 4096
+
+
+class TaskEndPush(SpanProcessor):
+    """A span processor for Celery pool processes (OTLP over HTTP): at the end of each
+    stage task its ended spans are encoded as one OTLP `ExportTraceServiceRequest` and
+    pushed onto the run's span list in Redis (`RunKeys.spans`, one transaction), from which
+    the orchestrator relays them (`orchestrator.span_relay`). They are out of the process
+    before its next task starts, as with `TaskEndExport`, for an encode and one Redis round
+    trip instead of an HTTP request. Redis not answering keeps them here for the next push."""
+
+    def __init__(self) -> None:
+        self._spans: list[ReadableSpan] = []
+        self._lock = threading.Lock()
+        self._run_id: str | None = None  # of the last push: where spans left at exit go
+        self._failing = False
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        return None
+
+    def on_end(self, span: ReadableSpan) -> None:
+        with self._lock:
+            if len(self._spans) < QUEUED_SPANS_MAX:
+                self._spans.append(span)
+
+    def task_ended(self, run_id: str) -> None:
+        """Push the ended spans onto run `run_id`'s span list."""
+        from tasks.context import redis_client
+
+        self._run_id = run_id
+        with self._lock:
+            spans, self._spans = self._spans, []
+        if not spans:  # nothing recorded (a step not sampled)
+            return
+        try:
+            hold_spans(redis_client(), run_id, [encode_spans(spans).SerializeToString()])
+        except Exception:  # a push's error must never reach a task: the spans wait here
+            if not self._failing:
+                log.exception("pushing %d spans to Redis failed; they wait for the next push", len(spans))
+            self._failing = True
+            with self._lock:
+                self._spans[:0] = spans[: max(0, QUEUED_SPANS_MAX - len(self._spans))]
+            return
+        self._failing = False
+
+    def process_exit(self) -> None:
+        """The process stops: what is still here (prepare spans) goes to the last run's list."""
+        if self._run_id is not None:
+            self.task_ended(self._run_id)
+
+    def shutdown(self) -> None:
+        self.process_exit()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        self.process_exit()
+        return True
 
 
 class TaskEndExport(SpanProcessor):
@@ -76,6 +134,12 @@ class TaskEndExport(SpanProcessor):
             finally:
                 self._exported.set()
 
+    def task_ended(self, run_id: str) -> None:
+        self.flush(TASK_END_EXPORT_WAIT_SECONDS)
+
+    def process_exit(self) -> None:
+        self.flush(TASK_END_EXPORT_WAIT_SECONDS)
+
     def shutdown(self) -> None:
         self.flush(TASK_END_EXPORT_WAIT_SECONDS)
         self._stopped = True
@@ -98,9 +162,10 @@ def _exporter() -> SpanExporter:
 
 class Tracing:
     """This process's tracer provider, its tracer and, in a Celery pool process, the
-    processor flushed at each task's end; unless the operator set `OTEL_BSP_SCHEDULE_DELAY`:
-    then it batches on that timer as the SDK's batch processor does (one request a delay
-    instead of one a task, and a killed pool process loses the spans it had not sent)."""
+    processor called at each task's end (`task_end`: `TaskEndPush`, or `TaskEndExport` for
+    gRPC); unless the operator set `OTEL_BSP_SCHEDULE_DELAY`: then it batches on that timer
+    as the SDK's batch processor does (one request a delay, and a killed pool process loses
+    the spans it had not sent)."""
 
     def __init__(self, role: str) -> None:
         attributes: dict[str, Any] = {
@@ -114,9 +179,9 @@ class Tracing:
         if not named:
             attributes["service.name"] = f"rlship-{role}"
         self.provider = TracerProvider(resource=Resource.create(attributes))
-        self.task_end: TaskEndExport | None = None
+        self.task_end: TaskEndPush | TaskEndExport | None = None
         if role == "worker" and not os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "").strip():
-            self.task_end = TaskEndExport(_exporter())
+            self.task_end = TaskEndExport(_exporter()) if protocol() == "grpc" else TaskEndPush()
             self.provider.add_span_processor(self.task_end)
         else:
             self.provider.add_span_processor(BatchSpanProcessor(_exporter()))

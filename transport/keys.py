@@ -286,6 +286,20 @@ class RunKeys:
         id in one read. Outside the step's keys, so it outlives the step's release."""
         return self.run_key(f"trace:{step}")
 
+    @property
+    def spans(self) -> str:
+        """The run's finished spans on their way to the OTLP collector: each entry one task's
+        spans as an OTLP `ExportTraceServiceRequest`, pushed by the pool process that ran it
+        (`tasks.tracing_sdk.TaskEndPush`), oldest first, relayed by the orchestrator
+        (`orchestrator.span_relay`); at most `tasks.tracing_sdk.SPANS_HELD_MAX` entries."""
+        return self.run_key("spans")
+
+    @property
+    def spans_dropped(self) -> str:
+        """How many entries of `spans` were dropped: the oldest past its cap, or a batch the
+        collector refused for good."""
+        return self.run_key("spans_dropped")
+
     # The tasks' bookkeeping.
 
     @property
