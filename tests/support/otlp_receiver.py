@@ -39,9 +39,10 @@ def _attributes(pairs: Any) -> dict[str, Any]:
 
 @dataclass
 class OtlpReceiver:
-    """Listening on 127.0.0.1 from `start` to `stop`; `endpoint` is what
-    OTEL_EXPORTER_OTLP_ENDPOINT is set to (the exporter appends /v1/traces)."""
+    """Listening on 127.0.0.1 (on `port`, or any free one) from `start` to `stop`;
+    `endpoint` is what OTEL_EXPORTER_OTLP_ENDPOINT is set to (the exporter appends /v1/traces)."""
 
+    port: int = 0
     spans: list[ReceivedSpan] = field(default_factory=list)
     requests: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -71,7 +72,7 @@ class OtlpReceiver:
             def log_message(self, *args: Any) -> None:
                 return None
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
         return self
 

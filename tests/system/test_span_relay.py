@@ -1,0 +1,149 @@
+"""The workers' spans wait in Redis until the orchestrator's relay gets them to the collector
+(docs/observability.md, Traces): real Redis, a real process that ends its tasks as a Celery
+pool process does (the task signals' handlers, its spans pushed at each task's end), a real
+OTLP/HTTP receiver that is down, then up on the same port. The oracle is what the docs say:
+nothing reaches a collector that is down, nothing is lost while it is, every span of every
+task arrives once it is up (under its own process's resource), whichever orchestrator is
+relaying by then; past the list's cap the oldest entries go, counted."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+
+import pytest
+
+from orchestrator.span_relay import SpanRelay
+from tasks.otlp_target import otlp_http_target
+from tasks.tracing import SPANS_HELD_MAX, hold_spans
+from tests.support.otlp_receiver import OtlpReceiver
+from tests.support.processes import REPO, free_port, wait_for
+from transport.keys import RunKeys
+
+pytestmark = pytest.mark.timeout(120)
+
+TASKS = 12
+
+# A process running `TASKS` send tasks (each with its `rlship.zmq_send` span inside) through
+# the handlers a pool process's task signals call; prints its pid.
+TASK_PROCESS = textwrap.dedent(
+    """
+    import os, sys
+    from celery.app.task import Context
+    from tasks import tracing
+
+    run_id, tasks = sys.argv[1], int(sys.argv[2])
+    tracing._worker_tracing = True  # as `connect_celery` sets it in a worker
+
+    class Task:
+        name = "rlship.send"
+
+    task = Task()
+    for index in range(tasks):
+        task.request = Context(id=f"task-{index}", retries=0, delivery_info={}, hostname="relay@test")
+        tracing._start(task_id=task.request.id, task=task, args=[run_id, index, 0])
+        with tracing.span("rlship.zmq_send", **{"rlship.step": index, "rlship.rank": 0}):
+            pass
+        tracing._end(task_id=task.request.id, state="SUCCESS")
+    print(os.getpid())
+    """
+)
+
+
+def run_tasks(redis_url: str, run_id: str, endpoint: str) -> int:
+    """Run the tasks in a process of their own (pointed at `endpoint`); its pid."""
+    env = {"PYTHONPATH": str(REPO), "REDIS_URL": redis_url, "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}
+    done = subprocess.run(
+        [sys.executable, "-c", TASK_PROCESS, run_id, str(TASKS)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.split()[-1])
+
+
+def spans_of(receiver: OtlpReceiver, run_id: str) -> Counter:
+    """(span name, step, the sending process's pid) -> how many arrived, of this run."""
+    return Counter(
+        (s.name, s.attributes.get("rlship.step"), s.resource.get("process.pid"))
+        for s in receiver.received()
+        if s.attributes.get("rlship.run_id") == run_id or s.name == "rlship.zmq_send"
+    )
+
+
+def expected(pid: int) -> Counter:
+    return Counter(
+        {(name, step, pid): 1 for step in range(TASKS) for name in ("rlship.send", "rlship.zmq_send")}
+    )
+
+
+def relay(redis_url: str, run_id: str, endpoint: str) -> SpanRelay:
+    return SpanRelay(redis_url, run_id, otlp_http_target({"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}))
+
+
+def test_spans_wait_in_redis_while_the_collector_is_down_and_reach_it_once_it_is_up(
+    client, redis_url, run_id
+):
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    key = RunKeys(run_id).spans
+    pid = run_tasks(redis_url, run_id, endpoint)
+    # Pushed at each task's end: in Redis, the process gone, no orchestrator relaying yet.
+    assert client.llen(key) == TASKS
+    assert 0 < client.ttl(key) <= 24 * 3600
+
+    running = relay(redis_url, run_id, endpoint).start()
+    receiver = OtlpReceiver(port=port)
+    try:
+        # The relay takes a batch, the collector does not answer, the batch goes back.
+        wait_for("a relay attempt", lambda: running._failing, timeout=30)
+        assert client.llen(key) == TASKS and running.relayed == 0
+        receiver.start()
+        wait_for("every task's spans", lambda: spans_of(receiver, run_id) == expected(pid), timeout=30)
+        wait_for("the list emptied", lambda: client.llen(key) == 0, timeout=10)
+        assert running.relayed == TASKS
+    finally:
+        running.stop()
+        receiver.stop()
+    assert spans_of(receiver, run_id) == expected(pid), "a span arrived twice"
+    assert client.get(RunKeys(run_id).spans_dropped) is None
+
+
+def test_what_an_orchestrator_could_not_relay_the_next_one_sends_before_it_exits(client, redis_url, run_id):
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    pid = run_tasks(redis_url, run_id, endpoint)
+    first = relay(redis_url, run_id, endpoint).start()
+    wait_for("a relay attempt", lambda: first._failing, timeout=30)
+    first.stop()  # the run ends with the collector down: the spans stay for the next one
+    assert client.llen(RunKeys(run_id).spans) == TASKS and first.relayed == 0
+
+    second = relay(redis_url, run_id, endpoint).start()
+    wait_for("a relay attempt", lambda: second._failing, timeout=30)  # now waiting to try again
+    receiver = OtlpReceiver(port=port).start()
+    try:
+        second.stop()  # its run ends: what is left goes before it returns
+        assert spans_of(receiver, run_id) == expected(pid)
+        assert client.llen(RunKeys(run_id).spans) == 0
+    finally:
+        receiver.stop()
+
+
+def test_past_the_cap_the_oldest_entries_go_and_are_counted(client, run_id):
+    keys = RunKeys(run_id)
+    entries = [f"entry-{index}".encode() for index in range(SPANS_HELD_MAX + 4)]
+    assert hold_spans(client, run_id, entries[: SPANS_HELD_MAX - 1]) == 0
+    assert hold_spans(client, run_id, entries[SPANS_HELD_MAX - 1 :]) == 4
+    assert client.llen(keys.spans) == SPANS_HELD_MAX
+    assert client.lindex(keys.spans, 0) == b"entry-4" and client.lindex(keys.spans, -1) == entries[-1]
+    assert int(client.get(keys.spans_dropped)) == 4
+    # A batch given back goes before the rest, and pushes the oldest out too.
+    assert hold_spans(client, run_id, [b"given-back-0", b"given-back-1"], oldest=True) == 2
+    assert client.lrange(keys.spans, 0, 1) == [b"entry-4", b"entry-5"]
+    assert int(client.get(keys.spans_dropped)) == 6
+    assert 0 < client.ttl(keys.spans_dropped) <= 24 * 3600
