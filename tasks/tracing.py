@@ -104,32 +104,54 @@ def problem() -> str | None:
     return None
 
 
+# Put a task's encoded spans on the run's span list (KEYS[1]) at its end, or a batch given
+# back at its start (ARGV[3] == "1", the entries in reverse), renew its expiry (ARGV[2]),
+# and keep its newest ARGV[1] entries, counting those dropped in KEYS[2]: one round trip.
+HOLD_SPANS_LUA = """
+local cap, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+local push = ARGV[3] == '1' and 'LPUSH' or 'RPUSH'
+local length = 0
+for first = 4, #ARGV, 1000 do  -- unpack's limit: a thousand at a time
+  length = redis.call(push, KEYS[1], unpack(ARGV, first, math.min(first + 999, #ARGV)))
+end
+redis.call('EXPIRE', KEYS[1], ttl)
+if length <= cap then
+  return 0
+end
+redis.call('LTRIM', KEYS[1], -cap, -1)
+redis.call('INCRBY', KEYS[2], length - cap)
+redis.call('EXPIRE', KEYS[2], ttl)
+return length - cap
+"""
+_hold_spans_script: Any = None
+
+
 def hold_spans(client: Any, run_id: str, entries: list[bytes], *, oldest: bool = False) -> int:
     """Put encoded spans (OTLP `ExportTraceServiceRequest`s) on run `run_id`'s span list, at
-    its end (or its start with `oldest`: a batch the relay gives back), in one transaction
-    that keeps the newest `SPANS_HELD_MAX` and renews its expiry; the entries dropped are
-    counted in `RunKeys.spans_dropped`. Returns how many. A sync redis-py client."""
+    its end (or its start with `oldest`: a batch the relay gives back), keeping its newest
+    `SPANS_HELD_MAX` and renewing its expiry; the entries dropped are counted in
+    `RunKeys.spans_dropped`. Returns how many. A sync redis-py client."""
+    global _hold_spans_script
+    if _hold_spans_script is None:
+        _hold_spans_script = client.register_script(HOLD_SPANS_LUA)
     keys = RunKeys(run_id)
-    pipe = client.pipeline(transaction=True)
-    if oldest:
-        pipe.lpush(keys.spans, *reversed(entries))
-    else:
-        pipe.rpush(keys.spans, *entries)
-    pipe.ltrim(keys.spans, -SPANS_HELD_MAX, -1)
-    pipe.expire(keys.spans, DEFAULT_TTL_SECONDS)
-    dropped = max(0, int(pipe.execute()[0]) - SPANS_HELD_MAX)
+    values = list(reversed(entries)) if oldest else entries
+    flags = [SPANS_HELD_MAX, DEFAULT_TTL_SECONDS, int(oldest)]
+    dropped = int(
+        _hold_spans_script(keys=[keys.spans, keys.spans_dropped], args=[*flags, *values], client=client)
+    )
     if dropped:
-        count_dropped_spans(client, run_id, dropped)
+        log.warning("rlship: %d entries of run %s's span list dropped (past its cap)", dropped, run_id)
     return dropped
 
 
 def count_dropped_spans(client: Any, run_id: str, dropped: int) -> None:
+    """Count `dropped` entries of the run's span list as dropped (refused by the collector)."""
     keys = RunKeys(run_id)
     pipe = client.pipeline(transaction=True)
     pipe.incrby(keys.spans_dropped, dropped)
     pipe.expire(keys.spans_dropped, DEFAULT_TTL_SECONDS)
     pipe.execute()
-    log.warning("rlship: %d entries of run %s's span list dropped", dropped, run_id)
 
 
 # -- the SDK, once per process (`tasks.tracing_sdk`, imported only when tracing is on) ------

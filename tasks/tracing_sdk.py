@@ -165,9 +165,10 @@ class Tracing:
     processor called at each task's end (`task_end`: `TaskEndPush`, or `TaskEndExport` for
     gRPC); unless the operator set `OTEL_BSP_SCHEDULE_DELAY`: then it batches on that timer
     as the SDK's batch processor does (one request a delay, and a killed pool process loses
-    the spans it had not sent)."""
+    the spans it had not sent). `task_end` chooses for the bench: `push`, `export`, or None
+    for the batch processor."""
 
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, task_end: str | None = "default") -> None:
         attributes: dict[str, Any] = {
             "process.pid": os.getpid(),
             "host.name": socket.gethostname(),
@@ -179,9 +180,12 @@ class Tracing:
         if not named:
             attributes["service.name"] = f"rlship-{role}"
         self.provider = TracerProvider(resource=Resource.create(attributes))
+        if task_end == "default":
+            timer = os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "").strip()
+            task_end = None if role != "worker" or timer else "export" if protocol() == "grpc" else "push"
         self.task_end: TaskEndPush | TaskEndExport | None = None
-        if role == "worker" and not os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "").strip():
-            self.task_end = TaskEndExport(_exporter()) if protocol() == "grpc" else TaskEndPush()
+        if task_end is not None:
+            self.task_end = TaskEndPush() if task_end == "push" else TaskEndExport(_exporter())
             self.provider.add_span_processor(self.task_end)
         else:
             self.provider.add_span_processor(BatchSpanProcessor(_exporter()))

@@ -1,14 +1,19 @@
 """`rlship bench tracing`: what tracing costs a stage task, measured on its own (BENCHMARKS.md,
 "Tracing"): CPU seconds of a process that runs `--tasks` tasks through `tasks.tracing`'s own
-handlers (the task's span, a send span inside it, the span's end and its export), with the
+handlers (the task's span, a send span inside it, the span's end and its hand-off), with the
 spans sent to a local OTLP/HTTP receiver that discards (`otlp_sink`, in this process: a
 collector's CPU is not the ship path's). Each mode runs in a fresh process, `--rounds` times,
-alternating:
+alternating, against a redis-server of the bench's own (its CPU counted too):
 
-- `task-end`: the default, each task's spans exported when it ends (one request a task);
+- `push`: the default over OTLP/HTTP, each task's spans encoded and pushed onto the run's
+  span list in Redis when it ends (`TaskEndPush`); then the orchestrator's relay
+  (`orchestrator.span_relay`) sends the list to the receiver, in the same process, counted;
+- `export`: each task's spans exported by the process when it ends, one request a task
+  (`TaskEndExport`: the default before the relay, and the gRPC path's today);
 - `timer`: `OTEL_BSP_SCHEDULE_DELAY` set, the SDK's batch processor on its timer.
 
-The process's CPU includes its export thread. Per step: the CPU a task times the stage
+The process's CPU includes its threads (export, relay); Redis's is the server's
+`used_cpu_sys` + `used_cpu_user` over the round. Per step: the CPU a task times the stage
 tasks of a step at `--ranks` (4 + 2 x ranks + 2: finalize, prune, metrics, pack, encode and
 send per rank, publish, release).
 
@@ -23,11 +28,18 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
+from pathlib import Path
+
+import redis
 
 from orchestrator.commands.bench.otlp_sink import OtlpSink
+from orchestrator.commands.sentinel_cluster import start_redis_server
+from transport.zmq_sockets import free_port_pair
 
-MODES = {"task-end": {}, "timer": {"OTEL_BSP_SCHEDULE_DELAY": "5000"}}
+MODES = ("push", "export", "timer")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,15 +50,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run_tasks(count: int) -> float:
-    """In the measured process: `count` encode tasks through the handlers; CPU seconds a task."""
+def run_tasks(count: int, mode: str) -> float:
+    """In the measured process: `count` send tasks through the handlers, their spans handed
+    on as `mode` says (and, `push`, relayed from Redis to the receiver); CPU seconds a task."""
     from celery.app.task import Context
 
+    from orchestrator.span_relay import SpanRelay
     from tasks import tracing
+    from tasks.app import redis_url
+    from tasks.otlp_target import otlp_http_target
     from tasks.tracing_sdk import Tracing
 
     class Task:
         name = "rlship.send"
+
+    run_id = f"bench-tracing-{uuid.uuid4().hex[:8]}"
 
     def one(task: Task, index: int) -> None:
         task.request = Context(
@@ -56,55 +74,83 @@ def run_tasks(count: int) -> float:
             hostname="bench@host",
             traceparent=f"00-{index + 1:032x}-{index + 1:016x}-01",
         )
-        tracing._start(task_id=task.request.id, task=task, args=["bench", index, 0])
+        tracing._start(task_id=task.request.id, task=task, args=[run_id, index, 0])
         with tracing.span("rlship.zmq_send", **{"rlship.step": index, "rlship.rank": 0}):
             pass
         tracing._end(task_id=task.request.id, state="SUCCESS")
 
     tracing._worker_tracing = True  # as `connect_celery` sets it in a worker
+    found = tracing._tracing[os.getpid()] = Tracing("worker", task_end=None if mode == "timer" else mode)
+    relay = SpanRelay(redis_url(), run_id, otlp_http_target(os.environ))
     task = Task()
-    one(task, 0)  # the set-up (SDK, exporter's connection) is not a task's
+    one(task, 0)  # the set-up (SDK, exporter's or Redis's connection) is not a task's
+    relay.relay_once()
     started = time.process_time()
     for index in range(1, count + 1):
         one(task, index)
-    found: Tracing = tracing.tracing("worker")
     found.provider.force_flush()
-    return (time.process_time() - started) / count
+    while relay.relay_once():  # the orchestrator's share (push)
+        pass
+    seconds = (time.process_time() - started) / count
+    relay.client.delete(relay.keys.spans)
+    return seconds
+
+
+def _redis_cpu(client: redis.Redis) -> float:
+    cpu = client.info("cpu")
+    return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
 
 
 def main(args: argparse.Namespace) -> int:
     if args.tasks < 1 or args.rounds < 1:
         raise SystemExit("rlship: --tasks and --rounds must be >= 1")
     sink = OtlpSink()
+    port = free_port_pair()
+    directory = Path(tempfile.mkdtemp(prefix="rlship-bench-tracing-"))
+    server = start_redis_server(directory, port)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
     per_task: dict[str, list[float]] = {mode: [] for mode in MODES}
+    redis_per_task: dict[str, list[float]] = {mode: [] for mode in MODES}
     try:
         for _ in range(args.rounds):
-            for mode, env in MODES.items():
-                child_env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, **env}
-                if not env:
-                    child_env.pop("OTEL_BSP_SCHEDULE_DELAY", None)
-                code = f"from {__name__} import run_tasks; print(run_tasks({args.tasks}))"
+            for mode in MODES:
+                child_env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "REDIS_URL": url}
+                child_env.pop("OTEL_BSP_SCHEDULE_DELAY", None)
+                if mode == "timer":
+                    child_env["OTEL_BSP_SCHEDULE_DELAY"] = "5000"
+                code = f"from {__name__} import run_tasks; print(run_tasks({args.tasks}, {mode!r}))"
+                before = _redis_cpu(client)
                 done = subprocess.run(
                     [sys.executable, "-c", code], env=child_env, capture_output=True, text=True, check=True
                 )
+                redis_per_task[mode].append((_redis_cpu(client) - before) / args.tasks)
                 per_task[mode].append(float(done.stdout.strip().splitlines()[-1]))
     finally:
         received = sink.stop()
+        client.close()
+        server.terminate()
+        server.wait(30)
     tasks_a_step = 4 + 2 * args.ranks + 2
     report = {
         "command": f"rlship bench tracing --tasks {args.tasks} --rounds {args.rounds} --ranks {args.ranks}",
         "cpu_ms_per_task": {
             mode: [round(s * 1000, 4) for s in seconds] for mode, seconds in per_task.items()
         },
+        "redis_cpu_ms_per_task": {
+            mode: [round(s * 1000, 4) for s in seconds] for mode, seconds in redis_per_task.items()
+        },
         "tasks_a_step": tasks_a_step,
         "otlp_received": received,
     }
     for mode, seconds in per_task.items():
         median = statistics.median(seconds) * 1000
+        redis_median = statistics.median(redis_per_task[mode]) * 1000
         rounds = ", ".join(f"{s * 1000:.3f}" for s in seconds)
+        total = median + redis_median
         print(
-            f"{mode}: {median:.3f} ms of CPU a task (median of {rounds}); "
-            f"{median * tasks_a_step:.1f} ms a step of {tasks_a_step} stage tasks ({args.ranks} ranks)"
+            f"{mode}: {median:.3f} ms of CPU a task (median of {rounds}) + {redis_median:.3f} ms of Redis's; "
+            f"{total * tasks_a_step:.1f} ms a step of {tasks_a_step} stage tasks ({args.ranks} ranks)"
         )
     print(json.dumps(report))
     return 0
