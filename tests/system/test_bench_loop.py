@@ -277,11 +277,15 @@ def test_celery_traced_beside_celery_reports_what_tracing_costs(tmp_path: Path) 
 
 
 def test_bench_tracing_reports_cpu_a_task_in_each_mode(capsys: pytest.CaptureFixture[str]) -> None:
-    """`rlship bench tracing`: each mode's CPU a task and a step, its spans received by the
-    bench's sink (so the measured processes did trace)."""
+    """`rlship bench tracing`: each mode's CPU a task (and its Redis's) and a step, its spans
+    received by the bench's sink (so the measured processes did trace)."""
     assert main(["bench", "tracing", "--tasks", "20", "--rounds", "1", "--ranks", "2"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(report["cpu_ms_per_task"]) == {"task-end", "timer"}
+    assert (
+        set(report["cpu_ms_per_task"]) == set(report["redis_cpu_ms_per_task"]) == {"push", "export", "timer"}
+    )
     assert all(len(v) == 1 and v[0] > 0 for v in report["cpu_ms_per_task"].values())
+    assert report["redis_cpu_ms_per_task"]["push"][0] > 0, "the push mode's spans went through Redis"
     assert report["tasks_a_step"] == 4 + 2 * 2 + 2
-    assert report["otlp_received"]["requests"] >= 21, "one request a task in task-end mode, at least"
+    # One request a task in export mode (and its set-up task's), one at least in push and timer.
+    assert report["otlp_received"]["requests"] >= 21 + 2
