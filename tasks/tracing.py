@@ -7,10 +7,11 @@ step's trace id is kept.
 Off unless `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set:
 then rlship imports no OpenTelemetry module and connects no signal handler; what the
 stages call (`span`) is a shared no-op. On, each process sets the SDK up on its first span
-(after a fork: a Celery pool process has its own exporter thread). OTLP over HTTP
+(after a fork: a Celery pool process sets up its own). OTLP over HTTP
 (`http/protobuf`, the default) or gRPC (`OTEL_EXPORTER_OTLP_PROTOCOL=grpc`, its exporter
 package installed); `OTEL_EXPORTER_OTLP_HEADERS`, `OTEL_TRACES_SAMPLER`, `OTEL_SERVICE_NAME`,
-`OTEL_RESOURCE_ATTRIBUTES` and the rest are read by the SDK as it documents them.
+`OTEL_RESOURCE_ATTRIBUTES` and the rest are read by the SDK as it documents them (and the
+exporter's by `tasks.otlp_target` for the orchestrator's relay).
 
 Parents (docs/observability.md, Traces): a task's span is the child of the span that
 enqueued it, whose W3C `traceparent` travels in the message's headers. The orchestrator
@@ -56,7 +57,7 @@ GRPC_PACKAGE = "opentelemetry-exporter-otlp-proto-grpc"
 # not answer delays one task by this, then none until it answers again
 # (`tasks.tracing_sdk.TaskEndExport.flush`).
 TASK_END_EXPORT_WAIT_SECONDS = 2.0
-# Entries (a task's spans each, 1-3 KiB) a run's span list holds while nobody relays them
+# Entries (a task's spans each, about 1 KiB) a run's span list holds while nobody relays them
 # (the orchestrator down, the collector not answering); past it the oldest are dropped.
 SPANS_HELD_MAX = 20_000
 

@@ -111,6 +111,8 @@ def test_spans_wait_in_redis_while_the_collector_is_down_and_reach_it_once_it_is
         running.stop()
         receiver.stop()
     assert spans_of(receiver, run_id) == expected(pid), "a span arrived twice"
+    # In one request: the tasks' requests concatenated are one, each with its resource.
+    assert receiver.requests == 1
     assert client.get(RunKeys(run_id).spans_dropped) is None
 
 
