@@ -64,6 +64,30 @@ def test_each_role_is_refused_another_runs_keys_and_commands_outside_its_list(se
             client.eval("return redis.call('GET', KEYS[1])", 1, RunKeys(run_b).run_marker)
 
 
+def test_the_span_list_is_pushed_by_workers_and_relayed_by_the_orchestrator_as_their_users(server) -> None:
+    """Tracing's span list (docs/observability.md, Where the spans go): a worker pushes past
+    the cap (the script trims and counts), the orchestrator pops, gives a batch back and
+    counts a refused one, each as its role's user."""
+    from tasks.tracing import SPANS_HELD_MAX, count_dropped_spans, hold_spans
+
+    address, admin = server
+    run_id = f"spans-{uuid.uuid4().hex[:6]}"
+    make_users(admin, run_id)
+    auth = role_auth(run_id)
+
+    def user(role: str) -> redis.Redis:
+        name, _, password = auth[f"RLSHIP_REDIS_{role.upper()}_AUTH"].partition(":")
+        return redis.Redis.from_url(f"redis://{name}:{password}@{address}/0")
+
+    worker, orchestrator, keys = user("worker"), user("orchestrator"), RunKeys(run_id)
+    assert hold_spans(worker, run_id, [b"%d" % n for n in range(SPANS_HELD_MAX + 1)]) == 1
+    batch = orchestrator.lpop(keys.spans, 2)
+    assert batch == [b"1", b"2"]
+    assert hold_spans(orchestrator, run_id, batch, oldest=True) == 0
+    count_dropped_spans(orchestrator, run_id, 2)
+    assert orchestrator.llen(keys.spans) == SPANS_HELD_MAX and int(orchestrator.get(keys.spans_dropped)) == 3
+
+
 def test_a_producer_given_another_runs_keys_is_refused_in_one_line(server, tmp_path: Path) -> None:
     address, admin = server
     run_a, run_b = f"a-{uuid.uuid4().hex[:6]}", f"b-{uuid.uuid4().hex[:6]}"
