@@ -28,7 +28,7 @@ QUEUED_SPANS_MAX = 4096
 class TaskEndPush(SpanProcessor):
     """A span processor for Celery pool processes (OTLP over HTTP): at the end of each
     stage task its ended spans are encoded as one OTLP `ExportTraceServiceRequest` and
-    pushed onto the run's span list in Redis (`RunKeys.spans`, one transaction), from which
+    pushed onto the run's span list in Redis (`tasks.tracing.hold_spans`: one script), whence
     the orchestrator relays them (`orchestrator.span_relay`). They are out of the process
     before its next task starts, as with `TaskEndExport`, for an encode and one Redis round
     trip instead of an HTTP request. Redis not answering keeps them here for the next push."""
