@@ -33,7 +33,7 @@ NUMERIC_COLUMNS: tuple[str, ...] = (
 )
 # Text columns every row has ("" when absent).
 LABEL_COLUMNS: tuple[str, ...] = (
-    "rollout_id", "env", "group_id", "task_id", "error", "stop_condition",
+    "rollout_id", "env", "group_id", "task_id", "error", "stop_condition", "agent",
     "rows_field", "rows_file",  # a producer's facts of side arrays by handle ("" without)
 )  # fmt: skip
 CUSTOM_PREFIX = "metric/"

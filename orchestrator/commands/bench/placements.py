@@ -289,7 +289,10 @@ class InProcessShipper:
             payload = await stage("encode", encode_rank, plans, samples, arrays, config.wire_profile)
             await stage("send", sender.send, step, rank, payload)
         self.totals = running_totals(self.totals, metrics)
-        record = build_record(step, metrics, seconds, time.time() - manifest.cut_time, waited, self.totals)
+        ship_seconds = time.time() - manifest.cut_time
+        record = build_record(
+            step, metrics, seconds, ship_seconds, waited, self.totals, names=config.record_names
+        )
         await self.client.xadd(self.keys.metrics_stream, {"step": step, "record": json.dumps(record)})
         self.windows[step] = [started, loop.time()]
 

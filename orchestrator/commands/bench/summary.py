@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from orchestrator.commands.bench.cpu import SHIP_KINDS
+from tasks.stages.record_names import shipped_tokens
 
 
 def in_windows(timeline: dict[str, list[float]], windows: list[tuple[float, float]]) -> np.ndarray:
@@ -69,7 +70,7 @@ def summarize(raw: dict[str, Any], reference: dict[str, list[list[Any]]], warmup
         "orchestrator_rss_growth_bytes": raw["peak_rss_bytes"] - raw["baseline_rss_bytes"],
         "cpu_seconds": cpu,
         "cpu_seconds_per_step": median_step(cpu),
-        "tokens_shipped": int(sum(r.get("progress/tokens", 0.0) for r in records)),
+        "tokens_shipped": int(sum(map(shipped_tokens, records))),
         "steps_identical": identical,
         "lag_observations": len(lag),
         "heartbeat_observations": len(beat),
