@@ -78,7 +78,7 @@ def _stop_conditions(cohort: Cohort) -> dict[str, float]:
     stop condition's share among the rollouts that have one."""
     conditions = cohort.labels["stop_condition"]
     truncated = cohort.numeric["is_truncated"].astype(bool)
-    generation = sum(t and c != PROMPT_TOO_LONG for t, c in zip(truncated, conditions, strict=True))
+    generation = sum(bool(t) and c != PROMPT_TOO_LONG for t, c in zip(truncated, conditions, strict=True))
     out = {"generation_truncated": generation / len(cohort)}
     given = [c for c in conditions if c]
     out.update({c: n / len(given) for c, n in sorted(Counter(given).items())})

@@ -58,7 +58,10 @@ def test_rlship_run_ships_every_step_to_every_rank(redis_url, tmp_path):
     said = re.search(rf"rlship run {run_id}: .* in ([0-9.]+) s; event-loop lag max ([0-9.]+) ms", done.stdout)
     assert said, done.stdout[-1000:]
     frame = subprocess.run(
-        python_command("status", run_id, "--redis-url", redis_url), cwd=REPO, capture_output=True, text=True,
+        python_command("status", run_id, "--redis-url", redis_url),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
         timeout=60,
     ).stdout
     assert frame.count("status: ") == 1 and f"3 cut | {said.group(1)} s |" in frame, (said.groups(), frame)
@@ -80,7 +83,7 @@ def test_rlship_run_ships_every_step_to_every_rank(redis_url, tmp_path):
     assert sum(r["progress/tokens"] for r in records) == summary["tokens_shipped"]
 
     lines = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
-    expected = reference_records(lines, records, first_step=0)
+    expected = reference_records(lines, records, first_step=0, names="prime-rl-559b447")
     for record in records:
         assert expected[int(record["step"])]["accounting/balanced"] == 1.0
         assert compare(record, expected[int(record["step"])]) == []
