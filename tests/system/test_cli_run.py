@@ -74,7 +74,7 @@ def test_rlship_run_ships_every_step_to_every_rank(redis_url, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
     keys = (
-        "train/agg/all/agent/reward/p90", "train/agg/effective/num_total_tokens/mean",
+        "train/agg/effective/agent/reward/p90", "train/agg/effective/num_total_tokens/mean",
         "progress/total_tokens", "time/finalize", "time/ship", "time/wait_for_policy", "off_policy/max",
         "event_loop_lag/p99_ms", "accounting/balanced",
     )  # fmt: skip
