@@ -1,7 +1,9 @@
 """Metrics: the step's statistics over `all` (every rollout finalized since the previous
 cut, whatever became of it) and `effective` (exactly the rollouts shipped in this step).
 
-Keys follow `train/{scope}/{subset}/{name}/{stat}` (docs/metrics.md). A rollout whose
+Keys follow `train/{scope}/{subset}/{name}/{stat}` (docs/metrics.md): the statistics of
+`record_names` `rlship-1`; under `prime-rl-559b447`, tasks.stages.names_559b447 computes
+them instead, and this module the keys both schemes share. A rollout whose
 producer gave its credit per token is observed in `advantage` by the mean of its advantages
 over its loss tokens (tasks.stages.credit). Every
 observation of the window is kept, so percentiles are exact (numpy's linear
