@@ -91,6 +91,7 @@ CONTRACT = {
     "error": (False, lambda v: v is None or _is_identifier(v)),
     "cancelled": (False, lambda v: type(v) is bool),
     "stop_condition": (False, lambda v: v is None or _is_identifier(v)),
+    "agent": (False, lambda v: v is None or _is_identifier(v)),
     "metrics": (
         False,
         lambda v: isinstance(v, dict) and all(_is_identifier(k) and _is_number(x) for k, x in v.items()),
