@@ -32,6 +32,7 @@ COMMANDS: dict[str, str] = {
     "bench encode": "encoder/decoder memory and speed, against msgpack and msgspec",
     "bench loop": "event-loop lag while shipping: stages inline, in threads, in Celery workers",
     "bench curve": "what CURVE costs the ZMQ transport: sender and ranks' CPU a step, plain and with CURVE",
+    "bench mock-inference": "a mock OpenAI-compatible inference server: streamed answers at a set pace",
     "config show": "the effective settings (environment < --config TOML < flags), or a run's stored ones",
     "config table": "every setting (flag, variable, default, description) as a Markdown table",
     "chaos": "a seeded run while its workers and orchestrator are killed, against a fault-free one",
@@ -62,6 +63,8 @@ def load_command(name: str) -> CommandEntry:
             from orchestrator.commands.bench.loop import add_arguments, main
         case "bench curve":
             from orchestrator.commands.bench.curve import add_arguments, main
+        case "bench mock-inference":
+            from orchestrator.commands.bench.mock_inference import add_arguments, main
         case "config show":
             from orchestrator.commands.config import add_arguments, main
         case "config table":

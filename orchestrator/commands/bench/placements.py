@@ -35,6 +35,7 @@ import psutil
 import redis.asyncio as aioredis
 
 from orchestrator.accounting import Accounting, outcome_row
+from orchestrator.commands.bench.inference import InferenceLoad, InferenceSpec
 from orchestrator.commands.bench.moe import StepCache
 from orchestrator.commands.produce import SyntheticWorkload
 from orchestrator.dispatcher import Dispatcher
@@ -332,25 +333,39 @@ async def run_placement(
     settings: RunSettings,
     timeout: float,
     batches: Callable[[int], Iterator[StepBatch]] | None = None,
+    inference: InferenceSpec | None = None,
+    shipping_flag: Path | None = None,
 ) -> dict[str, Any]:
     """Ship `settings.steps` steps in `placement` (the in-process ones: `batches`, by default
-    the seeded workload); the windows and timelines on this loop's clock."""
+    the seeded workload); the windows and timelines on this loop's clock. With `inference`,
+    the loop's own inference load runs first alone (its baseline), then while it ships;
+    `shipping_flag` is made when the shipping begins (the bench's feed waits for it)."""
     loop = asyncio.get_running_loop()
     origin = loop.time()
     baseline_rss = psutil.Process().memory_info().rss
     heartbeat = LagProbe(HEARTBEAT_SECONDS, keep_timeline=True)
     client = connect_redis_async(settings.redis_url, socket_timeout=60)
     background = [asyncio.create_task(heartbeat.run())]
+    load = InferenceLoad(inference, origin) if inference is not None else None
     try:
+        if load is not None:
+            load.start()
+            await load.measure_baseline()
+        if shipping_flag is not None:
+            shipping_flag.touch()
         if placement.startswith("celery"):
             shipper: TimedOrchestrator | InProcessShipper = TimedOrchestrator(settings, client)
-            await asyncio.wait_for(shipper.run(), timeout)
+            shipping = shipper.run()
         else:
             probe = LagProbe(keep_timeline=True)
             background.append(asyncio.create_task(probe.run()))
             shipper = InProcessShipper(settings, client, RUNNERS[placement], probe, batches)
-            await asyncio.wait_for(shipper.ship(settings.steps), timeout)
+            shipping = shipper.ship(settings.steps)
+        shipped = asyncio.wait_for(shipping, timeout)
+        await (load.while_running(shipped) if load is not None else shipped)
     finally:
+        if load is not None:
+            await load.stop()
         for task in background:
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)
@@ -366,6 +381,7 @@ async def run_placement(
         "heartbeat": _timeline(heartbeat, origin),
         "baseline_rss_bytes": baseline_rss,
         "peak_rss_bytes": peak_rss_bytes(),
+        **({"inference": load.result()} if load is not None else {}),
     }
 
 
@@ -380,8 +396,9 @@ def peak_rss_bytes() -> int:
 
 def main(argv: list[str]) -> int:
     """`python -m orchestrator.commands.bench.placements SPEC RESULT`: SPEC holds the placement,
-    the settings and the timeout, and, under `--workload moe`, the bench's step cache and
-    whether the routed experts are shipped (in this process's memory)."""
+    the settings and the timeout, under `--workload moe` the bench's step cache and whether
+    the routed experts are shipped (in this process's memory), and with
+    `--inference-concurrency` the inference load's spec and the file that says shipping began."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the bench asks for stacks on timeout
     spec = json.loads(Path(argv[0]).read_text())
     settings = RunSettings(**spec["settings"])
@@ -389,7 +406,11 @@ def main(argv: list[str]) -> int:
     if spec.get("steps_cache"):
         cache = StepCache(Path(spec["steps_cache"]))
         batches = functools.partial(cache.batches, experts=bool(spec["routed_experts"]), in_memory=True)
-    result = asyncio.run(run_placement(spec["placement"], settings, spec["timeout"], batches))
+    inference = InferenceSpec(**spec["inference"]) if spec.get("inference") else None
+    flag = Path(spec["shipping_flag"]) if spec.get("shipping_flag") else None
+    result = asyncio.run(
+        run_placement(spec["placement"], settings, spec["timeout"], batches, inference, flag)
+    )
     Path(argv[1]).write_text(json.dumps(result))
     return 0
 

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from orchestrator.commands.bench.cpu import SHIP_KINDS
+from orchestrator.commands.bench.inference import inference_figures
 
 
 def in_windows(timeline: dict[str, list[float]], windows: list[tuple[float, float]]) -> np.ndarray:
@@ -91,6 +92,30 @@ def summarize(raw: dict[str, Any], reference: dict[str, list[list[Any]]], warmup
             for name in ("lag", "heartbeat")
         },
         **memory_figures(raw, raw["origin"] + origin),
+        **(
+            {"inference": with_ship_figures(raw["inference"], measured, lag, idle, warmup)}
+            if "inference" in raw
+            else {}
+        ),
+    }
+
+
+def with_ship_figures(
+    raw: dict[str, Any],
+    measured: list[tuple[float, float]],
+    lag: np.ndarray,
+    idle: dict[int, float],
+    warmup: int,
+) -> dict[str, Any]:
+    """The inference load's figures, with the loop's lag and the trainer's idle time of the
+    same windows beside them (the load ran through them)."""
+    return {
+        **inference_figures(raw, measured),
+        "lag_ms": {
+            "p99": float(np.percentile(lag, 99)) if len(lag) else float("nan"),
+            "max": float(lag.max()) if len(lag) else float("nan"),
+        },
+        "trainer_idle_seconds": [idle[s] for s in sorted(idle) if s >= warmup],
     }
 
 
@@ -154,9 +179,25 @@ def goals(results: dict[str, dict[str, Any]], rollouts: int) -> list[dict[str, A
         idle = statistics.median(celery["idle_seconds"]) / statistics.median(thread["idle_seconds"])
         target = idle_target(rollouts)
         goal(f"celery / thread median idle_seconds <= {target}", idle, target, idle <= target)
+    if celery is not None and "inference" in celery:
+        load, kept = celery["inference"], inference_target(rollouts)
+        goal(
+            f"celery inference throughput_kept >= {kept}",
+            load["throughput_kept"],
+            kept,
+            load["throughput_kept"] >= kept,
+        )
+        inflation = load["latency_p99_inflation"]
+        goal("celery inference request p99 inflation <= 1.1", inflation, 1.1, inflation <= 1.1)
     identical = all(r["steps_identical"] for r in results.values())
     goal("steps_identical", float(identical), 1.0, identical)
     return out
+
+
+# Issue 36's bound on the inference throughput the celery placement keeps while it ships:
+# 95% up to the seed's size (4,096 rollouts a step), 90% beyond.
+def inference_target(rollouts: int) -> float:
+    return 0.95 if rollouts <= 4096 else 0.9
 
 
 # `--workload moe`: the placement the ratios divide by, the one the goals are about, and
@@ -258,7 +299,22 @@ def summary_line(placement: str, result: dict[str, Any]) -> str:
         f"(+{result['orchestrator_rss_growth_bytes'] / 2**20:.0f} over imports) | "
         f"CPU {1000 * result['cpu_seconds_per_step']['ship']:.0f} ms a step | "
         + memory
+        + inference_line(result)
         + f"identical {result['steps_identical']}"
+    )
+
+
+def inference_line(result: dict[str, Any]) -> str:
+    if "inference" not in result:
+        return ""
+    load = result["inference"]
+    shipping, baseline = load["shipping"], load["baseline"]
+    return (
+        f"inference C={load['concurrency']}: {shipping['requests_per_second']:.1f} req/s shipping, "
+        f"{baseline['requests_per_second']:.1f} alone (kept {load['throughput_kept']:.2f}; tokens "
+        f"{load['token_throughput_kept']:.2f}), latency p50/p99 x{load['latency_p50_inflation']:.2f}/"
+        f"x{load['latency_p99_inflation']:.2f}, TTFT p99 {load['ttft_p99_ms']:.0f} ms "
+        f"(x{load['ttft_p99_inflation']:.2f}) | "
     )
 
 
