@@ -161,6 +161,7 @@ INFERENCE_KEYS = {
     "ttft_p99_ms",
     "ttft_p99_inflation",
     "lag_ms",
+    "baseline_heartbeat_ms",
     "trainer_idle_seconds",
     "requests_completed",
     "rollouts_kept",
@@ -205,6 +206,7 @@ def test_every_placement_reports_its_inference_figures(report: dict[str, Any]) -
         assert load["rollouts_kept"] == 32, name  # one step's worth, checked as a producer does
         assert load["trainer_idle_seconds"] == placement["idle_seconds"], name
         assert load["lag_ms"]["max"] == placement["lag_ms"]["max"], name
+        assert load["baseline_heartbeat_ms"]["max"] >= load["baseline_heartbeat_ms"]["p99"] >= 0, name
         assert load["throughput_kept"] == pytest.approx(
             shipping["requests_per_second"] / baseline["requests_per_second"]
         )

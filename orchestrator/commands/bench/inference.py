@@ -11,11 +11,7 @@ are kept, one step's worth, as the next steps' would be; they are not shipped (t
 steps are seeded, so every placement ships the same bytes).
 
 The load runs first alone (`warmup`, then the `baseline` phase: nothing ships), then while
-the placement ships. `inference_figures` compares the requests completed per second, the
-tokens received per second, the request latency and the time to first token of the
-requests that completed (first token arrived) inside the measured ship windows with the
-same in the baseline. Selecting by completion time keeps both sets of requests' lengths
-distributed as all of them are (selecting by overlap with a window would favour long ones).
+the placement ships; `inference_figures` makes its figures of what it noted (`result`).
 """
 
 from __future__ import annotations
@@ -33,7 +29,7 @@ import numpy as np
 from orchestrator.records import RolloutRecord
 from orchestrator.rollout_checks import check_rollouts
 
-TOKEN_BIN_SECONDS = 0.01  # tokens received are counted in bins of this width
+TOKEN_BIN_SECONDS = 0.01  # tokens received are counted in bins of this width (inference_figures)
 READ_TIMEOUT_SECONDS = 600.0  # no byte of an answer for this long: the request fails, the bench with it
 Rollout = tuple[RolloutRecord, dict[str, np.ndarray]]
 
@@ -206,65 +202,3 @@ class InferenceLoad:
             "token_bin_seconds": TOKEN_BIN_SECONDS,
             "rollouts_kept": len(self.rollouts),
         }
-
-
-def _within(times: np.ndarray, spans: list[tuple[float, float]]) -> np.ndarray:
-    keep = np.zeros(len(times), dtype=bool)
-    for start, end in spans:
-        keep |= (times >= start) & (times <= end)
-    return keep
-
-
-def _percentiles_ms(seconds: np.ndarray) -> dict[str, float]:
-    if not len(seconds):
-        return {"p50": float("nan"), "p99": float("nan")}
-    p50, p99 = np.percentile(seconds * 1000.0, [50, 99])
-    return {"p50": float(p50), "p99": float(p99)}
-
-
-def phase_figures(raw: dict[str, Any], spans: list[tuple[float, float]]) -> dict[str, Any]:
-    """The load's figures over these spans: requests completed and tokens received per
-    second, the latency of the requests completed in them, the time to first token of
-    those whose first token came in them."""
-    started, first, ended = (
-        np.asarray(raw[name], np.float64) for name in ("started", "first_token", "ended")
-    )
-    seconds = sum(end - start for start, end in spans)
-    completed = _within(ended, spans)
-    width = raw["token_bin_seconds"]
-    bins = np.asarray(raw["token_bins"], np.int64)
-    tokens = int(bins[_within((np.arange(len(bins)) + 0.5) * width, spans)].sum())
-    return {
-        "seconds": seconds,
-        "requests_completed": int(completed.sum()),
-        "requests_per_second": float(completed.sum() / seconds) if seconds else float("nan"),
-        "tokens_per_second": tokens / seconds if seconds else float("nan"),
-        "latency_ms": _percentiles_ms((ended - started)[completed]),
-        "ttft_ms": _percentiles_ms((first - started)[_within(first, spans)]),
-    }
-
-
-def _ratio(numerator: float, denominator: float) -> float:
-    return numerator / denominator if denominator else float("nan")
-
-
-def inference_figures(raw: dict[str, Any], windows: list[tuple[float, float]]) -> dict[str, Any]:
-    """The load while shipping (the measured ship windows) against the load alone (the
-    baseline), and what shipping kept of it."""
-    if raw["baseline"] is None:
-        raise ValueError("inference: the load has no baseline phase (it failed before shipping began)")
-    baseline = phase_figures(raw, [tuple(raw["baseline"])])
-    shipping = phase_figures(raw, windows)
-    return {
-        "concurrency": raw["spec"]["concurrency"],
-        "baseline": baseline,
-        "shipping": shipping,
-        "throughput_kept": _ratio(shipping["requests_per_second"], baseline["requests_per_second"]),
-        "token_throughput_kept": _ratio(shipping["tokens_per_second"], baseline["tokens_per_second"]),
-        "latency_p50_inflation": _ratio(shipping["latency_ms"]["p50"], baseline["latency_ms"]["p50"]),
-        "latency_p99_inflation": _ratio(shipping["latency_ms"]["p99"], baseline["latency_ms"]["p99"]),
-        "ttft_p99_ms": shipping["ttft_ms"]["p99"],
-        "ttft_p99_inflation": _ratio(shipping["ttft_ms"]["p99"], baseline["ttft_ms"]["p99"]),
-        "requests_completed": len(raw["ended"]),
-        "rollouts_kept": raw["rollouts_kept"],
-    }

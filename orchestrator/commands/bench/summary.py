@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from orchestrator.commands.bench.cpu import SHIP_KINDS
-from orchestrator.commands.bench.inference import inference_figures
+from orchestrator.commands.bench.inference_figures import inference_figures, print_inference_table
 
 
 def in_windows(timeline: dict[str, list[float]], windows: list[tuple[float, float]]) -> np.ndarray:
@@ -92,11 +92,7 @@ def summarize(raw: dict[str, Any], reference: dict[str, list[list[Any]]], warmup
             for name in ("lag", "heartbeat")
         },
         **memory_figures(raw, raw["origin"] + origin),
-        **(
-            {"inference": with_ship_figures(raw["inference"], measured, lag, idle, warmup)}
-            if "inference" in raw
-            else {}
-        ),
+        **({"inference": with_ship_figures(raw, measured, lag, idle, warmup)} if "inference" in raw else {}),
     }
 
 
@@ -108,15 +104,22 @@ def with_ship_figures(
     warmup: int,
 ) -> dict[str, Any]:
     """The inference load's figures, with the loop's lag and the trainer's idle time of the
-    same windows beside them (the load ran through them)."""
+    same windows beside them (the load ran through them), and the heartbeat's delay in the
+    baseline: what the load alone does to the loop."""
+    load = raw["inference"]
+    alone = in_windows(raw["heartbeat"], [tuple(load["baseline"])]) if load["baseline"] else np.zeros(0)
     return {
-        **inference_figures(raw, measured),
-        "lag_ms": {
-            "p99": float(np.percentile(lag, 99)) if len(lag) else float("nan"),
-            "max": float(lag.max()) if len(lag) else float("nan"),
-        },
+        **inference_figures(load, measured),
+        "lag_ms": _p99_max(lag),
+        "baseline_heartbeat_ms": _p99_max(alone),
         "trainer_idle_seconds": [idle[s] for s in sorted(idle) if s >= warmup],
     }
+
+
+def _p99_max(ms: np.ndarray) -> dict[str, float]:
+    if not len(ms):
+        return {"p99": float("nan"), "max": float("nan")}
+    return {"p99": float(np.percentile(ms, 99)), "max": float(ms.max())}
 
 
 def memory_figures(raw: dict[str, Any], origin: float) -> dict[str, Any]:
@@ -330,6 +333,7 @@ def print_report(report: dict[str, Any]) -> None:
     for placement, result in report["placements"].items():
         print("  " + summary_line(placement, result))
     print_cpu_table(report["placements"])
+    print_inference_table(report["placements"])
     if "ratios" in report:
         print_memory_table(report["placements"])
         print_ratios(report["ratios"])
