@@ -154,7 +154,9 @@ INFERENCE_KEYS = {
     "concurrency",
     "baseline",
     "shipping",
+    "shipping_period",
     "throughput_kept",
+    "period_throughput_kept",
     "token_throughput_kept",
     "latency_p50_inflation",
     "latency_p99_inflation",
@@ -192,10 +194,14 @@ def test_every_placement_reports_its_inference_figures(report: dict[str, Any]) -
         assert set(load) == INFERENCE_KEYS, name
         assert load["concurrency"] == 64
         baseline, shipping = load["baseline"], load["shipping"]
-        assert set(baseline) == set(shipping) == PHASE_KEYS, name
+        assert set(baseline) == set(shipping) == set(load["shipping_period"]) == PHASE_KEYS, name
         assert baseline["seconds"] >= BASELINE_SECONDS, name
         assert shipping["seconds"] == pytest.approx(sum(placement["ship_seconds"])), name
-        for phase in (baseline, shipping):
+        windows = placement["windows"]  # the period: from the first measured cut to the last record
+        period = load["shipping_period"]
+        assert period["seconds"] == pytest.approx(windows[-1]["end"] - windows[0]["start"]), name
+        assert period["requests_completed"] >= shipping["requests_completed"], name
+        for phase in (baseline, shipping, load["shipping_period"]):
             assert phase["requests_per_second"] == pytest.approx(
                 phase["requests_completed"] / phase["seconds"]
             )

@@ -57,17 +57,22 @@ def _ratio(numerator: float, denominator: float) -> float:
 
 
 def inference_figures(raw: dict[str, Any], windows: list[tuple[float, float]]) -> dict[str, Any]:
-    """The load while shipping (the measured ship windows) against the load alone (the
-    baseline), and what shipping kept of it."""
+    """The load while shipping (the measured ship windows, in order) against the load alone
+    (the baseline), and what shipping kept of it; and over the shipping period, from the
+    first measured cut to the last measured record, the waits between steps included (what
+    a run's average feels; the windows are short at small sizes, and so are their counts)."""
     if raw["baseline"] is None:
         raise ValueError("inference: the load has no baseline phase (it failed before shipping began)")
     baseline = phase_figures(raw, [tuple(raw["baseline"])])
     shipping = phase_figures(raw, windows)
+    period = phase_figures(raw, [(windows[0][0], windows[-1][1])] if windows else [])
     return {
         "concurrency": raw["spec"]["concurrency"],
         "baseline": baseline,
         "shipping": shipping,
+        "shipping_period": period,
         "throughput_kept": _ratio(shipping["requests_per_second"], baseline["requests_per_second"]),
+        "period_throughput_kept": _ratio(period["requests_per_second"], baseline["requests_per_second"]),
         "token_throughput_kept": _ratio(shipping["tokens_per_second"], baseline["tokens_per_second"]),
         "latency_p50_inflation": _ratio(shipping["latency_ms"]["p50"], baseline["latency_ms"]["p50"]),
         "latency_p99_inflation": _ratio(shipping["latency_ms"]["p99"], baseline["latency_ms"]["p99"]),
@@ -86,15 +91,17 @@ def print_inference_table(placements: dict[str, dict[str, Any]]) -> None:
         return
     print(
         f"\n  inference, C={next(iter(loads.values()))['concurrency']}: req/s alone -> shipping (kept; tokens"
-        " kept) | latency p50 / p99 ms alone -> shipping | TTFT p99 ms alone -> shipping | lag p99 / max ms"
-        " (heartbeat max alone) | trainer idle s median | mock server CPU ms a step"
+        " kept; kept over the shipping period) | latency p50 / p99 ms alone -> shipping | TTFT p99 ms"
+        " alone -> shipping | lag p99 / max ms (heartbeat max alone) | trainer idle s median"
+        " | mock server CPU ms a step"
     )
     for name, load in loads.items():
         alone, shipping = load["baseline"], load["shipping"]
         idle = load["trainer_idle_seconds"]
         print(
             f"  {name:>22}: {alone['requests_per_second']:.1f} -> {shipping['requests_per_second']:.1f} "
-            f"({load['throughput_kept']:.2f}; {load['token_throughput_kept']:.2f}) | "
+            f"({load['throughput_kept']:.2f}; {load['token_throughput_kept']:.2f}; "
+            f"{load['period_throughput_kept']:.2f}) | "
             f"{alone['latency_ms']['p50']:.0f} / {alone['latency_ms']['p99']:.0f} -> "
             f"{shipping['latency_ms']['p50']:.0f} / {shipping['latency_ms']['p99']:.0f} | "
             f"{alone['ttft_ms']['p99']:.0f} -> {shipping['ttft_ms']['p99']:.0f} | "
