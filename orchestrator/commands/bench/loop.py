@@ -15,6 +15,13 @@ payloads (by checksum, against a reference computed here with a plain call of th
 stages). The first `--warmup-steps` steps bind sockets and warm the workers; they are
 shipped and checked but not measured. A PNG of lag over time is written beside the JSON.
 
+`--inference-concurrency C` adds the orchestrator's own inference traffic, as prime-rl's loop
+drives it: in each placement's process, C streaming requests in flight to a mock inference
+server (`mock_inference`, a process of its own started for the placement), first alone (the
+baseline), then while the placement ships; each placement then reports `inference`
+(`inference_figures`): what shipping kept of the load's throughput, its latency and time to
+first token against the baseline's, beside the windows' lag and the trainer's idle time.
+
 `--workload moe` compares variants instead (`orchestrator.commands.bench.moe.VARIANTS`): the
 same rollouts, each with routed experts of a 48-layer top-8 model (384 bytes a token), shipped
 by the celery placement without them (dense), by handle (rows files under the payload root,

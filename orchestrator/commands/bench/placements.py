@@ -12,6 +12,9 @@ the ship window, which runs from the cut to the published record. On the loop, a
 `LagProbe` observes lag every 10 ms and a heartbeat (a `LagProbe` of 50 ms) ticks, both
 with their timelines.
 
+With `--inference-concurrency`, the loop also drives the orchestrator's own inference
+traffic (`inference.InferenceLoad`): alone first (its baseline), then while it ships.
+
 Each placement runs in a fresh process (`python -m orchestrator.commands.bench.placements SPEC
 RESULT`) so that its peak RSS is its own; the bench command starts it.
 """
