@@ -225,6 +225,7 @@ class InProcessShipper:
         self.totals: dict[str, float] = {}
         self.windows: dict[int, list[float]] = {}
         self.arrivals: dict[int, float] = {}
+        self.sender: ZMQSender | None = None
 
     async def wait_for_policy(self, step: int) -> float:
         """The orchestrator's gate: the trainers' policy version >= the step's required one."""
@@ -234,17 +235,25 @@ class InProcessShipper:
             await asyncio.sleep(POLL_SECONDS)
         return time.perf_counter() - started
 
-    async def ship(self, steps: int) -> None:
-        sender = ZMQSender(
-            self.settings.zmq_host,
-            self.settings.zmq_port,
-            self.settings.ranks,
-            run_id=self.settings.run_id,
-            send_timeout=SEND_TIMEOUT_SECONDS,
-        )
-        try:
+    def connect(self) -> ZMQSender:
+        """The sender to the trainer ranks, once every rank is ready (made once)."""
+        if self.sender is None:
+            sender = ZMQSender(
+                self.settings.zmq_host,
+                self.settings.zmq_port,
+                self.settings.ranks,
+                run_id=self.settings.run_id,
+                send_timeout=SEND_TIMEOUT_SECONDS,
+            )
             if not sender.wait_ready(READY_TIMEOUT_SECONDS):
+                sender.close()
                 raise RuntimeError(f"trainer ranks not ready within {READY_TIMEOUT_SECONDS:.0f} s")
+            self.sender = sender
+        return self.sender
+
+    async def ship(self, steps: int) -> None:
+        try:
+            sender = self.connect()
             for batch in self.batches(steps):
                 waited = await self.wait_for_policy(batch.step)
                 # Held in memory, the step's rollouts arrive (the last one completes the
@@ -254,7 +263,8 @@ class InProcessShipper:
                 del batch
                 await self.run(trim_process_memory)
         finally:
-            sender.close()
+            if self.sender is not None:
+                self.sender.close()
 
     async def ship_step(self, batch: StepBatch, sender: ZMQSender, waited: float) -> None:
         """Cut, finalize, prune, metrics, pack, encode and send per rank, publish: the window."""
@@ -351,6 +361,11 @@ async def run_placement(
     background = [asyncio.create_task(heartbeat.run())]
     load = InferenceLoad(inference, origin) if inference is not None else None
     try:
+        if not placement.startswith("celery"):
+            probe = LagProbe(keep_timeline=True)
+            background.append(asyncio.create_task(probe.run()))
+            in_process = InProcessShipper(settings, client, RUNNERS[placement], probe, batches)
+            in_process.connect()  # the trainer ranks up and idle before the load's baseline, as celery's are
         if load is not None:
             load.start()
             await load.measure_baseline()
@@ -360,9 +375,7 @@ async def run_placement(
             shipper: TimedOrchestrator | InProcessShipper = TimedOrchestrator(settings, client)
             shipping = shipper.run()
         else:
-            probe = LagProbe(keep_timeline=True)
-            background.append(asyncio.create_task(probe.run()))
-            shipper = InProcessShipper(settings, client, RUNNERS[placement], probe, batches)
+            shipper = in_process
             shipping = shipper.ship(settings.steps)
         shipped = asyncio.wait_for(shipping, timeout)
         await (load.while_running(shipped) if load is not None else shipped)
