@@ -330,11 +330,13 @@ def check_inference_options(args: argparse.Namespace) -> None:
 
 
 def command_line(args: argparse.Namespace) -> str:
-    """The command that reproduces this run, every option spelled out."""
+    """The command that reproduces this run, every option spelled out (the inference load's
+    only when it ran)."""
+    without_load = args.inference_concurrency is None
     options = " ".join(
         f"--{name.replace('_', '-')}" + ("" if value is True else f" {value}")
         for name, value in vars(args).items()
-        if value is not False and value is not None
+        if value is not False and value is not None and not (without_load and name.startswith("inference_"))
     )
     return f"rlship bench loop {options}"
 
