@@ -261,6 +261,16 @@ def moe_goals(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     if handle is not None:
         goal(f"{BY_HANDLE} lag_ms.max <= 20", handle["lag_ms"]["max"], 20.0)
         goal(f"{BY_HANDLE} lag_ms.p99 <= 5", handle["lag_ms"]["p99"], 5.0)
+    if handle is not None and "inference" in handle:  # issue 36: 90% kept with the MoE workload
+        kept = handle["inference"]["throughput_kept"]
+        out.append(
+            {
+                "goal": f"{BY_HANDLE} inference throughput_kept >= 0.9",
+                "value": kept,
+                "target": 0.9,
+                "pass": bool(kept >= 0.9),
+            }
+        )
     identical = all(r["steps_identical"] for r in results.values())
     out.append({"goal": "steps_identical", "value": float(identical), "target": 1.0, "pass": identical})
     return out
