@@ -172,7 +172,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     inference.add_argument("--inference-chunk-tokens", type=int, default=16, help="tokens per streamed chunk")
     inference.add_argument(
-        "--inference-warmup-seconds", type=float, default=5.0, help="the load alone before its baseline"
+        "--inference-warmup-seconds",
+        type=float,
+        default=30.0,
+        help="the load alone before its baseline; longer than nearly every request (the default "
+        "pace's p99 is about 25 s): a request longer than warmup + baseline cannot complete in the "
+        "baseline, which would cut its latency p99 short and count the first short answers' burst",
     )
     inference.add_argument(
         "--inference-baseline-seconds",
