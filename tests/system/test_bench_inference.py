@@ -157,6 +157,7 @@ INFERENCE_KEYS = {
     "shipping_period",
     "throughput_kept",
     "period_throughput_kept",
+    "throughput_kept_counting_error",
     "token_throughput_kept",
     "latency_p50_inflation",
     "latency_p99_inflation",
@@ -225,6 +226,7 @@ def test_every_placement_reports_its_inference_figures(report: dict[str, Any]) -
         assert shipping["latency_ms"]["p99"] >= shipping["latency_ms"]["p50"] > 0, name
         assert load["throughput_kept"] > 0 and load["token_throughput_kept"] > 0, name
         assert load["latency_p99_inflation"] > 0, name
+        assert 0 < load["throughput_kept_counting_error"] < load["throughput_kept"], name
     goals = {goal["goal"] for goal in report["goals"]}
     assert {
         "celery inference throughput_kept >= 0.95",

@@ -46,6 +46,9 @@ def test_requests_count_where_they_completed() -> None:
     assert period["requests_completed"] == 3  # the one between the windows too
     assert figures["throughput_kept"] == pytest.approx((2 / 3) / 0.3)
     assert figures["period_throughput_kept"] == pytest.approx((3 / 12) / 0.3)
+    assert figures["throughput_kept_counting_error"] == pytest.approx(
+        (2 / 3) / 0.3 * math.sqrt(1 / 2 + 1 / 3)
+    )
     assert baseline["tokens_per_second"] == pytest.approx(100 / 10)
     assert shipping["tokens_per_second"] == pytest.approx(45 / 3)
     assert period["tokens_per_second"] == pytest.approx(144 / 12)
@@ -68,7 +71,7 @@ def test_a_phase_without_requests_has_no_percentiles() -> None:
     shipping = figures["shipping"]
     assert shipping["requests_completed"] == 0 and shipping["requests_per_second"] == 0.0
     assert math.isnan(shipping["latency_ms"]["p99"]) and math.isnan(figures["ttft_p99_ms"])
-    assert figures["throughput_kept"] == 0.0
+    assert figures["throughput_kept"] == 0.0 and math.isnan(figures["throughput_kept_counting_error"])
 
 
 def test_a_load_that_never_reached_shipping_is_refused() -> None:

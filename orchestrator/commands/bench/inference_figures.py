@@ -10,6 +10,7 @@ answers' are (selecting the requests that overlap a window would favour long one
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
@@ -56,6 +57,10 @@ def _ratio(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator else float("nan")
 
 
+def _counting_error(*counts: int) -> float:
+    return math.sqrt(sum(1.0 / count for count in counts)) if all(counts) else float("nan")
+
+
 def inference_figures(raw: dict[str, Any], windows: list[tuple[float, float]]) -> dict[str, Any]:
     """The load while shipping (the measured ship windows, in order) against the load alone
     (the baseline), and what shipping kept of it; and over the shipping period, from the
@@ -73,6 +78,12 @@ def inference_figures(raw: dict[str, Any], windows: list[tuple[float, float]]) -
         "shipping_period": period,
         "throughput_kept": _ratio(shipping["requests_per_second"], baseline["requests_per_second"]),
         "period_throughput_kept": _ratio(period["requests_per_second"], baseline["requests_per_second"]),
+        # One standard deviation of `throughput_kept` from counting alone (completions taken as
+        # Poisson): the windows of a few steps hold a few hundred requests, +-5% or so.
+        "throughput_kept_counting_error": _ratio(
+            shipping["requests_per_second"], baseline["requests_per_second"]
+        )
+        * _counting_error(shipping["requests_completed"], baseline["requests_completed"]),
         "token_throughput_kept": _ratio(shipping["tokens_per_second"], baseline["tokens_per_second"]),
         "latency_p50_inflation": _ratio(shipping["latency_ms"]["p50"], baseline["latency_ms"]["p50"]),
         "latency_p99_inflation": _ratio(shipping["latency_ms"]["p99"], baseline["latency_ms"]["p99"]),
@@ -100,7 +111,8 @@ def print_inference_table(placements: dict[str, dict[str, Any]]) -> None:
         idle = load["trainer_idle_seconds"]
         print(
             f"  {name:>22}: {alone['requests_per_second']:.1f} -> {shipping['requests_per_second']:.1f} "
-            f"({load['throughput_kept']:.2f}; {load['token_throughput_kept']:.2f}; "
+            f"({load['throughput_kept']:.2f} +-{load['throughput_kept_counting_error']:.2f}; "
+            f"{load['token_throughput_kept']:.2f}; "
             f"{load['period_throughput_kept']:.2f}) | "
             f"{alone['latency_ms']['p50']:.0f} / {alone['latency_ms']['p99']:.0f} -> "
             f"{shipping['latency_ms']['p50']:.0f} / {shipping['latency_ms']['p99']:.0f} | "
