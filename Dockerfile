@@ -9,6 +9,6 @@ COPY rlship rlship
 COPY orchestrator orchestrator
 COPY tasks tasks
 COPY transport transport
-RUN pip install --no-cache-dir ".[ops]"
+RUN pip install --no-cache-dir ".[ops,tracing]"
 ENV REDIS_URL=redis://redis:6379/0
 CMD ["rlship", "--help"]

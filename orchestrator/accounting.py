@@ -9,16 +9,17 @@ from typing import Any
 
 from orchestrator.groups import TRAINABLE, Outcome
 from orchestrator.records import RolloutRecord
+from tasks.stages.credit import GivenCredit
 from tasks.stages.finalize import PayloadFacts
 
 EMPTY_STEP = "empty_step"  # the discard reason of the rollouts of a cut the workers emptied
 
 
 def outcome_row(
-    outcome: Outcome, facts: PayloadFacts | None = None
+    outcome: Outcome, facts: PayloadFacts | None = None, credit: GivenCredit | None = None
 ) -> tuple[dict[str, float], dict[str, str], dict[str, float]]:
-    """A rollout's scalar observations: numeric columns (with its producer's facts, if it
-    came with them), labels, custom metrics."""
+    """A rollout's scalar observations: numeric columns (with its producer's facts and
+    summary of its own credit, if it came with them), labels, custom metrics."""
     r: RolloutRecord = outcome.record
     numeric = {
         "reward": r.reward,
@@ -33,6 +34,7 @@ def outcome_row(
         "has_error": float(r.error is not None),
         "cancelled": float(r.cancelled),
         **(facts.columns() if facts is not None else {}),
+        **(credit.columns() if credit is not None else {}),
     }
     labels = {
         "rollout_id": r.rollout_id,
@@ -64,6 +66,9 @@ class Accounting:
     # The rollouts of those cuts by the field the workers dropped them for: no record of
     # their own says why, so every later record does.
     empty_dropped: Counter[str] = field(default_factory=Counter)
+    # Groups their producers cancelled (`cancel_group`); their rollouts count as discarded
+    # (`cancelled`).
+    cancelled_groups: int = 0
 
     def discard(self, reason: str, count: int = 1) -> None:
         self.discarded[reason] += count
@@ -89,6 +94,7 @@ class Accounting:
             "empty_steps": self.empty_steps,
             "empty_in_a_row": self.empty_in_a_row,
             "empty_dropped": dict(self.empty_dropped),
+            "cancelled_groups": self.cancelled_groups,
         }
 
     @classmethod
@@ -102,6 +108,7 @@ class Accounting:
             empty_steps=data.get("empty_steps", 0),
             empty_in_a_row=data.get("empty_in_a_row", 0),
             empty_dropped=Counter(data.get("empty_dropped", {})),
+            cancelled_groups=data.get("cancelled_groups", 0),
         )
 
     @property
@@ -120,6 +127,7 @@ class Accounting:
             "accounting/in_open_groups": float(in_open_groups),
             "accounting/rejected": float(sum(self.rejected.values())),
             "accounting/discarded": float(sum(self.discarded.values())),
+            "accounting/cancelled_groups": float(self.cancelled_groups),
             "empty_step/total": float(self.empty_steps),
             "empty_step/consecutive": float(self.empty_in_a_row),
         }

@@ -47,7 +47,7 @@ class Admission:
 
     limit: int
     batch_size: int
-    group_size: int
+    group_size: int  # the run's largest
     first_step: int
     start_step: int
     max_async_level: int
@@ -57,7 +57,11 @@ class Admission:
     @classmethod
     def for_run(cls, settings: RunSettings) -> Admission:
         """The same-named settings; `limit` is the backlog the run allows (`outstanding_limit`)."""
-        return cls(**settings.values_for(cls, limit=settings.outstanding_limit))
+        return cls(
+            **settings.values_for(
+                cls, limit=settings.outstanding_limit, group_size=settings.largest_group_size
+            )
+        )
 
     @property
     def largest_call(self) -> int:

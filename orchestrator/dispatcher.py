@@ -96,8 +96,9 @@ class Dispatcher:
             for step in range(self.last_published() + 1, self.next_step)
             if not await self.client.hexists(self.keys.published, step)
         ]
+        await self.publisher.traces.resume(self.client, unpublished)
         for step in unpublished:
-            await self.publisher.enqueue(finalize, step)
+            await self.publisher.enqueue_step(finalize, step)
         if unpublished:
             self.unsettled = self.next_step - 1  # only the newest cut can be without its verdict
         return unpublished
@@ -207,21 +208,24 @@ class Dispatcher:
                 policy_wait=policy_wait + self.taken_back_wait,
             )
             self.taken_back_wait = 0.0
+            traceparent = self.publisher.traces.open(manifest, self.gate.policy.version)
             write = functools.partial(
                 self._write_cut,
                 manifest,
+                traceparent,
                 batch_ids,
                 ingest.checkpoint(),
                 ingest.accounting.accounted,
                 ingest.oldest_held(),
             )
             await self.publisher.call(write)
-        await self.publisher.enqueue(finalize, step)
+        await self.publisher.enqueue_step(finalize, step)
         return manifest
 
     def _write_cut(
         self,
         manifest: StepManifest,
+        traceparent: str | None,
         batch_ids: list[str],
         checkpoint: Checkpoint,
         accounted: int,
@@ -229,7 +233,8 @@ class Dispatcher:
     ) -> None:
         """The cut's one transaction, on the publisher thread: at 16k rollouts packing the
         manifest and one SADD argument per rollout key take 50 ms, one pause on the loop;
-        here the loop gets the GIL back between the pieces (`packb_in_pieces`)."""
+        here the loop gets the GIL back between the pieces (`packb_in_pieces`). With the
+        step's `traceparent` (tracing on, the step sampled), its trace key too."""
         step = manifest.step
         manifest_key = self.keys.step(step, StepValue.MANIFEST)
         client = self.publisher.client
@@ -243,6 +248,8 @@ class Dispatcher:
             pipe.set(self.keys.checkpoint, checkpoint.to_bytes(), ex=self.store.ttl)
             pipe.set(self.keys.accounted, accounted, ex=self.store.ttl)
             pipe.xtrim(self.keys.rollout_stream, minid=oldest_held)
+            if traceparent is not None:
+                pipe.set(self.keys.trace(step), traceparent, ex=self.store.ttl)
             pipe.execute()
 
         # Its tasks are enqueued only once a replica holds the cut: a cut lost in a failover
@@ -258,6 +265,7 @@ class Dispatcher:
         cuts in a row, this one included."""
         manifest = StepManifest.from_bytes(await self._read_manifest(step))
         in_a_row = self.ingest.put_back(manifest, dropped)
+        self.publisher.traces.end(step, "every rollout dropped: the cut is taken back")
         self.probe.put_back(manifest.loop_lag_ms)
         self.taken_back_wait += manifest.policy_wait
         # The rollout log knows the rollouts this process cut (not a predecessor's).

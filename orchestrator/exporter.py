@@ -1,8 +1,12 @@
-"""The orchestrator's Prometheus endpoint (`metrics_port`): the run's gauges and counters,
-read when scraped, on the HTTP server's thread. Most come from Redis (the status hash, the
-step marks, the queues, as `rlship status` reads them), so a scrape costs the event loop
-nothing; the loop's worst lag and the records mirrored come from the orchestrator's
-components (its lag probe and record follower)."""
+"""The orchestrator's Prometheus endpoint (`metrics_port`): the run's gauges, counters and
+histograms, read when scraped, on the HTTP server's thread. Most come from Redis (the
+status hash, the step marks, the queues, as `rlship status` reads them; what the workers
+and ranks count, `orchestrator.run_gauges`), so a scrape costs the event loop nothing; the
+stage, ship and loop-lag histograms (`orchestrator.step_metrics`), the loop's worst lag and
+the records mirrored come from the orchestrator's components; the workers that answer from
+a thread that asks them in the background (`orchestrator.worker_liveness`). With
+`Accept: application/openmetrics-text` the stage histograms carry exemplars.
+docs/metrics.md lists every metric."""
 
 from __future__ import annotations
 
@@ -14,8 +18,11 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from orchestrator.run_gauges import RunGauges
 from orchestrator.run_info import RunInfo
 from orchestrator.status_reader import STAGES, StatusReader, in_flight
+from orchestrator.step_metrics import StepMetrics
+from orchestrator.worker_liveness import WorkerLiveness
 from transport.connection import connect_redis
 from transport.keys import RunKeys
 from transport.outcomes import outcome_counts
@@ -29,14 +36,24 @@ if TYPE_CHECKING:
 
 
 class RunCollector(Collector):
-    def __init__(self, settings: RunSettings, follower: RecordFollower, probe: LagProbe) -> None:
+    def __init__(
+        self,
+        settings: RunSettings,
+        follower: RecordFollower,
+        probe: LagProbe,
+        step_metrics: StepMetrics,
+        liveness: WorkerLiveness,
+    ) -> None:
         self.follower = follower
         self.probe = probe
+        self.step_metrics = step_metrics
+        self.liveness = liveness
         self.keys = RunKeys(settings.run_id)
         self.info = RunInfo.from_settings(settings)
         self.client = connect_redis(
             settings.redis_url, ride_out_outages=False, socket_timeout=5, socket_connect_timeout=5
         )
+        self.gauges = RunGauges(self.client, settings)
         self._reader: StatusReader | None = None
         self._lock = threading.Lock()  # scrapes may overlap; the reader keeps a cursor
 
@@ -83,9 +100,6 @@ class RunCollector(Collector):
              payload_bytes),
             (GaugeMetricFamily, "rlship_held_bytes",
              "bytes held for the producers' budget (max_held_bytes), in Redis and files", held_bytes),
-            (GaugeMetricFamily, "rlship_event_loop_lag_seconds",
-             "the orchestrator's worst event-loop lag over the last status interval",
-             status.get("loop_lag_max_ms", 0.0) / 1000),
             (GaugeMetricFamily, "rlship_event_loop_lag_max_seconds",
              "the orchestrator's worst event-loop lag since it started",
              self.probe.max_ms / 1000),
@@ -104,7 +118,18 @@ class RunCollector(Collector):
         for queue, length in snapshot.queued.items():
             queued.add_metric([*run, queue], length)
         yield queued
-
+        workers = self._metric(
+            GaugeMetricFamily,
+            "rlship_workers_up",
+            "workers consuming the run's queue (cpu, ship) that answer",
+            "queue",
+        )
+        for kind, count in sorted(self.liveness.counts.items()):
+            workers.add_metric([*run, kind], count)
+        yield workers
+        newest = self.follower.records[-1] if self.follower.records else None
+        yield from self.gauges.collect(self.follower.last_published, newest)
+        yield from self.step_metrics.collect()
 
     def _outcome_counters(self, counts: dict[str, int], run: list[str]) -> Iterator[Metric]:
         """Rollouts that did not ship, by what became of them and why (transport.outcomes):
@@ -123,11 +148,27 @@ class RunCollector(Collector):
             yield metric
 
 
-def serve_metrics(settings: RunSettings, follower: RecordFollower, probe: LagProbe) -> WSGIServer:
+class MetricsEndpoint:
+    """The served endpoint and the thread asking the workers; `close` stops both."""
+
+    def __init__(self, server: WSGIServer, liveness: WorkerLiveness) -> None:
+        self.server = server
+        self.liveness = liveness
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.liveness.stop()
+
+
+def serve_metrics(
+    settings: RunSettings, follower: RecordFollower, probe: LagProbe, step_metrics: StepMetrics
+) -> MetricsEndpoint:
     """Start the endpoint on `metrics_host:metrics_port`; a port that cannot be bound stops
     start-up naming the setting."""
+    liveness = WorkerLiveness(settings.redis_url, RunInfo.from_settings(settings))
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(RunCollector(settings, follower, probe))
+    registry.register(RunCollector(settings, follower, probe, step_metrics, liveness))
     try:
         server, _thread = start_http_server(settings.metrics_port, settings.metrics_host, registry)
     except OSError as exc:
@@ -135,4 +176,5 @@ def serve_metrics(settings: RunSettings, follower: RecordFollower, probe: LagPro
             f"metrics_port: cannot serve Prometheus metrics on {settings.metrics_host}:"
             f"{settings.metrics_port}: {exc.strerror or exc}"
         ) from None
-    return server
+    liveness.start()
+    return MetricsEndpoint(server, liveness)

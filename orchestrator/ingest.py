@@ -22,12 +22,14 @@ import redis.asyncio as aioredis
 
 from orchestrator.accounting import Accounting, outcome_row
 from orchestrator.checkpoint import Checkpoint
-from orchestrator.groups import TRAINABLE, GroupBuffer, decide_group
+from orchestrator.group_cancel import CANCEL_FIELD, parse_cancellation
+from orchestrator.groups import CANCELLED, TRAINABLE, GroupBuffer, Outcome, decide_group
 from orchestrator.records import IDENTIFIER, RecordRejected, parse_record
 from orchestrator.rollout_log import RolloutLog
 from orchestrator.settings import RunSettings
 from tasks.cohort import Cohort, CohortBuilder
 from tasks.manifest import StepManifest
+from tasks.stages.credit import GivenCredit
 from tasks.stages.finalize import PayloadFacts
 from transport.keys import RunKeys
 from transport.numbering import staleness
@@ -81,6 +83,9 @@ class Ingest:
         # The producer's facts of every rollout in an open group that came with them: they
         # join its cohort row, so finalize need not read its arrays (tasks.stages.finalize).
         self.open_facts: dict[str, PayloadFacts] = {}
+        # The producer's summary of every rollout in an open group that came with credit of
+        # its own (tasks.stages.credit): its fate and trainable tokens follow from it.
+        self.open_credit: dict[str, GivenCredit] = {}
         self.resumed_from: Checkpoint | None = None
         # A cut taken from `pending` whose transaction (new `next_step`, its `accounted`) has
         # not landed: `accounted` is not written meanwhile (`cutting`).
@@ -95,8 +100,16 @@ class Ingest:
             entries = response[0][1] if response else []
             release_ids: list[str] = []
             for entry_id, fields in entries:
+                if CANCEL_FIELD in fields:
+                    release_ids.extend(self.cancel_group(entry_id.decode(), fields[CANCEL_FIELD]))
+                    continue
                 release_ids.extend(
-                    self.take_record(entry_id.decode(), fields.get(b"record", b""), fields.get(b"facts"))
+                    self.take_record(
+                        entry_id.decode(),
+                        fields.get(b"record", b""),
+                        fields.get(b"facts"),
+                        fields.get(b"credit"),
+                    )
                 )
             if entries:
                 self.stream_cursor = entries[-1][0].decode()
@@ -122,8 +135,11 @@ class Ingest:
             if len(self.pending) >= self.settings.batch_size:
                 self.work.set()
 
-    def take_record(self, entry_id: str, raw: bytes, facts: bytes | None = None) -> list[str]:
-        """Account one stream record; return the rollout ids whose payloads to release.
+    def take_record(
+        self, entry_id: str, raw: bytes, facts: bytes | None = None, credit: bytes | None = None
+    ) -> list[str]:
+        """Account one stream record (with its producer's facts and credit summary, if it
+        came with them); return the rollout ids whose payloads to release.
 
         After a restart, a record the checkpoint covers is taken again only if its rollout
         was in an open group then (it was counted as arrived already)."""
@@ -139,6 +155,7 @@ class Ingest:
                 raise RecordRejected(
                     "unknown_env", f"env: {record.env!r} is not one of the run's envs {envs}"
                 )
+            given = _given_credit(credit)
             group = self.groups.add(record)
         except RecordRejected as exc:
             self.accounting.rejected[exc.reason] += 1
@@ -154,11 +171,16 @@ class Ingest:
             self.open_entries[record.rollout_id] = entry_id
             if checked is not None:
                 self.open_facts[record.rollout_id] = checked
+            if given is not None:
+                self.open_credit[record.rollout_id] = given
             return []
         for member in group:
             self.open_entries.pop(member.rollout_id, None)
         group_facts = {m.rollout_id: self.open_facts.pop(m.rollout_id, None) for m in group}
         group_facts[record.rollout_id] = checked
+        group_credit = {m.rollout_id: self.open_credit.pop(m.rollout_id, None) for m in group}
+        group_credit[record.rollout_id] = given
+        given_credit = {rid: credit for rid, credit in group_credit.items() if credit is not None}
         released = []
         for outcome in decide_group(
             group,
@@ -166,8 +188,11 @@ class Ingest:
             self.settings.max_off_policy_steps,
             self.settings.normalize_advantages,
             self.settings.first_step,
+            given_credit,
+            self.settings.length_penalty,
         ):
-            row = outcome_row(outcome, group_facts[outcome.record.rollout_id])
+            rollout_id = outcome.record.rollout_id
+            row = outcome_row(outcome, group_facts[rollout_id], given_credit.get(rollout_id))
             self.window.append(*row)
             self.rollout_log.finalized(outcome)
             if outcome.fate == TRAINABLE:
@@ -178,6 +203,33 @@ class Ingest:
                 released.append(outcome.record.rollout_id)
                 self.outcomes[outcome.record.rollout_id] = discarded(outcome.fate)
         return released
+
+    def cancel_group(self, entry_id: str, raw: bytes) -> list[str]:
+        """Take a producer's cancellation of a group (orchestrator.group_cancel): the group's
+        rollouts arrived so far are discarded (`cancelled`) and returned to release at once;
+        later ones are rejected. A group complete already is left to its fates."""
+        try:
+            env, group_id = parse_cancellation(raw)
+        except ValueError as exc:
+            log.warning("group cancellation ignored: %s", exc)
+            return []
+        members = self.groups.cancel(env, group_id)
+        if self.resumed_from is not None and self.resumed_from.covers(entry_id):
+            return []  # taken before the restart (its rollouts left then); later ones still rejected
+        if members is None:
+            log.info("group %r of env %r was cancelled after it completed: its fates stand", group_id, env)
+            return []
+        self.accounting.cancelled_groups += 1
+        for record in members:
+            self.open_entries.pop(record.rollout_id, None)
+            facts = self.open_facts.pop(record.rollout_id, None)
+            credit = self.open_credit.pop(record.rollout_id, None)
+            outcome = Outcome(record.model_copy(update={"cancelled": True}), 0.0, CANCELLED)
+            self.window.append(*outcome_row(outcome, facts, credit))
+            self.rollout_log.finalized(outcome)
+            self.accounting.discard(CANCELLED)
+            self.outcomes[record.rollout_id] = discarded(CANCELLED)
+        return [record.rollout_id for record in members]
 
     async def write_outcomes(self, client: aioredis.Redis | Any) -> None:
         """Write the outcomes decided since the last write (on a client or a pipeline)."""
@@ -264,3 +316,11 @@ def _rollout_id_of(raw: bytes) -> str | None:
     except (ValueError, AttributeError, RecursionError):  # RecursionError: JSON nested too deep
         return None
     return value if isinstance(value, str) and IDENTIFIER.fullmatch(value) else None
+
+
+def _given_credit(data: bytes | None) -> GivenCredit | None:
+    """A stream entry's credit summary (None: the group baseline's), or RecordRejected."""
+    try:
+        return GivenCredit.from_wire(data)
+    except ValueError as exc:
+        raise RecordRejected("invalid_credit", str(exc)) from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from array import array
+from collections.abc import Callable
 
 import numpy as np
 
@@ -23,6 +24,7 @@ class LagProbe:
         self.samples = 0
         self.times: array | None = array("d") if keep_timeline else None
         self.lags_ms = array("d")
+        self.on_sample: Callable[[float], None] | None = None  # each lag, in seconds
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -35,6 +37,8 @@ class LagProbe:
             self.max_ms = max(self.max_ms, lag_ms)
             self.recent_max_ms = max(self.recent_max_ms, lag_ms)
             self.samples += 1
+            if self.on_sample is not None:
+                self.on_sample(lag_ms / 1000.0)
             if self.times is not None:
                 self.times.append(now)
                 self.lags_ms.append(lag_ms)

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import gc
 import json
 import logging
@@ -66,6 +65,7 @@ from orchestrator.resume import resumed, stored_form
 from orchestrator.rollout_log import RolloutLog
 from orchestrator.run_info import RunInfo
 from orchestrator.settings import RunSettings
+from orchestrator.step_metrics import StepMetrics, take_step_seconds
 from orchestrator.watchdog import StallWatchdog
 from tasks.app import use_redis
 from tasks.ship import prepare
@@ -96,6 +96,10 @@ class Orchestrator:
         # Components.
         self.rollout_log = RolloutLog(settings.record_rollouts)
         self.probe = probe or LagProbe()  # the benchmark's keeps its timeline
+        # The endpoint's histograms (served with `metrics_port`): each sample of the probe,
+        # each released step's stage seconds (`step_released`).
+        self.step_metrics = StepMetrics(settings.run_id)
+        self.probe.on_sample = self.step_metrics.observe_lag
         self.publisher = Publisher(settings)
         self.policy = PolicyVersion(settings, client)
         self.gate = PolicyGate(settings, client, self.policy, self._stopping)
@@ -107,7 +111,7 @@ class Orchestrator:
             self._work,
             next_step=lambda: self.dispatcher.next_step,
             status=self.status,
-            prepare=functools.partial(self.publisher.enqueue, prepare),
+            prepare=self._prepare,
         )
         self.dispatcher = Dispatcher(
             settings,
@@ -124,7 +128,9 @@ class Orchestrator:
             on_fatal=self._abort,
             loss_report=self.loss_report,
         )
-        self.releases = Releases(settings, client, self.store, self.publisher, self._stopping)
+        self.releases = Releases(
+            settings, client, self.store, self.publisher, self._stopping, on_released=self.step_released
+        )
         self.follower = RecordFollower(settings, client, self._stopping, self.step_published)
         self.lease = Lease(
             client,
@@ -151,6 +157,11 @@ class Orchestrator:
             in_flight=lambda: range(self.follower.last_published + 1, self.dispatcher.next_step),
             on_fatal=self._abort,
         )
+
+    async def _prepare(self, rollout_ids: list[str]) -> None:
+        """Have the workers prepare rollouts for the wire before the cut (`tasks.ship.prepare`)."""
+        headers = self.publisher.traces.prepare_headers(rollout_ids)
+        await self.publisher.enqueue(prepare, rollout_ids, headers=headers)
 
     def _abort(self, error: Exception) -> None:
         """Stop every loop at its next turn; `run` raises `error` once they have."""
@@ -182,9 +193,17 @@ class Orchestrator:
         """A step's record is published: tell the rollout log which of its rollouts shipped
         (read before the release deletes the step's keys), wake the dispatcher (there is
         room in flight) and release the step."""
+        self.publisher.traces.published(step)
         await self.dispatcher.log_shipped(step)
         self._work.set()
         await self.releases.schedule(step)
+
+    async def step_released(self, step: int) -> None:
+        """A step is released: its tasks' seconds go into the endpoint's histograms, with the
+        step's trace id as their exemplar when it is traced."""
+        trace_id = self.publisher.traces.trace_id(step)
+        seconds = await take_step_seconds(self.client, self.keys, step)
+        self.step_metrics.observe_step(step, seconds, {"trace_id": trace_id} if trace_id else None)
 
     # -- the run's start and end -----------------------------------------------------
 
@@ -264,7 +283,7 @@ class Orchestrator:
                 # Imported here: prometheus_client is loaded only by a run that serves metrics.
                 from orchestrator.exporter import serve_metrics
 
-                metrics_server = serve_metrics(self.settings, self.follower, self.probe)
+                metrics_server = serve_metrics(self.settings, self.follower, self.probe, self.step_metrics)
             await self.follower.follow()
             await self.releases.drain()
         finally:
@@ -277,13 +296,13 @@ class Orchestrator:
                 pipe.hset(self.keys.status, mapping=self.status())
                 pipe.expire(self.keys.status, DEFAULT_TTL_SECONDS)
                 await pipe.execute()
+            self.publisher.traces.close()
             self.publisher.close()
             self.watchdog.close()
             self.follower.close()
             self.rollout_log.close()
             if metrics_server is not None:
-                metrics_server.shutdown()
-                metrics_server.server_close()
+                metrics_server.close()
         if isinstance(self._aborted, RunStateLost):
             path = Path(self.settings.output_dir) / "lost.json"
             path.write_text(json.dumps(self._aborted.report, indent=1))

@@ -22,10 +22,13 @@ import redis
 import redis.asyncio as aioredis
 
 from orchestrator.admission import FINISHED, Admission, AdmissionRefused, GateView, Rollouts
+from orchestrator.group_cancel import cancellation_entry
 from orchestrator.policy import NO_VERSION
+from orchestrator.produce_script import FIXED_KEYS, PRODUCE_LUA
 from orchestrator.rollout_checks import RolloutRejected, call_problems, check_rollouts
 from orchestrator.settings import RunSettings
 from orchestrator.stored_settings import read_run_settings, read_run_settings_async
+from tasks.stages.credit import GivenCredit
 from tasks.stages.finalize import PayloadFacts
 from transport.keys import RunKeys
 from transport.numbering import required_version
@@ -50,74 +53,9 @@ __all__ = [
     "Rollouts",
 ]
 
-# KEYS: the rollout stream, the produced and accounted counters, the refused-writes counter,
-# the run's next step, the held-bytes hash and total, the run's finished mark, then one
-# payload key per rollout. ARGV:
-# the TTL, the backlog limit (-1: not admitted), the room the policy gate leaves, the next
-# step that room was worked out for (as read, '' if unset), the byte budget (-1: none), the
-# batch size, the call's bytes, then per rollout its arrays blob, its record, its
-# `PayloadFacts` and its bytes (blob and rows files). The call is admitted whole or not at
-# all, in the same step as the writes, so concurrent producers cannot overshoot: the backlog
-# (produced, not yet accounted by the orchestrator: in the stream, in open groups or
-# pending) plus this call must fit both bounds, and the bytes the run holds plus the call's
-# its byte budget, unless the backlog is short of a batch: the next step's batch can always
-# be completed (the run ships it, and releasing it frees bytes; `refuse_oversize` sees that
-# one batch fits the budget). A step
-# cut since the room was worked out (`moved`) shrinks both the backlog and the room: the
-# caller works it out again.
-# A payload is written only if its key is new (a claim check is written once), and only then
-# is its record appended: a duplicate id can neither replace the original's arrays nor reach
-# the orchestrator. The stream and the counters it writes get the payloads' expiry too: a
-# producer still writing after its run ended (and its keys were unlinked) leaves nothing
-# behind for ever.
-# A run that has finished takes nothing.
-# Returns the verdict, the backlog, then the 1-based positions of the refused rollouts.
-_PRODUCE_LUA = """
-if redis.call('EXISTS', KEYS[8]) == 1 then
-  return {'finished', 0}
-end
-local limit = tonumber(ARGV[2])
-if limit >= 0 then
-  local calls = #KEYS - 8
-  local backlog = tonumber(redis.call('GET', KEYS[2]) or '0') - tonumber(redis.call('GET', KEYS[3]) or '0')
-  if (redis.call('GET', KEYS[5]) or '') ~= ARGV[4] then
-    return {'moved', backlog}
-  end
-  if backlog + calls > limit then
-    return {'backlog', backlog}
-  end
-  if backlog + calls > tonumber(ARGV[3]) then
-    return {'gate_held', backlog}
-  end
-  local held = tonumber(redis.call('GET', KEYS[7]) or '0')
-  local budget = tonumber(ARGV[5])
-  if budget >= 0 and backlog >= tonumber(ARGV[6]) and held + tonumber(ARGV[7]) > budget then
-    return {'bytes', held}
-  end
-end
-local reply = {'ok', 0}
-for i = 9, #KEYS do
-  local at = 8 + (i - 9) * 4
-  if redis.call('SET', KEYS[i], ARGV[at], 'NX', 'EX', ARGV[1]) then
-    redis.call('XADD', KEYS[1], '*', 'record', ARGV[at + 1], 'facts', ARGV[at + 2])
-    redis.call('INCR', KEYS[2])
-    redis.call('HSET', KEYS[6], string.match(KEYS[i], ':rollout:(.*)$'), ARGV[at + 3])
-    redis.call('INCRBY', KEYS[7], ARGV[at + 3])
-  else
-    redis.call('INCR', KEYS[4])
-    table.insert(reply, i - 8)
-  end
-end
-for _, key in ipairs({KEYS[1], KEYS[2], KEYS[4], KEYS[6], KEYS[7]}) do
-  redis.call('EXPIRE', key, ARGV[1])
-end
-return reply
-"""
-
 ADMISSION_POLL_SECONDS = 0.05
 # The inline side arrays a run that keeps payloads out of Redis keeps in files until the cut.
 ROWS_OUT_OF_REDIS = ("routed_experts",)
-FIXED_KEYS = 8  # the script's keys before the per-rollout ones
 
 
 class _Producer:
@@ -152,7 +90,7 @@ class _Producer:
         self.side_arrays = side_arrays
         self.rows_out_of_redis = rows_out_of_redis
         self.settings: RunSettings | None = None  # the run's, once known (`for_run`)
-        self._produce = client.register_script(_PRODUCE_LUA)
+        self._produce = client.register_script(PRODUCE_LUA)
         self._gate_keys = [self.keys.known_policy_version, self.keys.next_step]
 
     def _know_run(self, settings: RunSettings, admitted: bool) -> None:
@@ -190,6 +128,7 @@ class _Producer:
             self.keys.held_bytes,
             self.keys.held_bytes_total,
             self.keys.finished,
+            self.keys.rollout_flow,
         ]
         args: list[Any] = []
         sizes = []
@@ -200,7 +139,8 @@ class _Producer:
             # Segments are checked again at the cut, against the files as they are then.
             facts = PayloadFacts.of(stored, len(blob)).to_wire()
             sizes.append(len(blob) + sum(segment.nbytes for segment in stored.get(PAYLOAD_FIELD, [])))
-            args += [blob, record.model_dump_json(), facts, sizes[-1]]
+            credit = GivenCredit.of(flat)
+            args += [blob, record.model_dump_json(), facts, sizes[-1], credit.to_wire() if credit else ""]
         if self.admission is not None:
             self.admission.refuse_oversize(rollouts, sizes)
         return keys, [sum(sizes), *args]
@@ -348,6 +288,15 @@ class RolloutProducer(_Producer):
         witness, holds = self._stored(keys)
         self.durability.replicate(self.client, write, witness, f"{len(rollouts)} rollouts", holds)
 
+    def cancel_group(self, group_id: str, env: str) -> None:
+        """Give up on a group (a rollout of it will never come): its rollouts written so far
+        are discarded (`cancelled`) and released at once, later ones rejected
+        (orchestrator.group_cancel); InvalidRecord naming a bad group or env."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(self.keys.rollout_stream, cancellation_entry(env, group_id, self.settings))
+        pipe.expire(self.keys.rollout_stream, self.ttl)
+        pipe.execute()
+
     def outcome(self, rollout_ids: Iterable[str]) -> dict[str, RolloutOutcome]:
         """What became of each rollout (transport.outcomes): shipped in a step, cut into one
         not yet published, dropped at the cut and why, discarded or rejected and why,
@@ -416,6 +365,14 @@ class AsyncRolloutProducer(_Producer):
 
         witness, holds = self._stored(keys)
         await self.durability.replicate_async(self.client, write, witness, f"{len(rollouts)} rollouts", holds)
+
+    async def cancel_group(self, group_id: str, env: str) -> None:
+        """See `RolloutProducer.cancel_group`."""
+        await self.ready()
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(self.keys.rollout_stream, cancellation_entry(env, group_id, self.settings))
+        pipe.expire(self.keys.rollout_stream, self.ttl)
+        await pipe.execute()
 
     async def outcome(self, rollout_ids: Iterable[str]) -> dict[str, RolloutOutcome]:
         """See `RolloutProducer.outcome`."""

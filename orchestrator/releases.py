@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 
@@ -35,6 +36,7 @@ class Releases:
         store: AsyncPayloadStore,
         publisher: Publisher,
         stopping: asyncio.Event,
+        on_released: Callable[[int], Awaitable[None]],
     ) -> None:
         self.settings = settings
         self.client = client
@@ -42,6 +44,7 @@ class Releases:
         self.keys = store.keys
         self.publisher = publisher
         self.stopping = stopping
+        self.on_released = on_released  # a step's release task is done
         self.pending: asyncio.Task[None] | None = None
         # The run's files that go with its steps: rows files, and retained payloads if in files.
         self.rows = settings.run_rows()
@@ -54,7 +57,7 @@ class Releases:
         self.pending = asyncio.create_task(self._await_released(step))
 
     async def _enqueue_release(self, step: int) -> None:
-        await self.publisher.enqueue(release, step, self.settings.ranks, self.settings.replay_steps)
+        await self.publisher.enqueue_step(release, step, self.settings.ranks, self.settings.replay_steps)
 
     async def _await_released(self, step: int) -> None:
         """Until the step is released; its task is enqueued again after `stall_seconds`
@@ -73,6 +76,7 @@ class Releases:
                 await self._enqueue_release(step)
                 resend_at = loop.time() + self.settings.stall_seconds
             await asyncio.sleep(POLL_SECONDS)
+        await self.on_released(step)
 
     async def drain(self) -> None:
         if self.pending is not None:

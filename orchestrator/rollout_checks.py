@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 
 from orchestrator.admission import Rollouts
+from orchestrator.groups import group_size_of
+from orchestrator.records import RecordRejected
 from tasks.stages.finalize import check_rollout_arrays
 from transport.payload_segments import ANYWHERE, PAYLOAD_FIELD, SideArrays
 from transport.schema import EncodedTensor, SchemaError
@@ -78,26 +80,43 @@ def _as_numpy(flat: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
 
 
 def call_problems(
-    rollouts: Rollouts, group_size: int, envs: Collection[str] | None, partial_groups: bool
+    rollouts: Rollouts,
+    group_size: int | Mapping[str, int],
+    envs: Collection[str] | None,
+    partial_groups: bool,
 ) -> dict[str, str]:
     """What the run would reject of this call at ingest, by rollout: an env it does not take
-    (`unknown_env`), more rollouts of a group than its `group_size` (`group_overflow`), and,
-    unless the call says its groups come in parts, a group short of `group_size` (it would
-    wait in the run's open groups until the rest arrives)."""
+    (`unknown_env`: not one of its envs, or one its per-env `group_size` does not size), more
+    rollouts of a group than its env's group size (`group_overflow`), and, unless the call
+    says its groups come in parts, a group short of it (it would wait in the run's open
+    groups until the rest arrives). A group of episodes is sized by the `group_rollouts` its
+    records say."""
     problems: dict[str, str] = {}
-    sizes = Counter(record.group_id for record, _ in rollouts)
+    sizes = Counter((record.env, record.group_id) for record, _ in rollouts)
     for record, _ in rollouts:
+        have = sizes[(record.env, record.group_id)]
         if envs is not None and record.env not in envs:
             problems[record.rollout_id] = f"env: {record.env!r} is not one of the run's envs {sorted(envs)}"
-        elif sizes[record.group_id] > group_size:
+            continue
+        try:
+            size = record.group_rollouts or group_size_of(group_size, record.env)
+        except RecordRejected as exc:
+            problems[record.rollout_id] = str(exc)
+            continue
+        what = (
+            "the run's group_size"
+            if isinstance(group_size, int)
+            else f"the run's group_size for env {record.env!r}"
+        )
+        what = "its group_rollouts" if record.group_rollouts else what
+        if have > size:
             problems[record.rollout_id] = (
-                f"group_id: {record.group_id!r} has {sizes[record.group_id]} rollouts in this call, more "
-                f"than the run's group_size {group_size}"
+                f"group_id: {record.group_id!r} has {have} rollouts in this call, more than {what} {size}"
             )
-        elif sizes[record.group_id] < group_size and not partial_groups:
+        elif have < size and not partial_groups:
             problems[record.rollout_id] = (
-                f"group_id: {record.group_id!r} has {sizes[record.group_id]} of the run's group_size "
-                f"{group_size} rollouts in this call; write whole groups, or produce(..., "
+                f"group_id: {record.group_id!r} has {have} of {what} "
+                f"{size} rollouts in this call; write whole groups, or produce(..., "
                 "partial_groups=True) to write the rest in later calls"
             )
     return problems

@@ -2,10 +2,12 @@
 rollout, written once its fate is known, so anyone can recompute a record from it.
 
 Fields: the rollout's record (ids, env, reward, token counts, flags, custom metrics), its
-`advantage`, `is_trainable` (the decision when its group completed), `fate` ("shipped",
-"discarded", or "unshipped" at the end of the run), `step` (the step whose `all`
-statistics count it: the first cut after its group completed), and `shipped_step`, or
-`discarded_step` with `reason` (the step whose record counts the shipment or the drop).
+`advantage` (a given credit's: its mean over the loss tokens), `credit` ("given" or
+"group_baseline": tasks.stages.credit), `is_trainable` (the decision when its group
+completed), `fate` ("shipped", "discarded", or "unshipped" at the end of the run),
+`step` (the step whose `all` statistics count it: the first cut after its group
+completed), and `shipped_step`, or `discarded_step` with `reason` (the step whose record
+counts the shipment or the drop).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ def outcome_line(outcome: Outcome) -> dict[str, Any]:
     return {
         **outcome.record.model_dump(),
         "advantage": outcome.advantage,
+        "credit": outcome.credit,
         "is_trainable": outcome.fate == TRAINABLE,
         "fate": None,
         "step": None,

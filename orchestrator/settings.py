@@ -13,19 +13,19 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, BaseModel, Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import NoDecode, SettingsConfigDict
 
+from orchestrator.groups import LengthPenalty
+from orchestrator.settings_rules import DERIVED_SETTINGS, GroupSize, SettingsRules
 from tasks.app import DEFAULT_REDIS_URL, VISIBILITY_TIMEOUT_ENV
 from tasks.faults import FAULTS_ENV
 from tasks.logs import mask_secrets
 from tasks.manifest import ShipConfig
 from transport.connection import SENTINEL_SCHEME, RedisAddress, with_credentials
-from transport.keys import is_run_queue, run_queue
-from transport.numbering import PRIME_RL_FIRST_STEP
+from transport.keys import is_run_queue, run_queue  # noqa: F401 (importers take run_queue from here)
 from transport.payload_dir import PayloadDirectory
 from transport.payload_segments import RunRows
 from transport.run_files import FileMode
-from transport.schema import default_wire
 
 CONFIG_ENV = "RLSHIP_CONFIG"
 # `RLSHIP_*` variables that are no setting but are read: by the workers (faults, the broker's
@@ -39,14 +39,9 @@ REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel")
 ROLES = ("producer", "worker", "orchestrator", "trainer")
 # Settings whose values hold credentials: shown and reported only through `shown_value`.
 SECRET_SETTINGS = frozenset({"redis_url", *(f"redis_{role}_auth" for role in ROLES)})
-# Settings that, left unset, follow others (`RunSettings._resolve_derived`).
-DERIVED_SETTINGS = (
-    "first_step", "start_step", "policy_source", "broadcast_dir", "cpu_queue", "ship_queue",
-    "redis_wait_replicas", "wire", "payload_root", "zmq_keys_dir",
-)  # fmt: skip
 
 
-class RunSettings(BaseSettings):
+class RunSettings(SettingsRules):
     # A setting that is not one (a typo) is an error, never silently ignored: `_known_settings`.
     model_config = SettingsConfigDict(env_prefix="RLSHIP_", extra="forbid", populate_by_name=True)
 
@@ -133,7 +128,11 @@ class RunSettings(BaseSettings):
         "(transport.prime_receivers), which zmq_curve needs",
     )
     batch_size: int = Field(default=64, ge=1, description="rollouts per step")
-    group_size: int = Field(default=8, ge=1, description="rollouts per prompt (one advantage group)")
+    group_size: Annotated[GroupSize, NoDecode] = Field(
+        default=8,
+        description="rollouts per prompt (one advantage group): one size, or one per env as env=size "
+        "pairs, comma-separated (math=8,code=4); an env without one is rejected",
+    )
     seq_len: int = Field(default=2048, ge=8, description="tokens per packed sample")
     pad_to_multiple: int = Field(default=1, ge=1, description="packed lengths are padded to a multiple")
     vocab_size: int = Field(default=151_936, ge=2, description="token ids must be below this")
@@ -157,6 +156,12 @@ class RunSettings(BaseSettings):
         default=8, ge=0, description="a rollout generated this many policy versions back is dropped"
     )
     normalize_advantages: bool = Field(default=False, description="divide advantages by the group's std")
+    length_penalty: Annotated[LengthPenalty | None, NoDecode] = Field(
+        default=None,
+        description="prime-rl's GRPO length shaping of the rewards rlship takes the group baseline of: "
+        "linear (its default weights), or weight=value pairs, comma-separated, of num_output_tokens_weight "
+        "(0.25), num_input_tokens_weight (0.1), num_turns_weight (0.1); unset: none",
+    )
     trainers: Literal["builtin", "external"] = Field(
         default="builtin", description="rlship's trainer ranks, or external ones (prime-rl)"
     )
@@ -169,11 +174,13 @@ class RunSettings(BaseSettings):
     broadcast_dir: Path | None = Field(
         default=None, description="prime-rl's weight-broadcast directory; unset: output_dir/broadcasts"
     )
-    workload: Literal["dense", "moe", "moe-inline"] = Field(
+    workload: Literal["dense", "moe", "moe-inline", "episodes"] = Field(
         default="dense",
         description="what the synthetic producer makes: dense rollouts, or moe (each also with routed "
         "experts of a 48-layer top-8 model, uint8, written to files under payload_root and passed by "
-        "handle), or moe-inline (the same routed experts inline, as trainers on wire 559b447 take them)",
+        "handle), or moe-inline (the same routed experts inline, as trainers on wire 559b447 take them), "
+        "or episodes (groups of verifiers v1 episodes: multi-turn, tool-using, forked, some with "
+        "per-token advantages, some errored; needs the verifiers extra)",
     )
     wire: Literal["prime-rl-559b447", "prime-rl-0f59b24"] | None = Field(
         default=None,
@@ -299,6 +306,7 @@ class RunSettings(BaseSettings):
         "wire",
         "payload_root",
         "zmq_keys_dir",
+        "length_penalty",
         *(f"redis_{role}_auth" for role in ROLES),
         mode="before",
     )
@@ -331,78 +339,6 @@ class RunSettings(BaseSettings):
         if database and not database.isdigit():
             raise ValueError(f"the database after the port must be a number (as /0), not {database!r}")
         return value
-
-    @model_validator(mode="after")
-    def _resolve_derived(self) -> RunSettings:
-        """Settings left unset follow others (`DERIVED_SETTINGS`). Numbering follows the
-        trainers: prime-rl's (external) count from 1, the builtin trainer's run directories
-        and checkpoints from 0; so does the policy source: Redis for rlship's trainers,
-        prime-rl's broadcast directory (in the output directory unless given) for external
-        ones; the queues are the run's own. Resolved here, so every consumer sees values,
-        and kept out of the fields set, so a copy made by `with_changes` (`model_copy` does
-        not validate) derives them afresh."""
-        unset = {name for name in DERIVED_SETTINGS if getattr(self, name) is None}
-        if self.first_step is None:
-            self.first_step = PRIME_RL_FIRST_STEP if self.trainers == "external" else 0
-        if self.start_step is None:
-            self.start_step = self.first_step
-        if self.policy_source is None:
-            self.policy_source = "redis" if self.trainers == "builtin" else "broadcasts"
-        if self.broadcast_dir is None:
-            self.broadcast_dir = Path(self.output_dir) / "broadcasts"
-        if self.payload_root is None:
-            self.payload_root = Path(self.output_dir) / "payloads"
-        if self.zmq_keys_dir is None:
-            self.zmq_keys_dir = Path(self.output_dir) / "keys"
-        if self.wire is None:
-            self.wire = default_wire(self.workload).name  # type: ignore[assignment]
-        if self.cpu_queue is None:
-            self.cpu_queue = run_queue(self.run_id, "cpu")
-        if self.ship_queue is None:
-            self.ship_queue = run_queue(self.run_id, "ship")
-        if self.redis_wait_replicas is None:
-            self.redis_wait_replicas = 1 if RedisAddress.parse(self.redis_url).is_sentinel else 0
-        self.__pydantic_fields_set__.difference_update(unset)
-        if self.start_step < self.first_step:
-            raise ValueError(
-                f"start_step: {self.start_step} must be >= first_step ({self.first_step}): "
-                "the run cannot start before its first step"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _wire_carries_the_workload(self) -> RunSettings:
-        """A workload whose fields the trainers' wire has no place for fails at start-up, not
-        at its first step."""
-        if self.workload == "moe" and self.wire == "prime-rl-559b447":
-            raise ValueError(
-                "wire: prime-rl-559b447 cannot carry the field payload (the moe workload passes "
-                "routed experts by handle); use --wire prime-rl-0f59b24"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _curve_needs_rlship_ranks(self) -> RunSettings:
-        """Stock prime-rl ranks speak no CURVE: they would wait for steps that never come."""
-        stock = self.trainers == "external" and self.external_ranks == "stock"
-        if self.zmq_curve and self.transport == "zmq" and stock:
-            raise ValueError(
-                "zmq_curve: stock prime-rl ranks speak no CURVE; give --external-ranks rlship if "
-                "they receive with transport.prime_receivers, else see docs/trainers.md, "
-                '"On a shared network"'
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _replay_covers_async_steps(self) -> RunSettings:
-        """The policy gate lets max_async_level + 2 steps be unacknowledged at once; a rank
-        that restarts must be able to replay all of them."""
-        if self.replay_steps < self.max_async_level + 2:
-            raise ValueError(
-                f"replay_steps: {self.replay_steps} must be >= max_async_level + 2 "
-                f"({self.max_async_level + 2}), or a restarted rank could miss a step"
-            )
-        return self
 
     def for_role(self, role: str) -> RunSettings:
         """These settings for a process of `role`: Redis reached as its user, when it has one."""
@@ -487,15 +423,17 @@ def shown_value(name: str, value: Any) -> Any:
     return mask_secrets(value) if name == "redis_url" else value.partition(":")[0] + ":***"
 
 
+def _variable_value(value: Any) -> str:
+    return "" if value is None else json.dumps(value) if isinstance(value, list | dict) else str(value)
+
+
 def settings_to_env(settings: RunSettings) -> dict[str, str]:
     """The settings as environment variables, for child processes. None travels as an empty
-    value, lists as JSON, and `RLSHIP_CONFIG` is emptied: the values are already resolved, and a child that
-    read the file again would let it override the parent's flags. Derived settings travel unset
-    too: the child derives the same values, and knows them as derived."""
+    value, lists and mappings as JSON, and `RLSHIP_CONFIG` is emptied: the values are already
+    resolved, and a child that read the file again would let it override the parent's flags.
+    Derived settings travel unset too: the child derives the same values, and knows them as
+    derived."""
     values = {**settings.model_dump(mode="json"), **dict.fromkeys(settings.derived())}
-    env = {
-        env_name(name): "" if value is None else json.dumps(value) if isinstance(value, list) else str(value)
-        for name, value in values.items()
-    }
+    env = {env_name(name): _variable_value(value) for name, value in values.items()}
     env[CONFIG_ENV] = ""
     return env

@@ -116,7 +116,7 @@ class StallWatchdog:
                         now - seen.since,
                         seen.requeued,
                     )
-                    await self.publisher.enqueue(finalize, step)
+                    await self.publisher.enqueue_step(finalize, step)
                     seen.since = now
             for step in [s for s in progress if s not in steps]:
                 del progress[step]

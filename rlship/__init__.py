@@ -14,6 +14,9 @@
   and the primary they watch) that rides out a restart or a failover.
 - `ZMQMicroBatchReceiver`, `FileSystemMicroBatchReceiver`: prime-rl's receiver interface,
   each step once and in order, for trainer ranks.
+
+`rlship.verifiers` (the verifiers extra, not imported here): verifiers v1 episodes in, as
+prime-rl's environment servers return them (`EpisodeProducer`, `episode_rollouts`).
 """
 
 from orchestrator.producer import AdmissionRefused, AsyncRolloutProducer, RolloutProducer, RolloutRejected

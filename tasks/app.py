@@ -15,10 +15,11 @@ from celery import Celery, signals
 from celery.app.amqp import AMQP, Queues
 from kombu import Queue
 
-from tasks import logs  # noqa: F401  (connects the worker logging hooks)
+from tasks import logs, tracing  # noqa: F401  (logs connects the worker logging hooks)
 from transport.connection import celery_redis_options, with_credentials
 from transport.keys import is_run_queue, queue_traces
 from transport.store import DEFAULT_TTL_SECONDS
+from transport.task_metrics import stamp_enqueue_time
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 CPU_QUEUE = "cpu"
@@ -66,6 +67,10 @@ def expire_run_queues(sender: Any, **_: Any) -> None:
             client.expire(key, DEFAULT_TTL_SECONDS, gt=True)
 
 
+# Every task message, whichever process publishes it, carries its enqueue time (the queue wait).
+signals.before_task_publish.connect(stamp_enqueue_time)
+
+
 # A worker connects as its role's user when it has one (the setting `redis_worker_auth`).
 _environment_url = os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
 if os.environ.get(WORKER_AUTH_ENV):
@@ -97,6 +102,14 @@ app.conf.update(
     },
     worker_hijack_root_logger=False,
 )
+
+
+if tracing.enabled():
+    # A worker that cannot trace says so in one line and ships untraced.
+    if (_tracing_problem := tracing.problem()) is not None:
+        tracing.log.error("rlship: tracing off: %s", _tracing_problem)
+    else:
+        tracing.connect_celery(signals)
 
 
 def use_redis(url: str) -> None:

@@ -33,6 +33,7 @@ from transport.keys import StepValue, stage_field
 from transport.replication import Durability
 from transport.run_files import DiskFull, restrict
 from transport.store import PayloadStore
+from transport.task_metrics import note_failure, note_queue_wait, queue_wait_seconds
 
 log = logging.getLogger("rlship.tasks")
 
@@ -84,8 +85,10 @@ class StepContext:
     def get(self, name: str) -> Any:
         return msgpack.unpackb(self.store.get_step_value(self.step, name), raw=False)
 
-    def crash_if_armed(self, stage: str, rank: int | None = None) -> None:
-        crash_if_armed(self.client, self.run_id, stage, self.step, rank)
+    def crash_if_armed(
+        self, stage: str, rank: int | None = None, before: Callable[[], None] | None = None
+    ) -> None:
+        crash_if_armed(self.client, self.run_id, stage, self.step, rank, before)
 
     def retry(self, countdown: float, queue: str) -> Retry:
         """The delivery's retry, `countdown` seconds from now on `queue`, for the task to raise."""
@@ -98,13 +101,29 @@ class StepContext:
         """How many times this delivery has been retried already."""
         return 0 if self.task is None else int(self.task.request.retries or 0)
 
-    def count_served(self, pipe: Any) -> None:
-        """Count the task in the run's `served_by` (the worker's node name), on the pipeline
-        of the task's first read (a skip check): no round trip of its own. The key expires
-        like the step keys: a task of a run long gone must not leave a key for ever."""
-        worker = (self.task.request.hostname if self.task is not None else None) or socket.gethostname()
+    def count_served(self, pipe: Any, stage: str) -> None:
+        """Count the task in the run's `served_by` (the worker's node name), its wait in its
+        queue, and a redelivery (its previous delivery was lost with its worker) as a failure
+        of `stage`, on the pipeline of the task's first read (a skip check): no round trip of
+        its own. The keys expire like the step keys: a task of a run long gone must not leave
+        a key for ever."""
+        request = self.task.request if self.task is not None else None
+        worker = (request.hostname if request is not None else None) or socket.gethostname()
         pipe.hincrby(self.keys.served_by, worker, 1)
         pipe.expire(self.keys.served_by, self.store.ttl, nx=True)
+        if request is None:
+            return
+        waited = queue_wait_seconds(request, time.time())
+        if waited is not None:
+            note_queue_wait(pipe, self.keys, STAGE[stage].queue, waited, self.store.ttl)
+        if (request.delivery_info or {}).get("redelivered"):
+            note_failure(pipe, self.keys, stage, self.store.ttl)
+
+    def count_failure(self, stage: str) -> None:
+        """Count a delivery of `stage` that raised (`rlship_task_failures_total`)."""
+        pipe = self.client.pipeline(transaction=False)
+        note_failure(pipe, self.keys, stage, self.store.ttl)
+        pipe.execute()
 
     def count_call(self, stage: str, pipe: Any = None) -> None:
         """Count that this process ran `stage` (`stage_calls`: nothing runs twice), on `pipe`
@@ -181,7 +200,7 @@ class StepContext:
         pipe = self.client.pipeline(transaction=False)
         pipe.exists(self.keys.alive)
         pipe.hexists(self.keys.published, self.step)
-        self.count_served(pipe)
+        self.count_served(pipe, task)
         alive, published, *_ = pipe.execute()
         if not alive:
             log.warning("run %s has ended: %s of step %d dropped", self.run_id, task, self.step)
@@ -270,6 +289,11 @@ def stage_task(
             except DiskFull as exc:
                 ctx.stop_run(str(exc))
                 return
+            except Retry:
+                raise
+            except Exception:
+                ctx.count_failure(name)
+                raise
             enqueue_successors(ctx, stage, rank)
 
         # The task's own arguments, for what reads them by name (`tasks.logs.TaskContext`

@@ -17,6 +17,8 @@ from typing import Any
 
 from celery import current_task, signals
 
+from tasks.tracing import current_trace_id
+
 LOG_JSON_ENV = "RLSHIP_LOG_JSON"  # the `log_json` setting, as the workers read it
 
 
@@ -76,8 +78,8 @@ def _parameters(run: Callable[..., Any]) -> tuple[str, ...]:
 
 class TaskContext(logging.Filter):
     """Adds the running task's name, its Celery id (`task_id`: Flower's page of the task is
-    /task/{task_id}) and its run_id, step and rank arguments (the ones it takes) to each
-    record logged while it runs."""
+    /task/{task_id}), its run_id, step and rank arguments (the ones it takes) and, when
+    tracing is on, its step's `trace_id` to each record logged while it runs."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         task = current_task
@@ -88,6 +90,9 @@ class TaskContext(logging.Filter):
             for name in CONTEXT_ARGUMENTS:
                 if name in arguments and not hasattr(record, name):
                     setattr(record, name, arguments[name])
+            trace_id = current_trace_id()
+            if trace_id is not None:
+                record.trace_id = trace_id
         return True
 
 

@@ -42,6 +42,7 @@ def _stage_seconds(times: dict[bytes, bytes]) -> dict[str, float]:
 @stage_task("publish", computes=False, max_retries=None)
 def publish(ctx: StepContext) -> None:
     """Write the step's one record to the metrics stream, exactly once, in step order."""
+    started = time.perf_counter()
     step, manifest, keys = ctx.step, ctx.manifest, ctx.keys
     if manifest.prev_step >= 0 and not ctx.is_published(manifest.prev_step):
         raise ctx.retry(countdown=RETRY_SECONDS, queue=manifest.config.cpu_queue)
@@ -50,7 +51,7 @@ def publish(ctx: StepContext) -> None:
     # replica holds the record: lost in a failover, it is written again, once.
     ctx.durability.replicate(
         ctx.client,
-        lambda: _write_record(ctx),
+        lambda: _write_record(ctx, started),
         lambda pipe: pipe.hexists(keys.published, step),
         f"step {step}'s record",
     )
@@ -70,8 +71,15 @@ def _write_step_samples(ctx: StepContext) -> None:
         write_samples(config.output_path, ctx.step, lines)
 
 
-def _write_record(ctx: StepContext) -> None:
-    """The record and the `published` mark, in one transaction guarded by that mark."""
+def _stage_seconds_fields(step: int, seconds: dict[str, float]) -> dict[str, float]:
+    """`RunKeys.stage_seconds`' fields of a step: `{step}:{stage}` (and `{step}:ship`)."""
+    return {f"{step}:{name}": value for name, value in seconds.items()}
+
+
+def _write_record(ctx: StepContext, started: float) -> None:
+    """The record and the `published` mark, in one transaction guarded by that mark; the
+    step's stage seconds, publish's own (until now) and `time/ship` for the orchestrator's
+    histograms (`RunKeys.stage_seconds`)."""
     step, manifest, keys = ctx.step, ctx.manifest, ctx.keys
     step_record = ctx.get(StepValue.METRICS)
     stage_seconds = _stage_seconds(ctx.client.hgetall(keys.times(step)))
@@ -98,7 +106,9 @@ def _write_record(ctx: StepContext) -> None:
                 )
                 pipe.hset(keys.published, step, time.time())
                 pipe.hset(keys.totals, mapping=totals)
-                for written in (keys.metrics_stream, keys.published, keys.totals):
+                timed = stage_seconds | {"publish": time.perf_counter() - started, "ship": ship_seconds}
+                pipe.hset(keys.stage_seconds, mapping=_stage_seconds_fields(step, timed))
+                for written in (keys.metrics_stream, keys.published, keys.totals, keys.stage_seconds):
                     pipe.expire(written, ctx.store.ttl)
                 pipe.execute()
                 ctx.crash_if_armed("publish")
@@ -111,7 +121,7 @@ def _released_already(ctx: StepContext, task: str) -> bool:
     """Release runs for a published step, whether or not its run has ended, once."""
     pipe = ctx.client.pipeline(transaction=False)
     pipe.hexists(ctx.keys.released, ctx.step)
-    ctx.count_served(pipe)
+    ctx.count_served(pipe, task)
     if pipe.execute()[0]:
         ctx.skip_redundant(task, "released")
         return True
@@ -169,7 +179,7 @@ def release(ctx: StepContext, ranks: int, replay_steps: int) -> None:
     """Delete every key of a published step but its per-rank payloads; release the payloads
     of every step all ranks have acknowledged (and, past the retention bound, of older steps
     regardless); trim the heap; mark the step released."""
-    step = ctx.step
+    started, step = time.perf_counter(), ctx.step
     rows = _release_dropped_rows(ctx)
     directory = _payload_directory(ctx)
     deleted = ctx.store.delete_step(step)
@@ -183,6 +193,9 @@ def release(ctx: StepContext, ranks: int, replay_steps: int) -> None:
     pipe = ctx.client.pipeline(transaction=True)
     pipe.hset(ctx.keys.released, step, time.time())
     pipe.expire(ctx.keys.released, ctx.store.ttl)
+    released_in = {"release": time.perf_counter() - started}
+    pipe.hset(ctx.keys.stage_seconds, mapping=_stage_seconds_fields(step, released_in))
+    pipe.expire(ctx.keys.stage_seconds, ctx.store.ttl)
     ctx.count_call("release", pipe)
     pipe.execute()
     log.info("step %d released: %d keys deleted, payloads of %d steps", step, deleted, payloads.steps)

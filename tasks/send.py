@@ -16,6 +16,7 @@ from typing import Any
 
 import zmq
 
+from tasks import tracing
 from tasks.context import StepContext, redis_client, stage_task
 from tasks.manifest import ShipConfig
 from transport.base import StepSender
@@ -74,10 +75,10 @@ def send(ctx: StepContext, rank: int) -> None:
     step already marked `last_sent` (it left the process) or acknowledged is not sent again.
 
     Exactly-once to a receiver that neither drops duplicates nor replays (prime-rl's)
-    rests on two marks around a send that returns only once the message has left the
-    process (transport.zmq_sender: in the kernel's socket buffer, delivered even if this
-    process dies next): `sending` before it, `last_sent` after. A ship worker killed before
-    the message left loses it with its libzmq queue; the redelivered task finds `sending`
+    rests on two marks around a send that returns only once libzmq has taken the message
+    (transport.zmq_sender: its tracker done; all but its last batch are in the kernel's
+    socket buffer): `sending` before it, `last_sent` after. A ship worker killed before the
+    message left loses it with its libzmq queue; the redelivered task finds `sending`
     above `last_sent` and sends it again, correctly. The one window left: killed after the
     message left and before `last_sent` reached Redis (one Redis round trip; measured in
     docs/reliability.md), the step is delivered and sent again, a duplicate to a stock receiver
@@ -147,12 +148,17 @@ def _send_now(ctx: StepContext, rank: int) -> bool:
     ctx.crash_if_armed("sending", rank)  # marked, not sent: the redelivery sends it, once
     started = time.perf_counter()
     try:
-        sender.send(step, rank, ctx.store.get_payload(step, rank))
+        with tracing.span(f"rlship.{config.transport}_send", **{"rlship.step": step, "rlship.rank": rank}):
+            sender.send(step, rank, ctx.store.get_payload(step, rank))
     except TimeoutError:
         log.warning("step %d rank %d: trainer not reading; retrying", step, rank)
         raise ctx.retry(countdown=RETRY_SECONDS, queue=config.ship_queue) from None
     seconds = time.perf_counter() - started
-    ctx.crash_if_armed("send", rank)  # left the process, not yet marked: the window
+    # Left the process, not yet marked: the window. libzmq may still hold the message's last
+    # batch when `send` returns, and a kill then loses it (the redelivery sends it, once, as
+    # at `sending`); the fault closes the sender first (its linger flushes the socket), so
+    # it always hits the window it names.
+    ctx.crash_if_armed("send", rank, before=sender.close)
 
     def mark_sent() -> None:
         pipe = ctx.client.pipeline(transaction=True)

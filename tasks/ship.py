@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from typing import Any
 
 from tasks.app import app
@@ -44,6 +45,7 @@ from transport.keys import StepValue
 from transport.outcomes import cut_into, dropped_at, record_outcomes
 from transport.payload_segments import PAYLOAD_FIELD, digests_checksum
 from transport.store import DEFAULT_TTL_SECONDS, PayloadMissingError, PayloadStore
+from transport.task_metrics import note_queue_wait, queue_wait_seconds
 
 log = logging.getLogger("rlship.tasks")
 
@@ -80,6 +82,11 @@ def prepare(run_id: str, rollout_ids: list[str]) -> None:
     a rollout malformed in shape, with optional streams or gone is left for the encoder to
     build from its arrays."""
     store = PayloadStore(redis_client(), run_id)
+    waited = queue_wait_seconds(prepare.request, time.time())
+    if waited is not None:
+        pipe = store.client.pipeline(transaction=False)
+        note_queue_wait(pipe, store.keys, "cpu", waited, store.ttl)
+        pipe.execute()
     found = store.fetch_rollouts(rollout_ids)
     arrays = {rollout_id: a for rollout_id, a in found.items() if not isinstance(a, Exception)}
     wires = {rollout_id: wire.to_bytes() for rollout_id, wire in prepare_samples(arrays).items()}

@@ -281,6 +281,11 @@ class RunKeys:
         """Set when the run shipped all its steps: its id is not reused."""
         return self.run_key("finished")
 
+    def trace(self, step: int) -> str:
+        """The W3C `traceparent` of the step's root span (`tasks.tracing`): the step's trace
+        id in one read. Outside the step's keys, so it outlives the step's release."""
+        return self.run_key(f"trace:{step}")
+
     # The tasks' bookkeeping.
 
     @property
@@ -318,6 +323,34 @@ class RunKeys:
     def served_by(self) -> str:
         """Per Celery worker (its node name, `cpu-{run_id}@host`), the run's tasks it took."""
         return self.run_key("served_by")
+
+    @property
+    def queue_wait(self) -> str:
+        """The run's tasks' waits in their queue, from enqueue (or a retry's due time) to
+        start, as histogram buckets per queue kind (`transport.task_metrics`)."""
+        return self.run_key("queue_wait")
+
+    @property
+    def task_failures(self) -> str:
+        """Per stage, deliveries that raised or were redelivered after their worker was lost."""
+        return self.run_key("task_failures")
+
+    @property
+    def stage_seconds(self) -> str:
+        """`{step}:{stage}` -> seconds a stage of the step computed (and `{step}:ship`), for
+        the orchestrator's stage histograms: outlives the step's keys until it reads them."""
+        return self.run_key("stage_seconds")
+
+    @property
+    def trainer_idle(self) -> str:
+        """Per rank, seconds rlship's trainer rank waited with no step to take (a counter)."""
+        return self.run_key("trainer_idle")
+
+    @property
+    def rollout_flow(self) -> str:
+        """Rollouts leaving the byte budget (`released`) and the bytes in and out of it
+        (`produced_bytes`, `released_bytes`); rollouts in are `produced`."""
+        return self.run_key("rollout_flow")
 
     @property
     def tasks_dropped(self) -> str:

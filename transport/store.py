@@ -14,7 +14,7 @@ bound on retained steps evicts them), so a rank that lost a message can replay i
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -310,15 +310,11 @@ class PayloadStore:
         pipe.execute()
 
     def delete_all_rollouts(self) -> int:
-        """Unlink every rollout payload of the run: at teardown, whatever is left never ships."""
-        deleted = 0
-        batch: list[bytes] = []
-        for key in self.client.scan_iter(match=self.keys.rollout("*"), count=1000):
-            batch.append(key)
-            if len(batch) == 1000:
-                deleted += self.client.unlink(*batch)
-                batch.clear()
-        return deleted + (self.client.unlink(*batch) if batch else 0)
+        """Release every rollout of the run (`release_rollouts`: its keys, and its bytes out of
+        the budget): at teardown, whatever is left never ships."""
+        found = self.client.scan_iter(match=self.keys.rollout("*"), count=1000)
+        ids = _rollout_ids(self.keys, found)
+        return sum(int(release_rollouts(self.client, self.keys, batch)) for batch in _batches(ids))
 
 
 class AsyncPayloadStore:
@@ -368,9 +364,21 @@ class AsyncPayloadStore:
         await pipe.execute()
 
     async def delete_all_rollouts(self) -> int:
-        """Unlink every rollout payload of the run (see `PayloadStore.delete_all_rollouts`)."""
-        keys = [key async for key in self.client.scan_iter(match=self.keys.rollout("*"), count=1000)]
-        return sum([await self.client.unlink(*keys[i : i + 1000]) for i in range(0, len(keys), 1000)])
+        """Release every rollout of the run (see `PayloadStore.delete_all_rollouts`)."""
+        found = [key async for key in self.client.scan_iter(match=self.keys.rollout("*"), count=1000)]
+        ids = _rollout_ids(self.keys, found)
+        return sum([int(await release_rollouts(self.client, self.keys, batch)) for batch in _batches(ids)])
+
+
+def _rollout_ids(keys: RunKeys, found: Iterable[bytes]) -> list[str]:
+    """The rollout ids of rollout keys (`RunKeys.rollout_keys`: arrays and wire parts)."""
+    prefix = keys.rollout("")
+    return sorted({key.decode().removeprefix(prefix).removesuffix(WIRE_SUFFIX) for key in found})
+
+
+def _batches(ids: list[str], size: int = 500) -> Iterator[list[str]]:
+    for start in range(0, len(ids), size):
+        yield ids[start : start + size]
 
 
 # KEYS: per rollout, its arrays' key and its wire key; ARGV: the TTL, then the wires.
@@ -385,19 +393,26 @@ end
 return written
 """
 
-# Taking a holder's bytes out of the run's budget (`RunKeys.held_bytes` and its total), once.
+# Taking a holder's bytes out of the run's budget (`RunKeys.held_bytes` and its total), once;
+# a rollout's (with `flow`, `RunKeys.rollout_flow`) counted as released, with its bytes.
 _UNHOLD_LUA = """
-local function unhold(held, total, holder)
+local function unhold(held, total, holder, flow)
   local bytes = redis.call('HGET', held, holder)
   if bytes then
     redis.call('HDEL', held, holder)
     redis.call('DECRBY', total, bytes)
+    if flow then
+      redis.call('HINCRBY', flow, 'released', 1)
+      redis.call('HINCRBY', flow, 'released_bytes', bytes)
+      redis.call('EXPIRE', flow, ARGV[#ARGV])
+    end
   end
 end
 """
 
-# KEYS: the held hash and total, the step's key set; ARGV: the wire suffix. A rollout key's
-# wire sibling goes with it (not counted), and its bytes out of the budget.
+# KEYS: the held hash and total, the step's key set, the rollout flow; ARGV: the wire suffix,
+# the TTL. A rollout key's wire sibling goes with it (not counted), and its bytes out of the
+# budget.
 _DELETE_STEP_LUA = (
     _UNHOLD_LUA
     + """
@@ -411,7 +426,7 @@ for _, key in ipairs(members) do
   local rollout_id = string.match(key, ':rollout:(.*)$')
   if rollout_id then
     table.insert(wires, key .. ARGV[1])
-    unhold(KEYS[1], KEYS[2], rollout_id)
+    unhold(KEYS[1], KEYS[2], rollout_id, KEYS[4])
   end
 end
 for i = 1, #wires, 1000 do
@@ -422,16 +437,17 @@ return deleted
 """
 )
 
-# KEYS: the held hash and total, then each rollout's keys (`RunKeys.rollout_keys`); ARGV:
-# the rollout ids. Returns how many rollout keys were unlinked.
+# KEYS: the held hash and total, the rollout flow, then each rollout's keys
+# (`RunKeys.rollout_keys`); ARGV: the rollout ids, then the TTL. Returns how many rollout
+# keys were unlinked.
 _RELEASE_ROLLOUTS_LUA = (
     _UNHOLD_LUA
     + """
-for _, rollout_id in ipairs(ARGV) do
-  unhold(KEYS[1], KEYS[2], rollout_id)
+for i = 1, #ARGV - 1 do
+  unhold(KEYS[1], KEYS[2], ARGV[i], KEYS[3])
 end
 local deleted = 0
-for i = 3, #KEYS, 1000 do
+for i = 4, #KEYS, 1000 do
   deleted = deleted + redis.call('UNLINK', unpack(KEYS, i, math.min(i + 999, #KEYS)))
 end
 return deleted
@@ -469,7 +485,8 @@ def release_rollouts(client: Any, keys: RunKeys, rollout_ids: list[str]) -> Any:
     or async client or a pipeline (queued with the rest of it)."""
     rollout_keys = [key for r in rollout_ids for key in keys.rollout_keys(r)]
     return client.register_script(_RELEASE_ROLLOUTS_LUA)(
-        keys=[keys.held_bytes, keys.held_bytes_total, *rollout_keys], args=rollout_ids
+        keys=[keys.held_bytes, keys.held_bytes_total, keys.rollout_flow, *rollout_keys],
+        args=[*rollout_ids, DEFAULT_TTL_SECONDS],
     )
 
 
@@ -536,5 +553,6 @@ def unlink_step_keys(client: Any, keys: RunKeys, step: int) -> Any:
     """Run the release script on a sync or async client or pipeline (async: an awaitable; a
     pipeline: queued, so a transaction can take a step back with the rest of it)."""
     return client.register_script(_DELETE_STEP_LUA)(
-        keys=[keys.held_bytes, keys.held_bytes_total, keys.step_keys(step)], args=[WIRE_SUFFIX]
+        keys=[keys.held_bytes, keys.held_bytes_total, keys.step_keys(step), keys.rollout_flow],
+        args=[WIRE_SUFFIX, DEFAULT_TTL_SECONDS],
     )

@@ -27,6 +27,7 @@ from transport.numbering import version_after
 from transport.payload_segments import read_side_arrays
 from transport.schema import WIRE_559B447, WireProfile
 from transport.store import DEFAULT_TTL_SECONDS
+from transport.task_metrics import note_idle
 
 if TYPE_CHECKING:
     from transport.zmq_curve import ClientKeys
@@ -158,17 +159,51 @@ class TrainerRank:
         )
 
     def run(self, steps: int | None = None, idle_timeout: float | None = None) -> None:
-        """Receive until `steps` steps have arrived, or `idle_timeout` seconds pass without one."""
+        """Receive until `steps` steps have arrived, or `idle_timeout` seconds pass without one.
+        The time spent waiting in `receive` is the rank's idle time (`RunKeys.trainer_idle`),
+        reported before each step is handled and every `IDLE_REPORT_SECONDS` while idle."""
         last = time.monotonic()
-        while steps is None or len(self.received) < steps:
-            message = self.receiver.receive(timeout=0.5)
-            self.acknowledgements.report_foreign(self.receiver)
-            if message is None:
-                if idle_timeout is not None and time.monotonic() - last > idle_timeout:
-                    return
-                continue
-            last = time.monotonic()
-            self.handle(message)
+        idle = IdleTime(self.client, self.run_id, self.receiver.rank)
+        try:
+            while steps is None or len(self.received) < steps:
+                waited_from = time.monotonic()
+                message = self.receiver.receive(timeout=0.5)
+                idle.add(time.monotonic() - waited_from, report=message is not None)
+                self.acknowledgements.report_foreign(self.receiver)
+                if message is None:
+                    if idle_timeout is not None and time.monotonic() - last > idle_timeout:
+                        return
+                    continue
+                last = time.monotonic()
+                self.handle(message)
+        finally:
+            idle.report()
+
+
+IDLE_REPORT_SECONDS = 1.0
+
+
+class IdleTime:
+    """A rank's seconds with no step to take, added up here and put in Redis (one write)
+    when a step comes, or once `IDLE_REPORT_SECONDS` have gathered."""
+
+    def __init__(self, client: redis.Redis, run_id: str, rank: int) -> None:
+        self.client = client
+        self.keys = RunKeys(run_id)
+        self.rank = rank
+        self.unreported = 0.0
+
+    def add(self, seconds: float, report: bool) -> None:
+        self.unreported += seconds
+        if report or self.unreported >= IDLE_REPORT_SECONDS:
+            self.report()
+
+    def report(self) -> None:
+        if self.unreported > 0:
+            pipe = self.client.pipeline(transaction=False)
+            note_idle(pipe, self.keys, self.rank, self.unreported, DEFAULT_TTL_SECONDS)
+            pipe.execute()
+            self.unreported = 0.0
 
 
 def open_receiver(

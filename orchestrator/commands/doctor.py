@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from orchestrator.commands.checks import Check, doctor_checks
+from orchestrator.commands.checks import doctor_checks
+from orchestrator.commands.findings import Check
 from orchestrator.commands.named_run import add_run_dir_argument, named_run
 from orchestrator.resume import ResumeRefused
 from orchestrator.settings_resolution import add_settings_arguments

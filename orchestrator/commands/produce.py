@@ -13,7 +13,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ import numpy as np
 
 from orchestrator.admission import FINISHED, AdmissionRefused
 from orchestrator.commands.checks import preflight_client
+from orchestrator.groups import group_size_of
 from orchestrator.lease import ALIVE_SECONDS
 from orchestrator.logs import configure_logging
 from orchestrator.producer import RolloutProducer, RolloutRejected
@@ -31,15 +32,18 @@ from orchestrator.settings_resolution import add_settings_arguments, settings_fr
 from orchestrator.stored_settings import RunNotStarted, SettingsDisagree
 from transport.connection import connect_redis
 from transport.keys import RunKeys
+from transport.outcomes import UNKNOWN
 from transport.payload_segments import PAYLOAD_FIELD, rollout_rows_path, write_segment_file
 from transport.run_files import DiskFull, restrict
 from transport.store import PayloadStore
 
 WAIT_REPORT_SECONDS = 5.0  # how often a waiting producer says why
+NEEDS_VERIFIERS = "needs the verifiers extra (pip install -e '.[verifiers]')"
 # The moe workload's routed experts: Qwen3-30B-A3B's 48 layers, top-8 of 128 experts, one
 # uint8 expert id per layer and slot: 384 bytes a token.
 MOE_LAYERS, MOE_TOPK, MOE_EXPERTS = 48, 8, 128
 log = logging.getLogger("rlship.producer")
+DEFAULT_ENVS = ("math", "code", "chat")
 
 
 @dataclass
@@ -47,10 +51,10 @@ class SyntheticWorkload:
     """Seeded synthetic rollouts, one group at a time."""
 
     seed: int = 0
-    group_size: int = 8
+    group_size: int | Mapping[str, int] = 8  # the run's, or its envs' (then its envs)
     seq_len: int = 2048
     vocab_size: int = 151_936
-    envs: tuple[str, ...] = ("math", "code", "chat")
+    envs: tuple[str, ...] = DEFAULT_ENVS
     error_rate: float = 0.02
     cancel_rate: float = 0.01
     policy_version: int = 0
@@ -72,6 +76,7 @@ class SyntheticWorkload:
         return cls(
             seed=settings.seed,
             group_size=settings.group_size,
+            envs=tuple(settings.group_size) if isinstance(settings.group_size, Mapping) else DEFAULT_ENVS,
             seq_len=settings.seq_len,
             vocab_size=settings.vocab_size,
             moe_rows=moe_rows,
@@ -115,7 +120,7 @@ class SyntheticWorkload:
         return arrays | {PAYLOAD_FIELD: write_segment_file(path, {"routed_experts": experts})}
 
     def group(self, write: bool = True) -> list[tuple[RolloutRecord, dict[str, Any]]]:
-        """One group: `group_size` rollouts of one task of one env (`write` False: made only to
+        """One group: its env's `group_size` rollouts of one task (`write` False: made only to
         be skipped, so no file of side-array rows is written)."""
         rng = self._rng
         index = self._groups
@@ -124,7 +129,7 @@ class SyntheticWorkload:
         difficulty = float(rng.beta(0.6, 0.6))  # near 0 or 1 often: many zero-advantage groups
         fractional = env == "chat"
         out = []
-        for member in range(self.group_size):
+        for member in range(group_size_of(self.group_size, env)):
             prompt, completion = self.lengths()
             turns = int(rng.integers(1, 4)) if env == "code" else 1
             error = "timeout" if rng.random() < self.error_rate else None
@@ -173,8 +178,9 @@ def run_producer(
     producer = RolloutProducer.for_run(client, settings)
     workload = SyntheticWorkload.for_run(settings)
     # A resumed run: the groups its earlier start wrote are made again (same seed) and skipped.
-    for _ in range(int(client.get(producer.keys.produced) or 0) // settings.group_size):
-        workload.group(write=False)
+    skipped, produced = 0, int(client.get(producer.keys.produced) or 0)
+    while skipped < produced:
+        skipped += len(workload.group(write=False))
     stopped = stop.is_set if stop is not None else lambda: False
     rows = settings.run_rows()
     written = 0
@@ -200,7 +206,12 @@ def run_producer(
                 log.warning("%s; group skipped", exc)
                 break
             except RolloutRejected as exc:
-                log.warning("%s", exc)  # some of the call were written (their files are the run's)
+                log.warning("%s", exc)
+                # Refused by its checks, nothing of the call was written (a file the run's end
+                # removed while the group was being made, say); refused as duplicates, the
+                # others were. The files of those the run does not know are nobody's.
+                ids = [record.rollout_id for record, _ in group]
+                rows.unlink(rid for rid, outcome in producer.outcome(ids).items() if outcome.state == UNKNOWN)
             taken = True
             break
         if not taken:
@@ -232,6 +243,44 @@ def stop_the_run(settings: RunSettings, problem: str) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings_arguments(parser)
     parser.add_argument("--groups", type=int, default=None, help="stop after this many groups")
+    parser.add_argument(
+        "--episodes",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="write these verifiers episodes instead of synthetic rollouts: a file of msgpack episodes "
+        "as environment servers return them, or a directory of *.msgpack files (needs the verifiers extra)",
+    )
+
+
+def produce_episodes(settings: RunSettings, path: Path) -> int:
+    """`--episodes`: the files' whole groups of episodes into the run (rlship.verifiers.produce);
+    0 if every one was written, 1 (each named) if not, 2 without the verifiers extra."""
+    try:
+        from rlship.verifiers.produce import EpisodeFileError, produce_episode_files
+    except ImportError as exc:
+        print(f"rlship produce: --episodes {NEEDS_VERIFIERS}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        written, problems = produce_episode_files(connect_redis(settings.redis_url), settings, path)
+    except EpisodeFileError as exc:
+        print(f"rlship produce: {exc}", file=sys.stderr)
+        return 2
+    for problem in problems:
+        print(f"rlship produce: {problem}", file=sys.stderr)
+    print(f"rlship produce: {written} groups of episodes written to run {settings.run_id}")
+    return 1 if problems else 0
+
+
+def produce_synthetic_episodes(settings: RunSettings, groups: int | None) -> int:
+    """`--workload episodes`: synthetic groups of verifiers episodes (rlship.verifiers.synthetic)."""
+    try:
+        from rlship.verifiers.produce import run_synthetic_episodes
+    except ImportError as exc:
+        print(f"rlship produce: --workload episodes {NEEDS_VERIFIERS}: {exc}", file=sys.stderr)
+        return 2
+    run_synthetic_episodes(connect_redis(settings.redis_url), settings, groups=groups)
+    return 0
 
 
 def main(args: argparse.Namespace) -> int:
@@ -240,6 +289,10 @@ def main(args: argparse.Namespace) -> int:
     restrict(settings.file_mode)
     preflight_client("produce", settings).close()
     try:
+        if args.episodes is not None:
+            return produce_episodes(settings, args.episodes)
+        if settings.workload == "episodes":
+            return produce_synthetic_episodes(settings, args.groups)
         run_producer(settings, groups=args.groups)
     except (RunNotStarted, SettingsDisagree) as exc:
         print(f"rlship produce: {exc}", file=sys.stderr)

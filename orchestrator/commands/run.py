@@ -48,6 +48,7 @@ from orchestrator.settings_resolution import (
     run_defaults,
 )
 from orchestrator.status_reader import StatusReader
+from tasks import tracing
 from tasks.logs import mask_secrets
 from transport.connection import connect_redis
 from transport.keys import RunKeys
@@ -356,6 +357,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     stop = StopSignals()
+    # Tracing asked for (OTEL_EXPORTER_OTLP_ENDPOINT) must work in every process the run starts.
+    if (problem := tracing.problem()) is not None:
+        print(f"rlship run: {problem}", file=sys.stderr)
+        return 2
     resolved = resolve_settings(args)
     try:
         settings = resume_with_run_settings(run_defaults(resolved), resolved.sources)

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import redis
 
-from orchestrator.commands.checks import probe_redis, require
+from orchestrator.commands.findings import require
 from orchestrator.commands.named_run import run_of_directory
 from orchestrator.commands.progress import REFRESH_SECONDS, ProgressDisplay
+from orchestrator.commands.redis_checks import probe_redis
 from orchestrator.redis_topology import read_topology
 from orchestrator.run_info import RunInfo
 from orchestrator.settings_resolution import add_settings_arguments, settings_from_args

@@ -9,7 +9,8 @@ import signal
 import sys
 from pathlib import Path
 
-from orchestrator.commands.checks import preflight_client, rank_in_run, require
+from orchestrator.commands.checks import preflight_client, rank_in_run
+from orchestrator.commands.findings import require
 from orchestrator.logs import configure_logging
 from orchestrator.settings_resolution import add_settings_arguments, settings_from_args
 from transport.connection import connect_redis

@@ -1,8 +1,10 @@
 """Encode: build one rank's micro-batches from its samples' arrays and encode the payload.
 
 The per-token fields are concatenated straight from the stored arrays (no Python lists
-of tokens); sample-level annotations (advantage, temperature, env) are broadcast over the
-sample's tokens; zero-advantage tokens get zero rl weight (the prune stage's rule).
+of tokens); a sample's advantages and temperatures are its own per-token arrays where the
+producer gave them, else its cohort row's advantage and temperature broadcast over its
+tokens (the env always is); rl weights follow tasks.stages.credit (zero on a loss token of
+zero advantage).
 Optional streams (ce and ref-kl weights, token types, mm_kwargs) are carried when any
 sample of the micro-batch has them.
 
@@ -10,8 +12,9 @@ Under a wire that carries them (prime-rl 0f59b24), each sequence is named by its
 (`trace_ids`) and a sample's side arrays by handle travel as its segments shifted to its
 place in the micro-batch (`payload`): their rows are never read here.
 
-Before the cut, a sample of the plain kind (the required arrays only) is prepared as it
-completes: its token fields encoded once, as they will be on the wire (`SampleWire`). At
+Before the cut, a sample of the plain kind (the required arrays only, and perhaps its own
+credit streams) is prepared as it completes: its token fields encoded once, as they will be
+on the wire (`SampleWire`). At
 the cut the rank's payload is then joined from those parts (`assemble_rank`): the same
 bytes as `encode_rank`, since canonical MessagePack writes each element on its own.
 """
@@ -27,8 +30,8 @@ import msgpack
 import numpy as np
 
 from tasks.cohort import Cohort
+from tasks.stages.credit import token_rl_weights
 from tasks.stages.pack import MicroBatchPlan
-from tasks.stages.prune import token_rl_weights
 from transport.codec import (
     array_elements,
     array_header,
@@ -142,13 +145,13 @@ def _microbatch(segments: list[tuple[Mapping[str, Any], float, float, str]], pad
     return MicroBatch(
         input_ids=concat([a["input_ids"] for a, *_ in segments], 0, np.int64),
         loss_mask=concat([a["loss_mask"] for a, *_ in segments], False, np.bool_),
-        advantages=concat([np.full(len(a["input_ids"]), adv) for a, adv, _, _ in segments], 0.0, np.float64),
+        advantages=concat([_per_token(a, "advantages", adv) for a, adv, _, _ in segments], 0.0, np.float64),
         inference_logprobs=concat([a["inference_logprobs"] for a, *_ in segments], 0.0, np.float64),
         position_ids=np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])
         if lengths
         else np.zeros(0, dtype=np.int64),
         sequence_lengths=np.asarray(lengths, dtype=np.int64),
-        temperatures=concat([np.full(len(a["input_ids"]), t) for a, _, t, _ in segments], 1.0, np.float64),
+        temperatures=concat([_per_token(a, "temperatures", t) for a, _, t, _ in segments], 1.0, np.float64),
         env_names=env_names,
         seq_lens=np.asarray(lengths, dtype=np.int64),
         ref_logprobs=concat([a["ref_logprobs"] for a, *_ in segments], 0.0, np.float64) if has_ref else None,
@@ -157,10 +160,14 @@ def _microbatch(segments: list[tuple[Mapping[str, Any], float, float, str]], pad
         mm_token_type_ids=optional_stream("mm_token_type_ids", 0, np.int64),
         ce_weights=optional_stream("ce_weights", 0.0, np.float64),
         ref_kl_weights=optional_stream("ref_kl_weights", 0.0, np.float64),
-        rl_weights=concat(
-            [token_rl_weights(a["loss_mask"], adv) for a, adv, _, _ in segments], 0.0, np.float64
-        ),
+        rl_weights=concat([token_rl_weights(a, adv) for a, adv, _, _ in segments], 0.0, np.float64),
     )
+
+
+def _per_token(arrays: Mapping[str, Any], name: str, broadcast: float) -> np.ndarray:
+    """A sample's per-token stream as the producer gave it, else its row's value on every token."""
+    given = arrays.get(name)
+    return np.full(len(arrays["input_ids"]), broadcast) if given is None else given
 
 
 def _stacked_mm_kwargs(samples: list[Mapping[str, Any]]) -> dict[str, EncodedTensor] | None:
@@ -249,28 +256,36 @@ class SampleWire:
 
 
 # The dtype kinds each required array may have on its way to the wire (its values are
-# finalize's to check: a prepared rollout it drops is never joined).
+# finalize's to check: a prepared rollout it drops is never joined), and the credit streams'.
 _PLAIN_KINDS = {"input_ids": "iu", "loss_mask": "b", "inference_logprobs": "f"}
+_CREDIT_KINDS = {"advantages": "f", "rl_weights": "f", "temperatures": "f"}
 
 
 def _plain(arrays: Mapping[str, Any]) -> bool:
-    """Whether a rollout holds the required arrays only (and perhaps handles), one-dimensional,
-    of one length."""
-    if set(arrays) - {PAYLOAD_FIELD} != set(_PLAIN_KINDS):
+    """Whether a rollout holds the required arrays only (and perhaps handles, and credit
+    streams whose wire parts do not depend on its cohort row), one-dimensional, of one
+    length. Given rl weights without given advantages follow the row's advantage (zero or
+    not): such a rollout is left out."""
+    names = set(arrays) - {PAYLOAD_FIELD}
+    if not set(_PLAIN_KINDS) <= names or not names <= set(_PLAIN_KINDS) | set(_CREDIT_KINDS):
+        return False
+    if "rl_weights" in names and "advantages" not in names:
         return False
     if any(segment.inline for segment in arrays.get(PAYLOAD_FIELD, ())):
         return False
     length = len(arrays["input_ids"])
+    kinds = _PLAIN_KINDS | {name: _CREDIT_KINDS[name] for name in names & set(_CREDIT_KINDS)}
     return all(
-        arrays[name].ndim == 1 and len(arrays[name]) == length and arrays[name].dtype.kind in kinds
-        for name, kinds in _PLAIN_KINDS.items()
+        arrays[name].ndim == 1 and len(arrays[name]) == length and arrays[name].dtype.kind in allowed
+        for name, allowed in kinds.items()
     )
 
 
 def prepare_samples(rollouts: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, SampleWire]:
-    """The wire parts of those rollouts that hold the required arrays only, encoded in one
-    pass per field. A rollout with an optional stream is left out: whether and how such a
-    stream is carried is decided per micro-batch, so its rank is built from the arrays."""
+    """The wire parts of those rollouts that hold the required arrays only (and perhaps
+    their own credit streams: `_plain`), encoded in one pass per field. A rollout with an
+    optional stream is left out: whether and how such a stream is carried is decided per
+    micro-batch, so its rank is built from the arrays."""
     plain = {rid: arrays for rid, arrays in rollouts.items() if _plain(arrays)}
     if not plain:
         return {}
@@ -285,19 +300,38 @@ def prepare_samples(rollouts: Mapping[str, Mapping[str, np.ndarray]]) -> dict[st
         "position_ids": np.arange(sum(lengths), dtype=np.int64) - starts,
     }
     parts = {name: split_elements(name, values[name], lengths) for name in SAMPLE_WIRE_FIELDS}
+    credit = _credit_parts(plain)
     return {
         rid: SampleWire(
             tokens,
-            {name: parts[name][i] for name in SAMPLE_WIRE_FIELDS},
+            {name: parts[name][i] for name in SAMPLE_WIRE_FIELDS} | credit.get(rid, {}),
             tuple(plain[rid].get(PAYLOAD_FIELD, ())),
         )
         for i, (rid, tokens) in enumerate(zip(plain, lengths, strict=True))
     }
 
 
+def _credit_parts(plain: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, dict[str, bytes]]:
+    """The wire parts of the rollouts' own credit streams, one pass per field over those that
+    have it: advantages and temperatures as given, rl weights (`token_rl_weights`) of those
+    with their own advantages."""
+    out: dict[str, dict[str, bytes]] = {}
+    for name in ("advantages", "temperatures", "rl_weights"):
+        source = "advantages" if name == "rl_weights" else name
+        having = [rid for rid, arrays in plain.items() if source in arrays]
+        if not having:
+            continue
+        made = [token_rl_weights(plain[rid]) if name == "rl_weights" else plain[rid][name] for rid in having]
+        lengths = [len(plain[rid]["input_ids"]) for rid in having]
+        values = np.concatenate(made).astype(np.float64)
+        for rid, part in zip(having, split_elements(name, values, lengths), strict=True):
+            out.setdefault(rid, {})[name] = part
+    return out
+
+
 def _rl_weight_elements(wire: SampleWire, advantage: float) -> bytes:
-    """`token_rl_weights` over the wire's loss mask: 1.0 on loss tokens, unless the
-    advantage is zero."""
+    """`token_rl_weights` of a sample of the plain kind (no credit streams of its own) over
+    the wire's loss mask: 1.0 on loss tokens, unless the advantage is zero."""
     if advantage == 0.0:
         return repeated_elements("rl_weights", 0.0, wire.tokens)
     return _RL_WEIGHT_TABLE[wire.loss_mask().view(np.uint8)].tobytes()

@@ -26,6 +26,7 @@ import numpy as np
 
 from tasks.cohort import Cohort
 from tasks.manifest import StepManifest
+from tasks.stages.credit import CREDIT_TOKENS_COLUMN, count_trainable, credit_kinds
 from tasks.stages.prune import drop_field, trainable_tokens, worker_drops
 from transport.numbering import staleness
 from transport.payload_segments import (
@@ -41,14 +42,27 @@ from transport.schema import MM_KWARGS_PREFIX, EncodedTensor
 REQUIRED_ARRAYS: tuple[str, ...] = ("input_ids", "loss_mask", "inference_logprobs")
 # Optional per-token streams a producer may supply, one value per token (routed experts:
 # [tokens, layers, topk]); the encoder carries each into the micro-batch field of its name.
+# `advantages` is the producer's own credit (its algorithm's, per token): rlship then ships it
+# as given and computes no group baseline for the rollout (docs/integrators.md, "Credit").
 OPTIONAL_TOKEN_ARRAYS: tuple[str, ...] = (
     "ref_logprobs",
     "routed_experts",
     "ce_weights",
     "ref_kl_weights",
     "mm_token_type_ids",
+    "advantages",
+    "rl_weights",
+    "temperatures",
 )
-FLOAT_ARRAYS: tuple[str, ...] = ("inference_logprobs", "ref_logprobs", "ce_weights", "ref_kl_weights")
+# The credit streams among them: per-token values that otherwise follow from the record.
+CREDIT_ARRAYS: tuple[str, ...] = ("advantages", "rl_weights", "temperatures")
+FLOAT_ARRAYS: tuple[str, ...] = (
+    "inference_logprobs",
+    "ref_logprobs",
+    "ce_weights",
+    "ref_kl_weights",
+    *CREDIT_ARRAYS,
+)
 # Every array name a rollout may carry besides the multimodal ones (`mm_kwargs.*`): another is
 # a producer's mistake (a misspelt `ref_logprob` would otherwise be stored and never used).
 KNOWN_ARRAYS: tuple[str, ...] = (*REQUIRED_ARRAYS, *OPTIONAL_TOKEN_ARRAYS)
@@ -68,7 +82,9 @@ class PayloadFacts:
     every other check depends on the arrays alone, these two on the run's limits and the
     rollout's advantage."""
 
-    loss_tokens: int  # tokens with loss_mask set: the trainable ones, if the advantage is not 0
+    # Tokens with loss_mask set (and a non-zero rl weight, if given): those that train, if
+    # the advantage is not 0 (a given per-token credit counts its own: tasks.stages.credit).
+    loss_tokens: int
     max_token_id: int  # against the run's vocabulary (the producer checked >= 0)
     payload_bytes: int  # the blob's size as written: a blob of another size was written over
     # Side arrays by handle, checked against their files at the cut: how many segments, and
@@ -83,7 +99,8 @@ class PayloadFacts:
         """The facts of arrays that passed `check_rollout_arrays`, stored as `payload_bytes`."""
         ids = arrays["input_ids"]
         max_id = int(ids.max()) if len(ids) else -1
-        loss_tokens = int(np.count_nonzero(arrays["loss_mask"]))
+        weighted = {name: arrays[name] for name in ("loss_mask", "rl_weights") if name in arrays}
+        loss_tokens = count_trainable(weighted)
         segments = arrays.get(PAYLOAD_FIELD, [])
         if len({segment.file for segment in segments}) != 1:
             return cls(loss_tokens, max_id, payload_bytes, len(segments))
@@ -234,6 +251,9 @@ def check_rollout_arrays(
         if name in arrays and not np.isfinite(arrays[name]).all():
             bad = arrays[name][~np.isfinite(arrays[name])][0]
             return f"{name}: non-finite value {bad}"
+    if "temperatures" in arrays and num_tokens and not (arrays["temperatures"] > 0).all():
+        at = int(np.flatnonzero(~(arrays["temperatures"] > 0))[0])
+        return f"temperatures: value {arrays['temperatures'][at]} at token {at}, expected > 0"
     if PAYLOAD_FIELD in arrays:
         return _segments_problem(arrays, num_tokens, side_arrays)
     return None
@@ -254,6 +274,16 @@ def _segments_problem(arrays: Mapping[str, Any], num_tokens: int, side_arrays: S
     if inline:
         return f"{PAYLOAD_FIELD}.{inline[0]}: given both inline and by handle (one way or the other)"
     return segments_problem(segments, num_tokens, side_arrays)
+
+
+def _credit_problem(arrays: Mapping[str, Any], given: bool) -> str | None:
+    """Why arrays read whole disagree with the credit their stream entry announced (a blob
+    written over since, or arrays stored by other code than rlship's producer)."""
+    if "advantages" in arrays and not given:
+        return "advantages: in the arrays, but the rollout's stream entry has no credit summary"
+    if given and "advantages" not in arrays:
+        return "advantages: the rollout's stream entry announced them, its arrays have none"
+    return None
 
 
 def too_long(num_tokens: int, seq_len: int) -> str:
@@ -324,7 +354,12 @@ def finalize_step(
     long_rows = by_facts & (expected > config.seq_len)
     unknown_ids = by_facts & ~long_rows & (max_id >= config.vocab_size)
     keep = by_facts & ~long_rows & ~unknown_ids
-    loss_tokens = np.where(keep, loss, 0.0)
+    advantage = cohort.numeric["advantage"]
+    credit_tokens = _fact_column(cohort, CREDIT_TOKENS_COLUMN)
+    given = credit_kinds(credit_tokens)
+    # The tokens that train: a given credit's own count, else the loss tokens, if the
+    # rollout's advantage is not zero (rows read are counted from their arrays below).
+    loss_tokens = np.where(keep, np.where(given, credit_tokens, trainable_tokens(loss, advantage)), 0.0)
     problems = {i: too_long(int(expected[i]), config.seq_len) for i in np.flatnonzero(long_rows).tolist()}
     for i in np.flatnonzero(unknown_ids).tolist():
         problems[i] = out_of_vocabulary(int(max_id[i]), config.vocab_size)
@@ -351,19 +386,18 @@ def finalize_step(
             continue
         problem = check_rollout_arrays(
             arrays, int(expected[i]), config.seq_len, config.vocab_size, config.side_arrays
-        )
+        ) or _credit_problem(arrays, bool(given[i]))
         if problem is not None:
             problems[i] = problem
             continue
         keep[i] = True
-        loss_tokens[i] = np.count_nonzero(arrays["loss_mask"])
+        loss_tokens[i] = count_trainable(arrays, float(advantage[i]))
     failures = {ids[i]: problems[i] for i in sorted(problems)}
     num_tokens = np.where(keep, expected, 0.0)
-    trainable = trainable_tokens(loss_tokens, cohort.numeric["advantage"])
     annotated = cohort.with_numeric(
         step=np.full(len(cohort), float(manifest.step)),
         staleness=staleness(manifest.step, cohort.numeric["policy_version"], manifest.config.first_step),
         num_tokens=num_tokens,
-        trainable_tokens=trainable,
+        trainable_tokens=loss_tokens,
     )
     return FinalizedStep(samples=annotated.take(keep), failures=failures)

@@ -1,7 +1,9 @@
 """Metrics: the step's statistics over `all` (every rollout finalized since the previous
 cut, whatever became of it) and `effective` (exactly the rollouts shipped in this step).
 
-Keys follow `train/{scope}/{subset}/{name}/{stat}` (docs/metrics.md). Every
+Keys follow `train/{scope}/{subset}/{name}/{stat}` (docs/metrics.md). A rollout whose
+producer gave its credit per token is observed in `advantage` by the mean of its advantages
+over its loss tokens (tasks.stages.credit). Every
 observation of the window is kept, so percentiles are exact (numpy's linear
 interpolation between closest ranks); rates keep their denominators as `.../count`.
 """
@@ -17,6 +19,7 @@ import numpy as np
 from tasks.cohort import CUSTOM_PREFIX, Cohort
 from tasks.manifest import StepManifest
 from tasks.stages import prime_names
+from tasks.stages.credit import CREDIT_TOKENS_COLUMN, GIVEN, GROUP_BASELINE, credit_kinds
 from tasks.stages.prune import drop_field
 
 DISTRIBUTIONS: tuple[str, ...] = (
@@ -114,6 +117,14 @@ def train_metrics(window: Cohort, shipped: Cohort) -> dict[str, float]:
     return record
 
 
+def credit_counts(shipped: Cohort) -> dict[str, float]:
+    """The shipped rollouts by the kind of their credit (tasks.stages.credit): their own
+    per-token advantages, or rlship's group baseline."""
+    tokens = shipped.numeric.get(CREDIT_TOKENS_COLUMN, np.full(len(shipped), np.nan))
+    given = int(np.count_nonzero(credit_kinds(tokens)))
+    return {f"credit/{GIVEN}": float(given), f"credit/{GROUP_BASELINE}": float(len(shipped) - given)}
+
+
 def step_metrics(manifest: StepManifest, shipped: Cohort, dropped_by_workers: list[str]) -> dict[str, float]:
     """Everything of the record the workers compute from the manifest and the shipped cohort.
 
@@ -131,6 +142,7 @@ def step_metrics(manifest: StepManifest, shipped: Cohort, dropped_by_workers: li
             "progress/rollouts": float(len(shipped)),
             "progress/tasks": float(len(set(shipped.labels["task_id"]))),
             "progress/dropped_by_workers": float(len(dropped_by_workers)),
+            **credit_counts(shipped),
         }
     )
     for field, count in Counter(drop_field(reason) for reason in dropped_by_workers).items():

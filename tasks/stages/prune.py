@@ -34,13 +34,6 @@ def has_training_signal(advantage: float, num_output_tokens: float) -> bool:
     return advantage != 0.0 and num_output_tokens > 0
 
 
-def token_rl_weights(loss_mask: np.ndarray, advantage: float) -> np.ndarray:
-    """Per-token rl weight: 1 on loss tokens with non-zero advantage, else 0."""
-    if advantage == 0.0:
-        return np.zeros(len(loss_mask), dtype=np.float64)
-    return loss_mask.astype(np.float64)
-
-
 def trainable_tokens(loss_tokens: np.ndarray, advantage: np.ndarray) -> np.ndarray:
     """The tokens that train, per rollout: its loss tokens, unless its advantage is zero."""
     return np.where(advantage == 0.0, 0.0, loss_tokens)

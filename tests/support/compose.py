@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -50,9 +51,30 @@ def compose_interpolate(value: Any, env: dict[str, str]) -> Any:
     return _VARIABLE.sub(replace, value)
 
 
-def compose(env: dict[str, str] | None = None) -> dict[str, Any]:
-    """compose.yaml as Compose sees it with `env` (default: no variable set)."""
-    return compose_interpolate(yaml.safe_load((REPO / "compose.yaml").read_text()), env or {})
+def compose(env: dict[str, str] | None = None, profiles: tuple[str, ...] = ()) -> dict[str, Any]:
+    """compose.yaml as Compose sees it with `env` (default: no variable set) and the profiles
+    `--profile` names: a service with `profiles` is there only when one of them is active
+    (given, or in COMPOSE_PROFILES, comma-separated), a service without is always there."""
+    env = env or {}
+    loaded = compose_interpolate(yaml.safe_load((REPO / "compose.yaml").read_text()), env)
+    active = set(profiles) | {name for name in env.get("COMPOSE_PROFILES", "").split(",") if name}
+    loaded["services"] = {
+        name: service
+        for name, service in loaded["services"].items()
+        if not service.get("profiles") or active & set(service["profiles"])
+    }
+    return loaded
+
+
+def env_file(path: Path, shell: dict[str, str] | None = None) -> dict[str, str]:
+    """The variables `docker compose --env-file PATH` interpolates with: the file's `KEY=VALUE`
+    lines (`#` comments and blank lines skipped), the shell's own winning."""
+    values = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            key, value = line.split("=", 1)
+            values[key.strip()] = value.strip()
+    return {**values, **(shell or {})}
 
 
 def container_argv(command: list[str]) -> list[str]:

@@ -25,6 +25,7 @@ UNREPRODUCIBLE = (
     "accounting/rejected",
     "ingest/rejected/",
     "empty_step/",
+    "accounting/cancelled_groups",  # cancellations are stream entries, not finalized rollouts
 )
 # What the reference takes from the published record to check the balance: the log holds
 # only finalized rollouts, so it cannot know what had arrived, been rejected or sat in an
@@ -91,6 +92,19 @@ def value(line: dict, name: str) -> float:
     return float(line[name])
 
 
+def prime_rl_weights(
+    mask: list[bool], advantages: list[float], rl_weights: list[float] | None
+) -> list[float]:
+    """A sample's rl weights as prime-rl 559b447 ships them (train_sink.py
+    `_prune_zero_advantages`; its trainer reads an absent stream as 1.0 on the loss mask): a
+    trainable token of zero advantage loses its weight, every other keeps its own."""
+    weights = [1.0 if m else 0.0 for m in mask] if rl_weights is None else list(rl_weights)
+    for index, (trainable, advantage, weight) in enumerate(zip(mask, advantages, weights, strict=True)):
+        if trainable and advantage == 0.0 and weight != 0.0:
+            weights[index] = 0.0
+    return weights
+
+
 def group_advantages(rewards: list[float]) -> list[float]:
     """Reward minus the group mean; exactly zero when all rewards are equal."""
     if all(r == rewards[0] for r in rewards):
@@ -100,12 +114,15 @@ def group_advantages(rewards: list[float]) -> list[float]:
 
 
 def check_advantages(lines: list[dict], tolerance: float = 1e-12) -> list[str]:
-    """Recompute each group's advantages from its rewards; list every disagreement."""
+    """Recompute each group's advantages from its rewards; list every disagreement. A
+    rollout whose producer gave its own credit (`credit` "given") takes no part in the
+    baseline, and its logged advantage (its mean over its loss tokens) is not checked here."""
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for line in lines:
         groups[(line["env"], line["group_id"])].append(line)
     problems = []
     for key, members in groups.items():
+        members = [m for m in members if m.get("credit") != "given"]
         scored = [m for m in members if m["error"] is None and not m["cancelled"]]
         expected = dict.fromkeys((m["rollout_id"] for m in members), 0.0)
         if scored:
@@ -312,6 +329,8 @@ def reference_records(
             record[f"progress/dropped_by_workers/{field}"] = float(count)
         for name, x in totals.items():
             record[f"progress/total_{name}"] = float(x)
+        given = sum(line.get("credit") == "given" for line in shipped)
+        record["credit/given"], record["credit/group_baseline"] = float(given), float(len(shipped) - given)
         if shipped:
             prime_rl_step = step - first_step + 1
             staleness = [prime_rl_step - 1 - line["policy_version"] for line in shipped]

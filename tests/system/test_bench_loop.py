@@ -259,3 +259,29 @@ def test_memory_watch_stops_the_placement_s_processes() -> None:
     finally:
         victim.kill()
         victim.wait()
+
+
+def test_celery_traced_beside_celery_reports_what_tracing_costs(tmp_path: Path) -> None:
+    """The traced placement's processes export to the bench's sink (requests counted, so a
+    placement that did not trace shows 0), and the report divides its CPU per step by the
+    plain placement's (issue 37's goal, no timing asserted at this size)."""
+    out = tmp_path / "loop.json"
+    argv = ["--placements", "celery,celery-traced", "--rollouts", "32", "--seq-len", "512", "--ranks", "2"]
+    done = main(["bench", "loop", "--json", str(out), *argv, "--steps", "2", "--warmup-steps", "0"])
+    report = json.loads(out.read_text())
+    assert done == 0 and report["steps_identical"]
+    cost = report["tracing_cost"]
+    assert cost["otlp_requests"] > 0 and cost["otlp_bytes"] > 0, "the traced placement's processes exported"
+    assert cost["cpu_seconds_per_step_ratio"] > 0 and cost["cpu_goal"] == 1.03
+    assert "otlp_received" not in report["placements"]["celery"]
+
+
+def test_bench_tracing_reports_cpu_a_task_in_each_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    """`rlship bench tracing`: each mode's CPU a task and a step, its spans received by the
+    bench's sink (so the measured processes did trace)."""
+    assert main(["bench", "tracing", "--tasks", "20", "--rounds", "1", "--ranks", "2"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(report["cpu_ms_per_task"]) == {"task-end", "timer"}
+    assert all(len(v) == 1 and v[0] > 0 for v in report["cpu_ms_per_task"].values())
+    assert report["tasks_a_step"] == 4 + 2 * 2 + 2
+    assert report["otlp_received"]["requests"] >= 21, "one request a task in task-end mode, at least"

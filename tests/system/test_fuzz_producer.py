@@ -17,11 +17,11 @@ from orchestrator.producer import AdmissionRefused, RolloutProducer, RolloutReje
 from orchestrator.records import InvalidRecord, RolloutRecord
 from orchestrator.resume import stored_form
 from orchestrator.settings import RunSettings
-from tests.support.fuzz import fuzz, record_fields, rollout_arrays
+from tests.support.fuzz import FUZZ_INPUTS, fuzz, record_fields, rollout_arrays
 from transport.keys import RunKeys
 from transport.store import PayloadStore
 
-CALLS = 300  # each a Redis round trip or two: about 10 s
+CALLS = FUZZ_INPUTS  # each call a few Redis round trips: the oracle reads only what it could write
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +36,12 @@ def producer(redis_url: str) -> Iterator[RolloutProducer]:
     client.set(RunKeys(settings.run_id).settings, stored_form(settings))
     yield RolloutProducer.for_run(client, settings.run_id)
     PayloadStore(client, settings.run_id).expire_run(3600)
+
+
+@pytest.fixture(scope="module")
+def written() -> list[str]:
+    """The ids the fuzzed calls wrote, in order (a later call repeats the first)."""
+    return []
 
 
 def _rollout(rng: random.Random, group: str) -> tuple[RolloutRecord, dict] | None:
@@ -62,11 +68,28 @@ def _call(rng: random.Random) -> tuple[list, bool, bool]:
     return rollouts, rng.random() < 0.5, rng.random() < 0.1
 
 
-def _held(client: redis.Redis, keys: RunKeys) -> tuple:
-    """What of the run Redis holds: its records, payload keys and held bytes."""
-    records = [fields[b"record"] for _, fields in client.xrange(keys.rollout_stream)]
-    payloads = set(client.scan_iter(match=keys.rollout("*"), count=1000))
-    return records, payloads, client.hgetall(keys.held_bytes), client.get(keys.held_bytes_total)
+def _last_entry(client: redis.Redis, keys: RunKeys) -> bytes:
+    last = client.xrevrange(keys.rollout_stream, count=1)
+    return last[0][0] if last else b"0-0"
+
+
+def _held(client: redis.Redis, keys: RunKeys, ids: list[str], after: bytes) -> tuple:
+    """What Redis holds that a call of `ids` could have written: the stream's records after
+    entry `after`, which of the ids have a payload key and a held-bytes field, and the run's
+    held-bytes count and total (read in one round trip, whatever the run already holds)."""
+    pipe = client.pipeline(transaction=False)
+    pipe.xrange(keys.rollout_stream, min=b"(" + after)
+    for rollout_id in ids:
+        pipe.exists(keys.rollout(rollout_id))
+    pipe.hlen(keys.held_bytes)
+    pipe.get(keys.held_bytes_total)
+    if ids:
+        pipe.hmget(keys.held_bytes, ids)
+    entries, *found = pipe.execute()
+    records = [RolloutRecord.model_validate_json(fields[b"record"]).rollout_id for _, fields in entries]
+    payloads = {rollout_id for rollout_id, there in zip(ids, found, strict=False) if there}
+    held = {rollout_id for rollout_id, size in zip(ids, found[-1] if ids else [], strict=True) if size}
+    return records, payloads, held, found[len(ids)], found[len(ids) + 1]
 
 
 DUPLICATE = "rollout_id: already stored for this run"
@@ -74,27 +97,27 @@ DUPLICATE = "rollout_id: already stored for this run"
 
 @fuzz(batch=10, inputs=CALLS, calls=_call)
 @example(calls=[([], False, False)])  # an empty call: ZeroDivisionError in the byte budget's check
-def test_a_refused_call_writes_nothing_and_an_accepted_one_exactly_its_rollouts(producer, calls):
+def test_a_refused_call_writes_nothing_and_an_accepted_one_exactly_its_rollouts(producer, written, calls):
     """Refused ids already stored are the one refusal that writes the rest of the call (it is
     found in the one script that writes: the refusal says so); any other writes nothing."""
     client, keys = producer.client, producer.keys
     for rollouts, partial, again in calls:
-        written = client.hkeys(keys.held_bytes)
         if rollouts and again and written:
             record, arrays = rollouts[0]
-            rollouts[0] = record.model_copy(update={"rollout_id": written[0].decode()}), arrays
+            rollouts[0] = record.model_copy(update={"rollout_id": written[0]}), arrays
         ids = [record.rollout_id for record, _ in rollouts]
-        records, payloads, held, _ = before = _held(client, keys)
+        after = _last_entry(client, keys)
+        before = _held(client, keys, ids, after)
         try:
             producer.produce(rollouts, partial_groups=partial)
         except (RolloutRejected, AdmissionRefused) as refused:
             problems = getattr(refused, "problems", {})
             if not problems or not all(p.startswith(DUPLICATE) for p in problems.values()):
-                assert _held(client, keys) == before, refused
+                assert _held(client, keys, ids, after) == before, refused
                 continue
             ids = [i for i in ids if i not in problems]
-        now_records, now_payloads, now_held, _ = _held(client, keys)
-        assert now_records[: len(records)] == records
-        assert [RolloutRecord.model_validate_json(r).rollout_id for r in now_records[len(records) :]] == ids
-        assert now_payloads - payloads == {keys.rollout(i).encode() for i in ids}
-        assert set(now_held) - set(held) == {i.encode() for i in ids}
+        records, payloads, held, count, _ = _held(client, keys, ids, after)
+        assert records == ids, "the call's records, in order, after the stream's last one before it"
+        assert payloads == held == set(ids) and not before[1] & set(ids)
+        assert int(count) == int(before[3]) + len(ids)
+        written.extend(ids)

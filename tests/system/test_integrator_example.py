@@ -52,3 +52,29 @@ def test_the_guides_example_delivers_every_step_to_every_rank(receivers, client,
         if stale:
             client.unlink(*stale)
         delete_queues(client, [run_queue(run_id, "cpu"), run_queue(run_id, "ship")])
+
+
+@pytest.mark.timeout(300)
+def test_the_verifiers_episodes_example_delivers_every_step(client, redis_url, tmp_path):
+    """examples/verifiers_episodes.py: groups of verifiers episodes (msgpack, as environment
+    servers send them) through EpisodeProducer to rlship's receivers."""
+    pytest.importorskip("verifiers.v1")
+    run_id = f"episodes-{uuid.uuid4().hex[:6]}"
+    keys = RunKeys(run_id)
+    try:
+        example = [sys.executable, str(REPO / "examples" / "verifiers_episodes.py"), "--steps", str(STEPS),
+                   "--run-id", run_id, "--zmq-port", str(free_port_pair()),
+                   "--output-dir", str(tmp_path / "run")]  # fmt: skip
+        env = {**os.environ, "REDIS_URL": redis_url}
+        done = subprocess.run(example, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        for rank in (0, 1):
+            assert f"rank {rank}: received steps [1, 2, 3]" in done.stdout
+        assert f"verifiers episodes, run {run_id}: every rank got every step" in done.stdout
+        assert client.hlen(keys.published) == STEPS
+        assert left_running(run_id) == []
+    finally:
+        stale = list(client.scan_iter(match=f"{keys.prefix}*"))
+        if stale:
+            client.unlink(*stale)
+        delete_queues(client, [run_queue(run_id, "cpu"), run_queue(run_id, "ship")])

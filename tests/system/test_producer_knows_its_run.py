@@ -151,13 +151,16 @@ def test_a_producer_knows_its_run_and_learns_what_became_of_its_rollouts(
     assert dropped == 4.0
     orchestrator = shipping[0].orchestrator
     port = free_port_pair()
-    server = serve_metrics(
-        settings.with_changes(metrics_port=port), orchestrator.follower, orchestrator.probe
+    endpoint = serve_metrics(
+        settings.with_changes(metrics_port=port),
+        orchestrator.follower,
+        orchestrator.probe,
+        orchestrator.step_metrics,
     )
     try:
         samples = scrape(port, run_id)
     finally:
-        server.shutdown()
+        endpoint.close()
     outcomes = {name: value for name, value in samples.items() if name.startswith("rlship_rollouts_d")}
     assert outcomes == {
         "rlship_rollouts_dropped_total:input_ids": 4.0,

@@ -15,12 +15,13 @@ import time
 
 import pytest
 
-from orchestrator.commands.produce import run_producer
+from orchestrator.commands.produce import SyntheticWorkload, run_producer
 from orchestrator.orchestrator import Orchestrator
 from orchestrator.settings import RunSettings
 from tests.support.stored_runs import store_run
 from transport.connection import connect_redis_async
 from transport.keys import RunKeys
+from transport.payload_segments import rollout_rows_path
 from transport.store import PayloadStore
 from transport.zmq_sockets import free_port_pair
 
@@ -118,3 +119,26 @@ def test_a_producer_right_after_the_end_of_run_release_is_refused_and_leaves_not
     assert client.exists(keys.finished)
     assert PayloadStore(client, run_id).held_keys() == []
     assert rows_files(settings) == []
+
+
+def test_a_group_whose_files_the_run_end_removed_while_it_was_made_leaves_no_rows_file(
+    client, redis_url, run_id, tmp_path, monkeypatch
+):
+    """The end of a run removes its rows directory whole; a producer writing a group's files
+    meanwhile finds the first ones gone: the run refuses the group by its checks (nothing of
+    it written) and the producer deletes the files that are left (seen once in
+    `test_trainer_replay`'s MoE case, under load)."""
+    settings = moe_settings(run_id, redis_url, tmp_path, group_size=4)
+    store_run(client, settings)
+    made = SyntheticWorkload.group
+
+    def made_while_the_run_ended(self, write: bool = True):
+        group = made(self, write)
+        for record, _ in group[:2]:  # the run's end removed these two, then the producer wrote on
+            rollout_rows_path(settings.payload_root, run_id, record.rollout_id).unlink()
+        return group
+
+    monkeypatch.setattr(SyntheticWorkload, "group", made_while_the_run_ended)
+    assert run_producer(settings, groups=1) == 1
+    assert PayloadStore(client, run_id).held_keys() == [], "nothing of the group was written"
+    assert rows_files(settings) == [], "the rows files the run's end had not removed are deleted"

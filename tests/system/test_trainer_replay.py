@@ -196,8 +196,9 @@ def test_the_replay_window_holds_exactly_replay_steps_steps(client, redis_url, r
     retained = RetainedPayloads(client, run_id)
 
     def restarted_rank(rank: int, next_step: int) -> tuple[list[int], list[tuple[int, int]]]:
+        port = settings.zmq_port
         with ZMQReceiver(
-            HOST, settings.zmq_port, rank, next_step=next_step, replay=retained, replay_after=0.2, run_id=run_id
+            HOST, port, rank, next_step=next_step, replay=retained, replay_after=0.2, run_id=run_id
         ) as receiver:
             got = [m.step for m in iter(lambda: receiver.receive(timeout=3), None)]
             return got, receiver.gaps

@@ -16,13 +16,24 @@ from tasks.stages.pack import MicroBatchPlan
 from transport.codec import array_elements, array_header
 
 
-def _sample(rng: np.random.Generator, tokens: int, big_ids: bool) -> dict[str, np.ndarray]:
+def _sample(rng: np.random.Generator, tokens: int, big_ids: bool, credit: int = 0) -> dict[str, np.ndarray]:
+    """A rollout's required arrays; with `credit` (a bit per stream) its own advantages (some
+    zero), temperatures, and rl weights (with advantages only: else it is not prepared)."""
     high = 2**40 if big_ids else 1000
-    return {
+    arrays = {
         "input_ids": rng.integers(0, high, tokens).astype(np.int64 if big_ids else np.int32),
         "loss_mask": rng.random(tokens) < 0.6,
         "inference_logprobs": -rng.random(tokens).astype(np.float32),
     }
+    if credit & 1:
+        arrays["advantages"] = np.where(rng.random(tokens) < 0.3, 0.0, rng.normal(size=tokens)).astype(
+            np.float32
+        )
+    if credit & 2:
+        arrays["temperatures"] = rng.uniform(0.5, 1.5, tokens)
+    if credit & 5 == 5:
+        arrays["rl_weights"] = rng.random(tokens)
+    return arrays
 
 
 @settings(max_examples=60, deadline=None)
@@ -33,10 +44,11 @@ def _sample(rng: np.random.Generator, tokens: int, big_ids: bool) -> dict[str, n
     split=st.integers(0, 9),
     paddings=st.tuples(st.integers(0, 40), st.integers(0, 40)),
     big_ids=st.booleans(),
+    credit=st.lists(st.integers(0, 7), min_size=9, max_size=9),
     seed=st.integers(0, 2**16),
 )
 def test_joined_payload_equals_the_encoded_one(
-    lengths, advantages, envs, split, paddings, big_ids, seed
+    lengths, advantages, envs, split, paddings, big_ids, credit, seed
 ) -> None:
     rng = np.random.default_rng(seed)
     builder = CohortBuilder()
@@ -44,7 +56,7 @@ def test_joined_payload_equals_the_encoded_one(
     for i, length in enumerate(lengths):
         numeric = dict.fromkeys(NUMERIC_COLUMNS, 0.0) | {"advantage": advantages[i], "temperature": 0.5 + i}
         builder.append(numeric, {"rollout_id": f"r{i}", "env": envs[i]})
-        arrays[f"r{i}"] = _sample(rng, length, big_ids)
+        arrays[f"r{i}"] = _sample(rng, length, big_ids, credit[i])
     samples = builder.build()
     order = list(rng.permutation(len(lengths)))
     cut = min(split, len(order))
@@ -54,6 +66,7 @@ def test_joined_payload_equals_the_encoded_one(
         MicroBatchPlan([], 0, 0),
     ]
     wires = {rid: SampleWire.from_bytes(wire.to_bytes()) for rid, wire in prepare_samples(arrays).items()}
+    assert set(wires) == set(arrays), "every rollout prepared: required arrays and own credit streams"
     assert assemble_rank(plans, samples, wires) == bytes(encode_rank(plans, samples, arrays))
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from tasks.cohort import NUMERIC_COLUMNS, CohortBuilder
 from tasks.manifest import ShipConfig, StepManifest
+from tasks.stages.credit import token_rl_weights
 from tasks.stages.finalize import check_rollout_arrays, finalize_step
 from tasks.stages.prune import (
     count_trainable_tokens,
@@ -14,7 +15,6 @@ from tasks.stages.prune import (
     drop_reason,
     has_training_signal,
     prune_samples,
-    token_rl_weights,
     worker_drops,
 )
 
@@ -116,9 +116,10 @@ def test_finalize_annotates_the_good_and_names_the_rest() -> None:
 
 def test_prune_rules() -> None:
     mask = np.array([False, True, True, False])
-    assert token_rl_weights(mask, -0.5).tolist() == [0.0, 1.0, 1.0, 0.0]
-    assert token_rl_weights(mask, 0.0).tolist() == [0.0, 0.0, 0.0, 0.0]
-    assert token_rl_weights(mask, 0.0).dtype == np.float64 and token_rl_weights(mask, 2.0).dtype == np.float64
+    assert token_rl_weights({"loss_mask": mask}, -0.5).tolist() == [0.0, 1.0, 1.0, 0.0]
+    assert token_rl_weights({"loss_mask": mask}, 0.0).tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert token_rl_weights({"loss_mask": mask}, 0.0).dtype == np.float64
+    assert token_rl_weights({"loss_mask": mask}, 2.0).dtype == np.float64
     assert count_trainable_tokens(mask, -0.5) == 2 and count_trainable_tokens(mask, 1.0) == 2
     assert count_trainable_tokens(mask, 0.0) == 0
     assert (

@@ -18,6 +18,7 @@ import redis
 
 from orchestrator.producer import RolloutProducer, RolloutRejected
 from orchestrator.records import RolloutRecord
+from tasks.stages.credit import GivenCredit
 from tasks.stages.finalize import PayloadFacts, check_rollout_arrays
 from tests.support.fuzz import ARRAY_NAMES, fuzz, names_one_of, rollout_arrays, segment_values
 from transport.payload_segments import SideArrays
@@ -86,10 +87,11 @@ def test_a_producer_call_is_refused_naming_the_field_or_writes_what_the_workers_
             (problem,) = refused.problems.values()
             assert names_one_of(problem, FIELDS), problem
             continue
-        _, blob, _, facts, _ = data
+        _, blob, _, facts, _, credit = data
         stored = unpack_arrays(blob)
         assert check_rollout_arrays(stored, tokens, MAX_TOKENS, VOCAB, PRODUCER.side_arrays) is None
         assert PayloadFacts.from_wire(facts) is not None
+        assert (GivenCredit.from_wire(credit) is not None) == ("advantages" in stored)
         _assert_trainable(stored, tokens)
 
 
@@ -101,5 +103,7 @@ def _assert_trainable(stored: dict, tokens: int) -> None:
     assert stored["loss_mask"].dtype == bool
     for name in set(stored) & set(ARRAY_NAMES) - {"mm_kwargs.pixel_values"}:  # a tensor, any shape
         assert len(stored[name]) == tokens, name
-        if name.endswith("logprobs") or name.endswith("weights"):
+        if name.endswith(("logprobs", "weights")) or name in ("advantages", "temperatures"):
             assert stored[name].ndim == 1 and all(math.isfinite(x) for x in stored[name].tolist()), name
+        if name == "temperatures":
+            assert all(x > 0 for x in stored[name].tolist())

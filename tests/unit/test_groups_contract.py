@@ -133,8 +133,9 @@ def test_accounting_by_hand() -> None:
     assert snapshot == {
         "off_policy/stale_dropped": 3.0, "accounting/arrived": 20.0, "accounting/cut": 4.0,
         "accounting/pending": 3.0, "accounting/in_open_groups": 1.0, "accounting/rejected": 3.0,
-        "accounting/discarded": 9.0, "ingest/rejected/duplicate_rollout": 2.0,
-        "ingest/rejected/group_overflow": 1.0, "accounting/discarded/zero_advantage": 4.0,
+        "accounting/discarded": 9.0, "accounting/cancelled_groups": 0.0,
+        "ingest/rejected/duplicate_rollout": 2.0, "ingest/rejected/group_overflow": 1.0,
+        "accounting/discarded/zero_advantage": 4.0,
         "accounting/discarded/stale": 3.0, "accounting/discarded/empty_step": 2.0,
         "empty_step/total": 1.0, "empty_step/consecutive": 1.0, "empty_step/dropped/input_ids": 2.0,
     }  # fmt: skip
@@ -146,6 +147,6 @@ def test_accounting_by_hand() -> None:
     assert accounting.to_wire() == {
         "arrived": 20, "cut": 4, "rejected": {"duplicate_rollout": 2, "group_overflow": 1},
         "discarded": {"zero_advantage": 4, "stale": 4, "empty_step": 2}, "stale_in_window": 1,
-        "empty_steps": 1, "empty_in_a_row": 1, "empty_dropped": {"input_ids": 2},
+        "empty_steps": 1, "empty_in_a_row": 1, "empty_dropped": {"input_ids": 2}, "cancelled_groups": 0,
     }  # fmt: skip
     assert isinstance(again.rejected, Counter) and isinstance(again.discarded, Counter)

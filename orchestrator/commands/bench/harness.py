@@ -31,6 +31,7 @@ from orchestrator.commands.bench.inference import InferenceSpec
 from orchestrator.commands.bench.memory import DirectoryBytes, MemoryLimitReached, MemoryWatch, RedisMemory
 from orchestrator.commands.bench.mock_inference import start_mock_inference
 from orchestrator.commands.bench.moe import Rollout, StepCache, Variant, routed_experts_as
+from orchestrator.commands.bench.otlp_sink import OtlpSink
 from orchestrator.commands.bench.placements import StepBatch
 from orchestrator.commands.processes import (
     ProcessGroup,
@@ -206,6 +207,9 @@ def _run_placement(
 ) -> dict[str, Any]:
     placement, log_dir = variant.placement, Path(settings.output_dir)
     group = ProcessGroup(env=settings_to_env(settings), log_dir=log_dir)
+    sink = OtlpSink() if placement == "celery-traced" else None
+    if sink is not None:  # every process of the placement traces, as `rlship run`'s would
+        group.env = {**group.env, "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint}
     spec, result = log_dir / "spec.json", log_dir / "result.json"
     deadline = time.monotonic() + args.timeout
     client = connect_redis(settings.redis_url)
@@ -297,6 +301,7 @@ def _run_placement(
             _stop_memory(memory, directories)
         decoded.stop()
         group.stop_all()
+        otlp = sink.stop() if sink is not None else None
         if server is None:  # a server of the placement's own goes with everything in it
             delete_run_keys(settings)
         settings.run_rows().remove_all()  # what a failed run left (a finished one removed its own)
@@ -317,6 +322,7 @@ def _run_placement(
         "cpu": cpu,
         "idle_seconds": idle,
         **memory_figures,
+        **({"otlp_received": otlp} if otlp is not None else {}),
     }
 
 

@@ -12,8 +12,11 @@ Per placement: loop lag (10 ms probe) and heartbeat delay (50 ms) over the ship 
 time per step (its last rollout arriving to its last rank having decoded it), the orchestrator
 process's peak RSS, tokens shipped, and whether every rank received byte-identical
 payloads (by checksum, against a reference computed here with a plain call of the
-stages). The first `--warmup-steps` steps bind sockets and warm the workers; they are
-shipped and checked but not measured. A PNG of lag over time is written beside the JSON.
+stages). `--placements celery,celery-traced` runs the celery placement beside itself with
+tracing on (every process exporting to a local OTLP receiver that discards) and reports the
+ratio of CPU per step (issue 37's goal: at most 1.03). The first `--warmup-steps` steps
+bind sockets and warm the workers; they are shipped and checked but not measured. A PNG
+of lag over time is written beside the JSON.
 
 `--inference-concurrency C` adds the orchestrator's own inference traffic, as prime-rl's loop
 drives it: in each placement's process, C streaming requests in flight to a mock inference
@@ -77,6 +80,7 @@ from orchestrator.commands.bench.summary import (
     print_report,
     summarize,
     summary_line,
+    tracing_cost,
 )
 from orchestrator.commands.processes import redis_answers
 from orchestrator.settings import RunSettings
@@ -304,6 +308,7 @@ def main(args: argparse.Namespace) -> int:
         "goals": moe_goals(results) if args.workload == "moe" else goals(results, args.rollouts),
         **({"ratios": moe_ratios(results), "stopped_for_memory": stopped} if args.workload == "moe" else {}),
         "durability_cost": durability_cost(results),
+        "tracing_cost": tracing_cost(results),
         "wall_seconds": time.time() - started,
     }
     args.json.write_text(json.dumps(report, indent=1))

@@ -65,10 +65,12 @@ from transport.payload_segments import PAYLOAD_FIELD, digests_checksum
 from transport.schema import WireProfile
 from transport.zmq_sender import ZMQSender
 
-PLACEMENTS: tuple[str, ...] = ("inline", "thread", "celery", "celery-replicated")
+PLACEMENTS: tuple[str, ...] = ("inline", "thread", "celery", "celery-replicated", "celery-traced")
 DEFAULT_PLACEMENTS: tuple[str, ...] = ("inline", "thread", "celery")
 # celery-replicated: the celery placement on a primary, a replica and three Sentinels of its
 # own, every write the run depends on waiting for the replica (redis_wait_replicas=1).
+# celery-traced: the celery placement with tracing on in every process (OTEL_EXPORTER_OTLP_ENDPOINT
+# at a local receiver that discards: `orchestrator.commands.bench.otlp_sink`).
 HEARTBEAT_SECONDS = 0.05
 READY_TIMEOUT_SECONDS = 120.0
 SEND_TIMEOUT_SECONDS = 30.0
@@ -97,9 +99,10 @@ def step_batches(settings: RunSettings, steps: int, moe: bool = False) -> Iterat
     orchestrator then cuts exactly these rollouts, in this order, at every step, so every
     placement ships the same cohort. Step `k`'s rollouts carry policy version `k`.
     """
-    if settings.batch_size % settings.group_size:
+    if not isinstance(settings.group_size, int) or settings.batch_size % settings.group_size:
         raise ValueError(
-            f"rollouts: {settings.batch_size} is not a multiple of group_size {settings.group_size}"
+            f"rollouts: {settings.batch_size} is not a multiple of group_size {settings.group_size} "
+            "(the bench takes one size for every env)"
         )
     workload = SyntheticWorkload(
         seed=settings.seed,

@@ -93,6 +93,7 @@ def summarize(raw: dict[str, Any], reference: dict[str, list[list[Any]]], warmup
         },
         **memory_figures(raw, raw["origin"] + origin),
         **({"inference": with_ship_figures(raw, measured, lag, idle, warmup)} if "inference" in raw else {}),
+        **({"otlp_received": raw["otlp_received"]} if "otlp_received" in raw else {}),
     }
 
 
@@ -290,6 +291,33 @@ def durability_cost(results: dict[str, dict[str, Any]]) -> dict[str, float]:
     }
 
 
+TRACING_CPU_GOAL = 1.03
+
+
+def tracing_cost(results: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """What tracing costs (issue 37: at most 3% more CPU per step): the traced placement
+    over the plain one, CPU per step of the ship kinds and median ship seconds, and what
+    the placement's processes exported."""
+    plain, traced = results.get("celery"), results.get("celery-traced")
+    if plain is None or traced is None:
+        return {}
+    ratio = traced["cpu_seconds_per_step"]["ship"] / max(plain["cpu_seconds_per_step"]["ship"], 1e-9)
+
+    def mean_ship(result: dict[str, Any]) -> float:
+        return statistics.fmean(step["ship"] for step in result["cpu_seconds"])
+
+    return {
+        "cpu_seconds_per_step_ratio": ratio,
+        "cpu_seconds_mean_ratio": mean_ship(traced) / max(mean_ship(plain), 1e-9),
+        "cpu_goal": TRACING_CPU_GOAL,
+        "cpu_goal_met": ratio <= TRACING_CPU_GOAL,
+        "ship_seconds_ratio": statistics.median(traced["ship_seconds"])
+        / statistics.median(plain["ship_seconds"]),
+        "otlp_requests": traced.get("otlp_received", {}).get("requests", 0),
+        "otlp_bytes": traced.get("otlp_received", {}).get("bytes", 0),
+    }
+
+
 def summary_line(placement: str, result: dict[str, Any]) -> str:
     lag = result["lag_ms"]
     memory = ""
@@ -357,6 +385,15 @@ def print_report(report: dict[str, Any]) -> None:
             "  waiting for a replica (celery-replicated / celery): "
             f"ship time x{cost['ship_seconds_ratio']:.2f}, "
             f"CPU per step (ship kinds) x{cost['cpu_seconds_per_step_ratio']:.2f}"
+        )
+    traced = report.get("tracing_cost") or {}
+    if traced:
+        print(
+            f"  {'PASS' if traced['cpu_goal_met'] else 'MISS'}  tracing on (celery-traced / celery): CPU per "
+            f"step (ship kinds) x{traced['cpu_seconds_per_step_ratio']:.3f} (goal <= {TRACING_CPU_GOAL}; "
+            f"mean over the steps x{traced['cpu_seconds_mean_ratio']:.3f}), "
+            f"ship time x{traced['ship_seconds_ratio']:.2f}; {traced['otlp_requests']} OTLP requests, "
+            f"{traced['otlp_bytes'] / 1024:.0f} KiB"
         )
     print(f"  other processes used {report['machine']['other_cpu_share']:.0%} of the CPU meanwhile")
 

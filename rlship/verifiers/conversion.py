@@ -1,0 +1,401 @@
+"""Episodes to rollouts: a verifiers v1 `Episode` (verifiers 0.4.0) turned into rlship
+rollouts, `(RolloutRecord, arrays)`, one per trainable branch, with the meaning prime-rl
+559b447's train sink gives them (`orchestrator/trajectories.py`, `algo/base.py`,
+`algo/routing.py`, `algo/grpo.py`, `train_sink.py`).
+
+What is kept of each trace and branch:
+- a trace is left out if it errored (counted, as prime-rl's `TrainSink` counts them), if its
+  agent is not trainable, or if no node of it has a sampled token;
+- a branch becomes one rollout; a sampled node shared by several branches (a fork) trains in
+  the first branch holding it only (the later ones carry it as context); a branch left with
+  nothing to train is skipped;
+- per token: the node logprobs and reference logprobs spread onto their sampled positions,
+  the `rl`/`ce`/`ref_kl` loss-weight streams (a shared node weighted once per stream), the
+  advantages (the episode's own, else `grpo_advantages` of its group), routed experts and
+  modality markers.
+
+Where verifiers 0.4.0 differs from the verifiers prime-rl 559b447 pinned, this follows the
+meaning (docs/integrators.md, "From prime-rl's environment servers"): 0.4.0's `Branch` has no
+`multi_modal_data`; a branch carries images when the trace's `mm_token_type_id_map` marks any
+of its tokens, and then gets `mm_token_type_ids` (no pixel tensors travel in 0.4.0 episodes).
+A branch 0.4.0 marks not trainable (an abandoned compaction attempt) is skipped. Sampling
+masks are not carried (prime-rl 559b447's samples have none either).
+
+Bad input is named, never guessed around: a mask, logprobs, advantages, loss weights or
+routed experts not aligned with a node's token ids, a loss stream of another name, a trace
+with no token ids (an eval client's), an episode of another run: one line each, keyed
+`episode/trace/branch`, raised together as `RolloutRejected`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import chain, repeat
+from typing import Any, Literal
+
+import numpy as np
+import verifiers.v1 as vf
+
+from orchestrator.records import IDENTIFIER, InvalidRecord, RolloutRecord
+from orchestrator.rollout_checks import RolloutRejected
+
+LOSS_STREAMS: tuple[str, ...] = ("rl", "ce", "ref_kl")
+ActionLoss = Literal["rl", "ce", "ref_kl"]
+Rollout = tuple[RolloutRecord, dict[str, Any]]
+_NOT_IDENTIFIER = re.compile(r"[^A-Za-z0-9_.\-/]")
+
+
+@dataclass
+class GroupRollouts:
+    """What one group of episodes became: its rollouts, and its traces left out by why."""
+
+    rollouts: list[Rollout] = field(default_factory=list)
+    errored_traces: int = 0  # prime-rl's count: errored traces, plus episodes failed with none
+    not_trainable_traces: int = 0  # traces of an agent that does not train
+    untrained_traces: int = 0  # clean traces with no branch left to train
+
+
+def identifier(value: str) -> str:
+    """`value` as a record identifier: characters it may not hold replaced by `-`."""
+    text = _NOT_IDENTIFIER.sub("-", value)[:200]
+    return text if IDENTIFIER.fullmatch(text) else "-"
+
+
+def trainable_traces(episodes: Iterable[vf.Episode]) -> list[tuple[vf.Episode, vf.Trace]]:
+    """The clean traces of trainable agents with a sampled token, in episode order."""
+    return [
+        (episode, trace)
+        for episode in episodes
+        for trace in episode.traces
+        if not trace.has_error and trace.agent.trainable and any(any(node.mask) for node in trace.nodes)
+    ]
+
+
+def grpo_advantages(episodes: Sequence[vf.Episode]) -> dict[str, float]:
+    """prime-rl's plain GRPO over a group: each trainable trace's reward minus the mean of
+    theirs, by trace id (what `GRPOAlgorithm.score_group` assigns, without length shaping)."""
+    traces = [trace for _, trace in trainable_traces(episodes)]
+    if not traces:
+        return {}
+    rewards = np.array([trace.reward for trace in traces], dtype=np.float32)
+    advantages = rewards - rewards.mean(dtype=np.float32)
+    return {trace.id: float(value) for trace, value in zip(traces, advantages.tolist(), strict=True)}
+
+
+def has_advantages(episodes: Iterable[vf.Episode]) -> bool:
+    """Whether the user's algorithm assigned credit to any trainable trace of the group."""
+    return any(node.advantages is not None for _, trace in trainable_traces(episodes) for node in trace.nodes)
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """How a group's episodes become rollouts: the run they must be of (None: any), the
+    version stamped on an episode without a policy span, the env's sampling temperature,
+    the algorithm's action loss (prime-rl's `action_loss_type`) and the token-type map
+    (None: each trace's own)."""
+
+    run_id: str | None = None
+    policy_version: int | None = None
+    temperature: float = 1.0
+    action_loss: ActionLoss = "rl"
+    mm_token_type_ids_mapping: Mapping[int, int] | None = None
+
+
+def episode_rollouts(
+    episode: vf.Episode | bytes,
+    *,
+    run_id: str | None = None,
+    policy_version: int | None = None,
+    temperature: float = 1.0,
+    action_loss: ActionLoss = "rl",
+    mm_token_type_ids_mapping: Mapping[int, int] | None = None,
+    trace_advantages: Mapping[str, float] | None = None,
+) -> list[Rollout]:
+    """One episode's rollouts, one per trainable branch (module docstring), or
+    `RolloutRejected` naming each bad episode, trace and branch. `episode` may be the
+    msgpack bytes an environment server's episode packs to (`decode_episode`). Per-token
+    advantages are the episode's own where it carries them, else `trace_advantages[trace.id]`
+    broadcast over the trace's sampled tokens (as prime-rl's `assign_advantages`), else none."""
+    conversion = Conversion(run_id, policy_version, temperature, action_loss, mm_token_type_ids_mapping)
+    return convert_group([decode_episode(episode)], conversion, trace_advantages).rollouts
+
+
+def decode_episode(episode: vf.Episode | bytes) -> vf.Episode:
+    """An episode, or the msgpack bytes of one as verifiers' serve encoding packs it
+    (`verifiers.v1.serve.delta.pack(dump(episode))`), validated as verifiers' client does."""
+    if not isinstance(episode, bytes | bytearray | memoryview):
+        return episode
+    from verifiers.v1.episode import WireEpisode
+    from verifiers.v1.serve.delta import unpack
+
+    return WireEpisode.model_validate(unpack(bytes(episode)))
+
+
+def encode_episode(episode: vf.Episode) -> bytes:
+    """An episode as msgpack bytes, with verifiers' serve encoding (`decode_episode` reads it)."""
+    from verifiers.v1.serve.delta import dump, pack
+
+    return pack(dump(episode))
+
+
+def convert_group(
+    episodes: Sequence[vf.Episode],
+    conversion: Conversion,
+    trace_advantages: Mapping[str, float] | None = None,
+) -> GroupRollouts:
+    """Every rollout of a group's episodes and what was left out; `RolloutRejected` if any
+    episode, trace or branch is bad (all of them named)."""
+    result = GroupRollouts()
+    problems: dict[str, str] = {}
+    given = has_advantages(episodes) and conversion.action_loss == "rl"
+    for episode in episodes:
+        problem = _episode_problem(episode, conversion)
+        if problem is not None:
+            problems[episode.id] = f"episode {episode.id!r}: {problem}"
+            continue
+        result.errored_traces += sum(trace.has_error for trace in episode.traces)
+        result.errored_traces += int(not episode.traces and not episode.ok)
+        for trace in episode.traces:
+            if trace.has_error:
+                continue
+            if not trace.agent.trainable:
+                result.not_trainable_traces += 1
+                continue
+            where = f"{episode.id}/{trace.id}"
+            found = _trace_problems(trace, conversion, where)
+            if given and not found and all(node.advantages is None for node in trace.nodes):
+                found = {
+                    where: f"trace {where}: advantages: none on any node, while other traces of the "
+                    "group carry the algorithm's (an rl token without credit: prime-rl's trainer refuses it)"
+                }
+            if found:
+                problems |= found
+                continue
+            rollouts = _trace_rollouts(episode, trace, conversion, (trace_advantages or {}).get(trace.id))
+            result.untrained_traces += int(not rollouts)
+            for record_fields, arrays in rollouts:
+                try:
+                    result.rollouts.append((RolloutRecord(**record_fields), arrays))
+                except InvalidRecord as exc:
+                    rollout = record_fields["rollout_id"]
+                    problems[rollout] = f"episode {episode.id!r}, trace {trace.id!r}: {exc}"
+    if problems:
+        raise RolloutRejected(problems)
+    return result
+
+
+def _episode_problem(episode: vf.Episode, conversion: Conversion) -> str | None:
+    """Why an episode cannot train in this run at all, or None."""
+    if episode.env.name is None:
+        return "env.name: missing (the name the run knows the environment by)"
+    if episode.group is None:
+        return "group: missing (a training episode belongs to a rollout group)"
+    run = episode.run
+    if run is not None and conversion.run_id is not None and run.id != conversion.run_id:
+        return f"run.id: {run.id!r} is another run's (this is run {conversion.run_id!r})"
+    if run is not None and (
+        not isinstance(run, vf.TrainRunInfo) or not isinstance(run.work, vf.TrainWorkInfo)
+    ):
+        work = getattr(getattr(run, "work", None), "type", "eval")
+        return f"run: {run.type} run's {work} work, not training work"
+    if _policy_version(episode, conversion) is None:
+        return "run.work.policy: no policy span, and no policy_version given for it"
+    return None
+
+
+def _policy_version(episode: vf.Episode, conversion: Conversion) -> int | None:
+    """The policy version that sampled the episode: its policy span's start (prime-rl's
+    staleness reads the start), else the version given."""
+    run = episode.run
+    if isinstance(run, vf.TrainRunInfo) and isinstance(run.work, vf.TrainWorkInfo) and run.work.policy:
+        return run.work.policy.start
+    return conversion.policy_version
+
+
+def _trace_problems(trace: vf.Trace, conversion: Conversion, where: str) -> dict[str, str]:
+    """Why a clean trace of a trainable agent cannot train: node by node, named."""
+    if trace.nodes and not any(node.token_ids for node in trace.nodes):
+        return {where: f"trace {where}: no token ids on any node (an eval client's trace?)"}
+    problems = []
+    for index, node in enumerate(trace.nodes):
+        tokens = len(node.token_ids)
+        sampled = sum(node.mask)
+        if len(node.mask) != tokens:
+            problems.append(f"node {index}: mask of {len(node.mask)} for {tokens} token ids")
+            continue
+        for name in ("logprobs", "advantages", "reference_logprobs"):
+            values = getattr(node, name)  # over the sampled tokens (a node with none ignores them)
+            if values is not None and sampled and len(values) != sampled:
+                problems.append(f"node {index}: {name} of {len(values)} for {sampled} sampled tokens")
+        for stream, weights in (node.loss_weights or {}).items():
+            if stream not in LOSS_STREAMS:
+                problems.append(f"node {index}: loss stream {stream!r} is not one of {list(LOSS_STREAMS)}")
+            elif len(weights) != tokens:
+                problems.append(
+                    f"node {index}: loss stream {stream!r} of {len(weights)} for {tokens} token ids"
+                )
+        experts = node.routed_experts
+        if experts is not None and (experts.ndim != 3 or len(experts) != tokens):
+            problems.append(
+                f"node {index}: routed_experts of shape {list(experts.shape)} for {tokens} token ids "
+                "(expected [tokens, layers, topk])"
+            )
+    if not problems:
+        return {}
+    return {where: f"trace {where}: " + "; ".join(problems)}
+
+
+def _trace_rollouts(
+    episode: vf.Episode, trace: vf.Trace, conversion: Conversion, advantage: float | None
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """A checked trace's rollouts: record fields and arrays, one per trainable branch."""
+    trained: set[int] = set()  # nodes trained in an earlier branch (by id)
+    weighted: dict[str, set[int]] = {stream: set() for stream in LOSS_STREAMS}
+    rollouts = []
+    for branch in trace.branches:
+        if not branch.trainable:
+            continue
+        layout = _Layout.of(branch)
+        mask = layout.trainable(trained)
+        if not mask.any():
+            continue
+        arrays = _branch_arrays(trace, layout, mask, weighted, conversion, advantage)
+        output_tokens = len(layout.positions)
+        record = {
+            "rollout_id": identifier(f"{episode.id}/{trace.id}/{branch.index}"),
+            "group_id": identifier(episode.group.id),  # type: ignore[union-attr]  # checked
+            "task_id": identifier(_task_key(trace)),
+            "env": identifier(episode.env.name or ""),
+            "policy_version": _policy_version(episode, conversion),
+            "reward": trace.reward,
+            "num_input_tokens": len(mask) - output_tokens,
+            "num_output_tokens": output_tokens,
+            "num_turns": trace.num_turns,
+            "temperature": conversion.temperature,
+            "is_truncated": trace.is_truncated,
+            "stop_condition": identifier(trace.stop_condition) if trace.stop_condition else None,
+            "metrics": {identifier(k): float(v) for k, v in trace.metrics.items() if v is not None},
+        }
+        rollouts.append((record, arrays))
+    return rollouts
+
+
+def _task_key(trace: vf.Trace) -> str:
+    """The task's stable identity: its key, else its content hash, else its row index."""
+    task = trace.task
+    if task.key or task.hash:
+        return str(task.key or task.hash)
+    index = getattr(task.data, "idx", None)
+    return f"{task.type}-{index}" if index is not None else task.type
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a branch's nodes and sampled tokens are: each node's first token and sampled
+    count, the sampled mask over the branch and its True positions."""
+
+    nodes: list[vf.MessageNode]
+    starts: list[int]
+    counts: list[int]
+    sampled: np.ndarray
+    positions: np.ndarray
+
+    @classmethod
+    def of(cls, branch: vf.Branch) -> _Layout:
+        nodes = branch.nodes
+        lengths = [len(node.token_ids) for node in nodes]
+        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(int).tolist()
+        sampled = np.fromiter(chain.from_iterable(node.mask for node in nodes), bool, count=starts[-1])
+        counts = [sum(node.mask) for node in nodes]
+        return cls(nodes, starts, counts, sampled, np.flatnonzero(sampled))
+
+    def trainable(self, trained: set[int]) -> np.ndarray:
+        """The sampled mask, but a node trained in an earlier branch is context here."""
+        mask = self.sampled.copy()
+        for index, node in enumerate(self.nodes):
+            if not (node.sampled and self.counts[index]):
+                continue
+            if id(node) in trained:
+                mask[self.starts[index] : self.starts[index + 1]] = False
+            else:
+                trained.add(id(node))
+        return mask
+
+    def spread(self, values: Sequence[Sequence[float] | None]) -> np.ndarray:
+        """Per-node values over their sampled tokens, widened to the branch (0 elsewhere; a
+        node with none reads 0)."""
+        out = np.zeros(len(self.sampled), dtype=np.float32)
+        given = (v if v else repeat(0.0, c) for v, c in zip(values, self.counts, strict=True) if c)
+        out[self.positions] = np.fromiter(chain.from_iterable(given), np.float32, count=len(self.positions))
+        return out
+
+
+def _branch_arrays(
+    trace: vf.Trace,
+    layout: _Layout,
+    mask: np.ndarray,
+    weighted: dict[str, set[int]],
+    conversion: Conversion,
+    advantage: float | None,
+) -> dict[str, Any]:
+    """One branch's per-token arrays (rlship's names: `docs/integrators.md`)."""
+    nodes = layout.nodes
+    token_ids = np.fromiter(chain.from_iterable(node.token_ids for node in nodes), np.int64, count=len(mask))
+    arrays: dict[str, Any] = {
+        "input_ids": token_ids,
+        "loss_mask": mask,
+        "inference_logprobs": layout.spread([node.logprobs for node in nodes]),
+    }
+    if any(node.reference_logprobs is not None for node in nodes):
+        arrays["ref_logprobs"] = layout.spread([node.reference_logprobs for node in nodes])
+    if any(node.advantages is not None for node in nodes):
+        arrays["advantages"] = layout.spread([node.advantages for node in nodes])
+    elif advantage is not None:
+        arrays["advantages"] = np.where(layout.sampled, np.float32(advantage), np.float32(0.0))
+    streams = any(node.loss_weights for node in nodes)
+    for stream in LOSS_STREAMS if streams else ():
+        weights = _stream_weights(nodes, stream, weighted[stream])
+        if weights is not None:
+            arrays[f"{stream}_weights"] = weights
+    if conversion.action_loss != "rl":
+        _route_action_loss(arrays, conversion.action_loss)
+    experts = [node.routed_experts for node in nodes if node.token_ids]
+    if experts and all(rows is not None for rows in experts):
+        arrays["routed_experts"] = np.ascontiguousarray(np.concatenate(experts, axis=0))
+    mapping = conversion.mm_token_type_ids_mapping
+    mapping = trace.mm_token_type_id_map if mapping is None else mapping
+    if mapping:
+        types = np.array([mapping.get(int(token), 0) for token in token_ids.tolist()], dtype=np.int64)
+        if types.any():
+            arrays["mm_token_type_ids"] = types
+    return arrays
+
+
+def _stream_weights(nodes: list[vf.MessageNode], stream: str, weighted: set[int]) -> np.ndarray | None:
+    """A loss-weight stream over a branch's nodes, each node weighted in the first branch that
+    weights it only; None when the branch has no non-zero weight of it."""
+    parts = []
+    for node in nodes:
+        node_weights = (node.loss_weights or {}).get(stream)
+        if node_weights is None or id(node) in weighted:
+            parts.append(np.zeros(len(node.token_ids), dtype=np.float32))
+            continue
+        parts.append(np.asarray(node_weights, dtype=np.float32))
+        if any(node_weights):
+            weighted.add(id(node))
+    weights = np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+    return weights if weights.any() else None
+
+
+def _route_action_loss(arrays: dict[str, Any], action_loss: ActionLoss) -> None:
+    """An algorithm whose action tokens train another loss than `rl` (SFT's `ce`, OPD's
+    `ref_kl`): no rl weight anywhere, weight 1.0 on the trainable tokens in its stream."""
+    mask = arrays["loss_mask"]
+    arrays["rl_weights"] = np.zeros(len(mask), dtype=np.float32)
+    name = f"{action_loss}_weights"
+    base = arrays.get(name) if action_loss == "ce" else None
+    weights = np.zeros(len(mask), dtype=np.float32) if base is None else base.copy()
+    weights[mask] = 1.0
+    arrays[name] = weights

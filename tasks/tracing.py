@@ -1,0 +1,277 @@
+"""Tracing: one OpenTelemetry trace per step, across the orchestrator and the workers (with
+a span for each rank's send). This module owns all of it: whether tracing is on, the SDK
+set up from the standard `OTEL_*` variables, the trace context a task message carries
+(Celery signals: the stage code knows nothing of it), the span of every task, and where a
+step's trace id is kept.
+
+Off unless `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set:
+then rlship imports no OpenTelemetry module and connects no signal handler; what the
+stages call (`span`) is a shared no-op. On, each process sets the SDK up on its first span
+(after a fork: a Celery pool process has its own exporter thread). OTLP over HTTP
+(`http/protobuf`, the default) or gRPC (`OTEL_EXPORTER_OTLP_PROTOCOL=grpc`, its exporter
+package installed); `OTEL_EXPORTER_OTLP_HEADERS`, `OTEL_TRACES_SAMPLER`, `OTEL_SERVICE_NAME`,
+`OTEL_RESOURCE_ATTRIBUTES` and the rest are read by the SDK as it documents them.
+
+Parents (docs/observability.md, Traces): a task's span is the child of the span that
+enqueued it, whose W3C `traceparent` travels in the message's headers. The orchestrator
+enqueues a step's first task (and its release) under the step's root span; each stage task
+enqueues its successors under its own span, so a fan-in (publish) is the child of the task
+that completed it. A message that already carries a `traceparent` keeps it: a Celery retry
+and a redelivery after a killed worker are siblings of the first attempt, in the same trace.
+
+A worker exports the spans of each task when the task ends (`TaskEndExport`), so a worker
+killed later loses only the span of the task it was running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from tasks.graph import STAGE
+from transport.keys import RunKeys
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+
+    from tasks.tracing_sdk import Tracing
+
+log = logging.getLogger("rlship.tracing")
+
+ENDPOINT_ENVS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+PROTOCOL_ENVS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+TRACEPARENT = "traceparent"  # the W3C header, in task messages and in the step's trace key
+EXTRA = "pip install 'rlship[tracing]'"
+HTTP_EXPORTER = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
+GRPC_EXPORTER = "opentelemetry.exporter.otlp.proto.grpc.trace_exporter"
+GRPC_PACKAGE = "opentelemetry-exporter-otlp-proto-grpc"
+# How long a task's end waits for its spans to reach the collector: a collector that does
+# not answer delays one task by this, then none until it answers again
+# (`tasks.tracing_sdk.TaskEndExport.flush`).
+TASK_END_EXPORT_WAIT_SECONDS = 2.0
+
+
+def enabled() -> bool:
+    """Whether this process traces: an OTLP endpoint is set and the SDK is not disabled."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    return any(os.environ.get(name, "").strip() for name in ENDPOINT_ENVS)
+
+
+def protocol() -> str:
+    for name in PROTOCOL_ENVS:
+        if os.environ.get(name, "").strip():
+            return os.environ[name].strip().lower()
+    return "http/protobuf"
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package missing
+        return False
+
+
+def problem() -> str | None:
+    """One line saying why tracing, asked for, cannot run here; None if it can (or is off)."""
+    if not enabled():
+        return None
+    chosen = protocol()
+    if chosen not in ("http/protobuf", "grpc"):
+        return f"OTEL_EXPORTER_OTLP_PROTOCOL: {chosen!r} is not supported (http/protobuf or grpc)"
+    if not _installed("opentelemetry.sdk.trace"):
+        return f"OTEL_EXPORTER_OTLP_ENDPOINT is set but the OpenTelemetry SDK is not installed: {EXTRA}"
+    if not _installed(GRPC_EXPORTER if chosen == "grpc" else HTTP_EXPORTER):
+        package = GRPC_PACKAGE if chosen == "grpc" else "opentelemetry-exporter-otlp-proto-http"
+        return f"OTEL_EXPORTER_OTLP_PROTOCOL={chosen} needs the package {package} ({EXTRA})"
+    return None
+
+
+# -- the SDK, once per process (`tasks.tracing_sdk`, imported only when tracing is on) ------
+
+_tracing: dict[int, Tracing] = {}
+
+
+def tracing(role: str) -> Tracing:
+    """This process's `Tracing`, set up on first use (a forked child sets up its own)."""
+    found = _tracing.get(os.getpid())
+    if found is None:
+        from tasks.tracing_sdk import Tracing
+
+        found = _tracing[os.getpid()] = Tracing(role)
+    return found
+
+
+# -- context ---------------------------------------------------------------------------------
+
+
+def traceparent(span: Any) -> str:
+    """The W3C `traceparent` of a span: what a task message or the step's trace key carries."""
+    context = span.get_span_context()
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
+
+
+def context_of(value: str | bytes | None) -> Context | None:
+    """The trace context a `traceparent` names (None: none, or malformed)."""
+    if not value:
+        return None
+    from opentelemetry import trace
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    text = value.decode() if isinstance(value, bytes) else value
+    context = TraceContextTextMapPropagator().extract({TRACEPARENT: text})
+    return context if trace.get_current_span(context).get_span_context().is_valid else None
+
+
+def trace_id_of(value: str | bytes | None) -> str | None:
+    """The 32 hex digits of the trace a `traceparent` (as stored) belongs to."""
+    if not value:
+        return None
+    text = value.decode() if isinstance(value, bytes) else value
+    parts = text.split("-")
+    return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else None
+
+
+def step_trace_id(client: Any, run_id: str, step: int) -> str | None:
+    """Step `step`'s trace id (32 hex), in one Redis read: None when the step was not traced
+    (tracing off, or not sampled) or its key has expired. A sync redis-py client."""
+    return trace_id_of(client.get(RunKeys(run_id).trace(step)))
+
+
+async def step_trace_id_async(client: Any, run_id: str, step: int) -> str | None:
+    """`step_trace_id` for a `redis.asyncio` client."""
+    return trace_id_of(await client.get(RunKeys(run_id).trace(step)))
+
+
+def current_trace_id() -> str | None:
+    """The trace id of the span this thread is in (for log lines); None when off or outside."""
+    if not _tracing:
+        return None
+    from opentelemetry import trace
+
+    context = trace.get_current_span().get_span_context()
+    return f"{context.trace_id:032x}" if context.is_valid else None
+
+
+@contextlib.contextmanager
+def _span(name: str, attributes: Mapping[str, Any]) -> Iterator[None]:
+    with tracing("worker").tracer.start_as_current_span(name, attributes=dict(attributes)):
+        yield
+
+
+def span(name: str, **attributes: Any) -> contextlib.AbstractContextManager[None]:
+    """A span inside the current task's (the ZMQ or file send of a rank); free when off."""
+    if not _worker_tracing:
+        return contextlib.nullcontext()
+    return _span(name, attributes)
+
+
+# -- Celery: the context in task headers, a span per task --------------------------------------
+
+
+def _task_attributes(task_name: str, args: Any, request: Any) -> dict[str, Any]:
+    stage = STAGE.get(task_name.removeprefix("rlship."))
+    args = list(args or ())
+    attributes: dict[str, Any] = {
+        "rlship.task": task_name,
+        "messaging.system": "celery",
+        "messaging.message.id": request.id or "",
+        "rlship.retries": int(request.retries or 0),
+        "rlship.redelivered": bool((request.delivery_info or {}).get("redelivered")),
+        "rlship.worker": request.hostname or "",
+    }
+    if args:
+        attributes["rlship.run_id"] = str(args[0])
+    if stage is not None and len(args) > 1:
+        attributes["rlship.stage"] = stage.name
+        attributes["rlship.step"] = int(args[1])
+        if stage.per_rank and len(args) > 2:
+            attributes["rlship.rank"] = int(args[2])
+    elif len(args) > 1 and isinstance(args[1], list):
+        attributes["rlship.rollouts"] = len(args[1])
+    return attributes
+
+
+# task id -> (span, the token that made it current)
+_open_spans: dict[str, tuple[Any, object]] = {}
+
+
+def _inject(headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """before_task_publish: a message without a trace context gets the current span's (the
+    enqueueing task's); one with it keeps it (a retry, or the orchestrator's explicit one)."""
+    if headers is None or headers.get(TRACEPARENT):
+        return
+    from opentelemetry import trace
+
+    current = trace.get_current_span()
+    if current.get_span_context().is_valid:
+        headers[TRACEPARENT] = traceparent(current)
+
+
+def _start(task_id: str | None = None, task: Any = None, args: Any = None, **_: Any) -> None:
+    """task_prerun: the task's span, current while it runs, child of the enqueuer's."""
+    from opentelemetry import context as otel_context
+    from opentelemetry import trace
+
+    request = task.request
+    parent = context_of(getattr(request, TRACEPARENT, None))
+    attributes = _task_attributes(task.name, args, request)
+    span_ = tracing("worker").tracer.start_span(
+        task.name, context=parent, kind=trace.SpanKind.CONSUMER, attributes=attributes
+    )
+    token = otel_context.attach(trace.set_span_in_context(span_))
+    _open_spans[task_id or ""] = (span_, token)
+
+
+def _end(task_id: str | None = None, state: str | None = None, retval: Any = None, **_: Any) -> None:
+    """task_postrun: the task's span ends (an error status if it failed, an attribute if it
+    asked for a retry) and is exported with every span of the task."""
+    from opentelemetry import context as otel_context
+    from opentelemetry.trace import Status, StatusCode
+
+    opened = _open_spans.pop(task_id or "", None)
+    if opened is None:
+        return
+    span_, token = opened
+    try:
+        span_.set_attribute("rlship.state", state or "")
+        if state == "FAILURE":
+            span_.set_status(Status(StatusCode.ERROR, repr(retval)[:200]))
+        span_.end()
+    finally:
+        otel_context.detach(token)
+    processor = tracing("worker").task_end
+    # A stage task's spans leave now; a prepare span (its own trace, not a step's) goes with
+    # the next stage task's: one request less per prepare, a step's count of requests as it was.
+    if processor is not None and STAGE.get(span_.name.removeprefix("rlship.")) is not None:
+        processor.flush(TASK_END_EXPORT_WAIT_SECONDS)
+
+
+def _set_up(**_: Any) -> None:
+    """worker_process_init: the SDK set up as the pool process starts, not in its first task."""
+    tracing("worker")
+
+
+def _flush_at_exit(**_: Any) -> None:
+    """worker_process_shutdown: what is still queued (prepare spans) leaves with the process."""
+    found = _tracing.get(os.getpid())
+    if found is not None and found.task_end is not None:
+        found.task_end.flush(TASK_END_EXPORT_WAIT_SECONDS)
+
+
+_worker_tracing = False
+
+
+def connect_celery(signals: Any) -> None:
+    """Connect the handlers (called once by `tasks.app`, when tracing is on)."""
+    global _worker_tracing
+    _worker_tracing = True
+    signals.before_task_publish.connect(_inject, weak=False)
+    signals.task_prerun.connect(_start, weak=False)
+    signals.task_postrun.connect(_end, weak=False)
+    signals.worker_process_init.connect(_set_up, weak=False)
+    signals.worker_process_shutdown.connect(_flush_at_exit, weak=False)
