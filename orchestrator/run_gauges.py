@@ -55,7 +55,7 @@ METRICS: dict[str, tuple[type[Metric], str]] = {
     ),
     "rlship_policy_staleness_limit_steps": (
         GaugeMetricFamily,
-        "max_async_level: steps the ship path may run ahead of the trainers' policy",
+        "max_off_policy_steps: rollouts any more steps off-policy are discarded as stale",
     ),
     "rlship_redis_memory_used_bytes": (GaugeMetricFamily, "Redis INFO memory used_memory"),
     "rlship_redis_memory_max_bytes": (GaugeMetricFamily, "Redis INFO memory maxmemory (0: none)"),
@@ -74,7 +74,7 @@ class RunGauges:
         self.keys = RunKeys(settings.run_id)
         self.run = [settings.run_id]
         self.held_bytes_limit = settings.max_held_bytes  # 0: no byte budget
-        self.staleness_limit = settings.max_async_level
+        self.staleness_limit = settings.max_off_policy_steps
 
     def collect(self, newest_step: int, newest_record: dict[str, float] | None) -> Iterator[Metric]:
         """The metrics, given the newest step the orchestrator followed and its record."""

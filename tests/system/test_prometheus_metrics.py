@@ -191,7 +191,7 @@ def test_every_metric_of_a_live_run_and_its_values_after(
         staleness = values(families["rlship_policy_staleness_steps"], "rlship_policy_staleness_steps")
         assert staleness == {"": records[-1]["off_policy/max"]}
         limit = values(families["rlship_policy_staleness_limit_steps"], "rlship_policy_staleness_limit_steps")
-        assert limit == {"": settings.max_async_level}
+        assert limit == {"": settings.max_off_policy_steps}
 
         counts, _ = histogram(families, "rlship_event_loop_lag_seconds")
         assert counts == {"": results[0].orchestrator.probe.samples} and counts[""] > 0
