@@ -20,8 +20,7 @@ from orchestrator.ingest import READ_BLOCK_MS
 from orchestrator.monitors import Monitors
 from orchestrator.settings import RunSettings
 from tasks.stages.record_names import agg_statistic, shipped_rollouts, shipped_tokens
-from transport.keys import RunKeys
-from transport.store import DEFAULT_TTL_SECONDS
+from transport.keys import DEFAULT_TTL_SECONDS, RunKeys
 
 RECENT_RECORDS = 8
 

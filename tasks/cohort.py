@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from transport.store import pack_arrays, unpack_arrays
+from transport.arrays_blob import pack_arrays, unpack_arrays
 
 # Numeric columns every row has. Flags are 0.0/1.0 so rates are plain means.
 NUMERIC_COLUMNS: tuple[str, ...] = (

@@ -15,8 +15,7 @@ import redis
 
 from orchestrator.settings import RunSettings
 from tasks.stages.record_names import total_shipped_tokens
-from transport.keys import RunKeys
-from transport.store import DEFAULT_TTL_SECONDS
+from transport.keys import DEFAULT_TTL_SECONDS, RunKeys
 
 KEYS_KEPT_SECONDS = DEFAULT_TTL_SECONDS
 

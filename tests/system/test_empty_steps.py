@@ -31,8 +31,9 @@ from tests.support.shiprun import (
     ship,
     ship_settings,
 )
+from transport.arrays_blob import pack_arrays
 from transport.keys import RunKeys
-from transport.store import PayloadStore, pack_arrays
+from transport.store import PayloadStore
 
 GROUP_SIZE = 4
 BATCH = 8  # two groups per step

@@ -19,7 +19,8 @@ from orchestrator.settings import RunSettings
 from tests.support.factories import rollout
 from tests.support.reference import check_advantages, compare, reference_records
 from tests.support.shiprun import open_policy_gate, run_orchestrator, ship_settings
-from transport.store import PayloadStore, pack_arrays
+from transport.arrays_blob import pack_arrays
+from transport.store import PayloadStore
 
 SCENARIOS = 50
 ENVS = ("math", "code", "chat")
