@@ -43,6 +43,7 @@ def outcome_row(
         "task_id": r.task_id,
         "error": r.error or "",
         "stop_condition": r.stop_condition or "",
+        "agent": r.agent or "",
         **(facts.labels() if facts is not None else {}),
     }
     return numeric, labels, r.metrics

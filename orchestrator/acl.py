@@ -27,7 +27,7 @@ _COMMON = (
     "exec discard watch unwatch select"
 )
 _COMMANDS: dict[str, str] = {
-    "producer": ("get mget set exists incr incrby hget hgetall hset hmget xadd ttl expire"),
+    "producer": ("get mget set exists incr incrby hget hgetall hset hmget hincrby xadd ttl expire"),
     "worker": (
         "get mget strlen set setnx getdel del unlink exists expire pexpire ttl time incr incrby decrby "
         "incrbyfloat hget "
@@ -43,8 +43,8 @@ _COMMANDS: dict[str, str] = {
         "unsubscribe punsubscribe scan"
     ),
     "trainer": (
-        "get set exists incr hget hgetall hset hkeys hincrby sadd scard smembers rpush lrange zrange "
-        "publish expire"
+        "get set exists incr hget hgetall hset hkeys hincrby hincrbyfloat sadd scard smembers rpush lrange "
+        "zrange publish expire"
     ),
 }
 # kombu's keys and channels shared by every queue of a server: its table of unacknowledged

@@ -33,8 +33,9 @@ from tasks.manifest import StepManifest
 from tasks.ship import finalize
 from tasks.stages.finalize import StepVerdict
 from transport.keys import StepValue
+from transport.release_scripts import unlink_step_keys
 from transport.replication import Durability
-from transport.store import AsyncPayloadStore, unlink_step_keys
+from transport.store import AsyncPayloadStore
 
 log = logging.getLogger("rlship.orchestrator")
 

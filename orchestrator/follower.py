@@ -19,8 +19,8 @@ import redis.asyncio as aioredis
 from orchestrator.ingest import READ_BLOCK_MS
 from orchestrator.monitors import Monitors
 from orchestrator.settings import RunSettings
-from transport.keys import RunKeys
-from transport.store import DEFAULT_TTL_SECONDS
+from tasks.stages.record_names import agg_statistic, shipped_rollouts, shipped_tokens
+from transport.keys import DEFAULT_TTL_SECONDS, RunKeys
 
 RECENT_RECORDS = 8
 
@@ -36,10 +36,11 @@ def format_step_line(record: dict[str, float]) -> str:
         for name, seconds in sorted(record.items())
         if name.startswith("time/") and name not in NOT_STAGES
     )
+    reward = record.get(agg_statistic(record, "effective", "reward") + "/mean", float("nan"))
     return (
-        f"step {int(record['step'])} | rollouts {int(record.get('progress/rollouts', 0))} | "
-        f"tokens {int(record.get('progress/tokens', 0)):,} | "
-        f"reward {record.get('train/agg/effective/reward/mean', float('nan')):.3f} | {stages} | "
+        f"step {int(record['step'])} | rollouts {int(shipped_rollouts(record))} | "
+        f"tokens {int(shipped_tokens(record)):,} | "
+        f"reward {reward:.3f} | {stages} | "
         f"ship {record.get('time/ship', 0.0):.2f}s | "
         f"policy wait {record.get('time/wait_for_policy', 0.0):.2f}s | "
         f"loop lag max {record.get('event_loop_lag/max_ms', 0.0):.1f} ms"
@@ -98,7 +99,7 @@ class RecordFollower:
                 print(format_step_line(record), flush=True)
                 self.records.append(record)
                 self.records_published += 1
-                self.tokens_shipped += int(record.get("progress/tokens", 0.0))
+                self.tokens_shipped += int(shipped_tokens(record))
                 self.last_published = step
                 await self.on_published(step)
                 await self.client.set(self.keys.followed, step, ex=DEFAULT_TTL_SECONDS)

@@ -16,9 +16,8 @@ import redis.asyncio as aioredis
 
 from orchestrator.policy import NO_VERSION, PolicyVersion
 from orchestrator.settings import RunSettings
-from transport.keys import RunKeys
+from transport.keys import DEFAULT_TTL_SECONDS, RunKeys
 from transport.numbering import required_version, step_reaching
-from transport.store import DEFAULT_TTL_SECONDS
 
 log = logging.getLogger("rlship.orchestrator")
 

@@ -31,10 +31,10 @@ from tasks.cohort import Cohort, CohortBuilder
 from tasks.manifest import StepManifest
 from tasks.stages.credit import GivenCredit
 from tasks.stages.finalize import PayloadFacts
-from transport.keys import RunKeys
+from transport.keys import DEFAULT_TTL_SECONDS, RunKeys
 from transport.numbering import staleness
 from transport.outcomes import Written, discarded, record_outcomes, rejected
-from transport.store import DEFAULT_TTL_SECONDS, release_rollouts
+from transport.release_scripts import release_rollouts
 
 log = logging.getLogger("rlship.orchestrator")
 

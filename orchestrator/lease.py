@@ -26,9 +26,9 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from orchestrator.errors import CannotShip, LeaseLost, RunStateLost
-from transport.keys import RunKeys
+from transport.keys import DEFAULT_TTL_SECONDS, RunKeys
 from transport.port_claims import claim_call, claim_holder, release_call
-from transport.store import DEFAULT_TTL_SECONDS, AsyncPayloadStore
+from transport.store import AsyncPayloadStore
 
 log = logging.getLogger("rlship.orchestrator")
 

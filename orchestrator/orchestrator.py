@@ -70,8 +70,9 @@ from orchestrator.step_metrics import StepMetrics, take_step_seconds
 from orchestrator.watchdog import StallWatchdog
 from tasks.app import use_redis
 from tasks.ship import prepare
+from transport.keys import DEFAULT_TTL_SECONDS
 from transport.numbering import version_after
-from transport.store import DEFAULT_TTL_SECONDS, AsyncPayloadStore
+from transport.store import AsyncPayloadStore
 
 log = logging.getLogger("rlship.orchestrator")
 

@@ -21,8 +21,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from orchestrator.settings import RunSettings
-from transport.keys import RunKeys
-from transport.store import DEFAULT_TTL_SECONDS
+from transport.keys import DEFAULT_TTL_SECONDS, RunKeys
 
 NO_VERSION = -1  # nothing announced yet: below every version a step can wait for
 POLL_SECONDS = 0.05

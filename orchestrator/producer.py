@@ -30,7 +30,8 @@ from orchestrator.settings import RunSettings
 from orchestrator.stored_settings import read_run_settings, read_run_settings_async
 from tasks.stages.credit import GivenCredit
 from tasks.stages.finalize import PayloadFacts
-from transport.keys import RunKeys
+from transport.arrays_blob import pack_arrays
+from transport.keys import DEFAULT_TTL_SECONDS, RunKeys
 from transport.numbering import required_version
 from transport.outcomes import RolloutOutcome, outcome_call, parse_outcomes
 from transport.payload_segments import (
@@ -42,7 +43,6 @@ from transport.payload_segments import (
     write_segment_file,
 )
 from transport.replication import Durability
-from transport.store import DEFAULT_TTL_SECONDS, pack_arrays
 
 __all__ = [
     "AdmissionRefused",

@@ -36,6 +36,9 @@ class RecordFields(BaseModel):
     cancelled: bool = False
     stop_condition: Identifier | None = None
     metrics: dict[Identifier, float] = Field(default_factory=dict)
+    # The agent that produced the rollout (a verifiers trace's `agent.name`); unset: verifiers'
+    # default name `agent` in the record's per-agent statistics.
+    agent: Identifier | None = None
     # How many rollouts the group has when not the run's group_size: a group of episodes
     # gives one rollout per trainable branch (rlship.verifiers), however many that is.
     group_rollouts: int | None = Field(default=None, ge=1)

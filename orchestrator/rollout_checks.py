@@ -16,9 +16,9 @@ from orchestrator.admission import Rollouts
 from orchestrator.groups import group_size_of
 from orchestrator.records import RecordRejected
 from tasks.stages.finalize import check_rollout_arrays
+from transport.arrays_blob import flat_arrays
 from transport.payload_segments import ANYWHERE, PAYLOAD_FIELD, SideArrays
 from transport.schema import EncodedTensor, SchemaError
-from transport.store import flat_arrays
 
 
 class RolloutRejected(ValueError):

@@ -16,6 +16,7 @@ from prometheus_client.utils import floatToGoString
 
 from orchestrator.settings import RunSettings
 from tasks.graph import STAGE_NAMES
+from tasks.stages.record_names import staleness_max
 from transport.keys import RunKeys
 from transport.task_metrics import queue_wait_histograms
 
@@ -48,7 +49,10 @@ METRICS: dict[str, tuple[type[Metric], str]] = {
         GaugeMetricFamily,
         "unix time the newest record was published",
     ),
-    "rlship_policy_staleness_steps": (GaugeMetricFamily, "the newest record's off_policy/staleness/max"),
+    "rlship_policy_staleness_steps": (
+        GaugeMetricFamily,
+        "the newest record's off_policy/max (rlship-1: off_policy/staleness/max)",
+    ),
     "rlship_policy_staleness_limit_steps": (
         GaugeMetricFamily,
         "max_off_policy_steps: rollouts any more steps off-policy are discarded as stale",
@@ -127,5 +131,5 @@ class RunGauges:
 
 
 def _staleness(record: dict[str, float] | None) -> float | None:
-    value = None if record is None else record.get("off_policy/staleness/max")
+    value = None if record is None else staleness_max(record)
     return None if value is None or math.isnan(value) else value

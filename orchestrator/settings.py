@@ -21,6 +21,7 @@ from tasks.app import DEFAULT_REDIS_URL, VISIBILITY_TIMEOUT_ENV
 from tasks.faults import FAULTS_ENV
 from tasks.logs import mask_secrets
 from tasks.manifest import ShipConfig
+from tasks.stages.record_names import PRIME_RL_559B447, RecordNames
 from transport.connection import SENTINEL_SCHEME, RedisAddress, with_credentials
 from transport.keys import is_run_queue, run_queue  # noqa: F401 (importers take run_queue from here)
 from transport.payload_dir import PayloadDirectory
@@ -223,6 +224,11 @@ class RunSettings(SettingsRules):
     wandb_project: str | None = Field(default=None, description="log records to Weights & Biases")
     wandb_mode: Literal["online", "offline"] = Field(default="offline", description="the W&B mode")
     dedupe_horizon: int = Field(default=1 << 16, ge=1, description="rollout ids and groups remembered")
+    record_names: RecordNames = Field(
+        default=PRIME_RL_559B447,
+        description="the record's names: prime-rl-559b447 (prime-rl's orchestrator at 559b447) or "
+        "rlship-1 (rlship's earlier names and prime-rl 0002457f's, for existing dashboards)",
+    )
     record_rollouts: Path | None = Field(
         default=None, description="write one JSON line per finalized rollout"
     )

@@ -27,8 +27,7 @@ from orchestrator.settings import RunSettings
 from tasks.ship import finalize
 from tasks.stages.finalize import StepVerdict
 from transport.connection import connect_redis
-from transport.keys import RunKeys, StepValue
-from transport.store import DEFAULT_TTL_SECONDS
+from transport.keys import DEFAULT_TTL_SECONDS, RunKeys, StepValue
 
 log = logging.getLogger("rlship.orchestrator")
 

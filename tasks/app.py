@@ -17,8 +17,7 @@ from kombu import Queue
 
 from tasks import logs, tracing  # noqa: F401  (logs connects the worker logging hooks)
 from transport.connection import celery_redis_options, with_credentials
-from transport.keys import is_run_queue, queue_traces
-from transport.store import DEFAULT_TTL_SECONDS
+from transport.keys import DEFAULT_TTL_SECONDS, is_run_queue, queue_traces
 from transport.task_metrics import stamp_enqueue_time
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"

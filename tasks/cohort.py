@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from transport.store import pack_arrays, unpack_arrays
+from transport.arrays_blob import pack_arrays, unpack_arrays
 
 # Numeric columns every row has. Flags are 0.0/1.0 so rates are plain means.
 NUMERIC_COLUMNS: tuple[str, ...] = (
@@ -33,7 +33,7 @@ NUMERIC_COLUMNS: tuple[str, ...] = (
 )
 # Text columns every row has ("" when absent).
 LABEL_COLUMNS: tuple[str, ...] = (
-    "rollout_id", "env", "group_id", "task_id", "error", "stop_condition",
+    "rollout_id", "env", "group_id", "task_id", "error", "stop_condition", "agent",
     "rows_field", "rows_file",  # a producer's facts of side arrays by handle ("" without)
 )  # fmt: skip
 CUSTOM_PREFIX = "metric/"

@@ -19,8 +19,7 @@ from collections.abc import Callable
 
 import redis
 
-from transport.keys import RunKeys
-from transport.store import DEFAULT_TTL_SECONDS
+from transport.keys import DEFAULT_TTL_SECONDS, RunKeys
 
 FAULTS_ENV = "RLSHIP_FAULTS"
 

@@ -12,6 +12,7 @@ import msgpack
 import numpy as np
 
 from tasks.cohort import Cohort
+from tasks.stages.record_names import PRIME_RL_559B447, RecordNames
 from transport.keys import RunKeys
 from transport.payload_dir import PayloadDirectory, payload_directory
 from transport.payload_segments import PAYLOAD_FIELD, RunRows, SideArrays
@@ -77,6 +78,7 @@ class ShipConfig:
     payload_store: Literal["redis", "dir"] = "redis"  # where per-rank payloads are retained
     dedupe_horizon: int = 1 << 16  # rollouts whose outcome the run remembers (transport.outcomes)
     file_mode: str = "owner"  # who may read the run's files (transport.run_files)
+    record_names: RecordNames = PRIME_RL_559B447  # the record's naming scheme (tasks.stages.record_names)
 
     @property
     def output_path(self) -> Path:

@@ -95,7 +95,13 @@ def _write_record(ctx: StepContext, started: float) -> None:
                 totals = running_totals(previous, step_record)
                 ship_seconds = time.time() - manifest.cut_time
                 record = build_record(
-                    step, step_record, stage_seconds, ship_seconds, manifest.policy_wait, totals
+                    step,
+                    step_record,
+                    stage_seconds,
+                    ship_seconds,
+                    manifest.policy_wait,
+                    totals,
+                    names=manifest.config.record_names,
                 )
                 pipe.multi()
                 pipe.xadd(

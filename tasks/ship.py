@@ -41,10 +41,10 @@ from tasks.stages.pack import PackPlan, pack_samples
 from tasks.stages.prune import drop_field, prune_samples, worker_drops
 from tasks.stages.samples import choose_samples, sample_lines
 from transport.checksum import payload_checksum
-from transport.keys import StepValue
+from transport.keys import DEFAULT_TTL_SECONDS, StepValue
 from transport.outcomes import cut_into, dropped_at, record_outcomes
 from transport.payload_segments import PAYLOAD_FIELD, digests_checksum
-from transport.store import DEFAULT_TTL_SECONDS, PayloadMissingError, PayloadStore
+from transport.store import PayloadMissingError, PayloadStore
 from transport.task_metrics import note_queue_wait, queue_wait_seconds
 
 log = logging.getLogger("rlship.tasks")

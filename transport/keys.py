@@ -12,6 +12,9 @@ from enum import StrEnum
 
 RUN_PREFIX = "rlship:"
 RUN_MARKER = "started_at"  # the one key every run that ever started has (`RunKeys.run_marker`)
+# How long a run's key lives unless renewed: every write sets it, the orchestrator's lease
+# renews it, and what a run leaves behind expires after it.
+DEFAULT_TTL_SECONDS = 24 * 3600
 
 
 # A rollout key's sibling holding its wire parts (`RunKeys.sample_wire`): wherever a

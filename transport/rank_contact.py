@@ -15,8 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from transport.keys import RunKeys
-from transport.store import DEFAULT_TTL_SECONDS
+from transport.keys import DEFAULT_TTL_SECONDS, RunKeys
 
 READY, SENT, ACKNOWLEDGED = "ready", "sent", "acknowledged"
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -23,12 +22,17 @@ import numpy as np
 import redis
 import redis.asyncio as aioredis
 
-from transport.keys import PAYLOAD, WIRE_SUFFIX, RunKeys
+from transport.arrays_blob import PayloadCorruptError, unpack_arrays
+from transport.keys import DEFAULT_TTL_SECONDS, WIRE_SUFFIX, RunKeys
 from transport.payload_dir import PayloadDirectory, PayloadFileError, is_pointer, read_pointed
-from transport.payload_segments import PAYLOAD_FIELD, PayloadSegment, RunRows
-from transport.schema import MM_KWARGS_PREFIX, EncodedTensor, SchemaError, as_encoded_tensors, as_segments
-
-DEFAULT_TTL_SECONDS = 24 * 3600
+from transport.payload_segments import RunRows
+from transport.release_scripts import (
+    ReleasedPayloads,
+    held_rollout_ids,
+    release_retained_payloads,
+    release_rollouts,
+    unlink_step_keys,
+)
 
 
 class PayloadMissingError(KeyError):
@@ -40,83 +44,6 @@ class PayloadMissingError(KeyError):
 
     def __str__(self) -> str:
         return f"payload key {self.key!r} is missing from Redis (never written, expired or released)"
-
-
-class PayloadCorruptError(ValueError):
-    """A stored value that does not decode as an array blob."""
-
-
-def flat_arrays(arrays: Mapping[str, Any]) -> dict[str, Any]:
-    """A rollout's arrays with its `mm_kwargs` (a map of name -> tensor: an EncodedTensor or
-    a numpy array) stored flat, as `mm_kwargs.{name}` -> EncodedTensor, and its side arrays
-    by handle (`payload`) as a list of `PayloadSegment`. SchemaError names a malformed
-    tensor or segment."""
-    out: dict[str, Any] = {}
-    for name, value in arrays.items():
-        if name == PAYLOAD_FIELD:
-            out[name] = as_segments(value)
-        elif name == "mm_kwargs":
-            if not isinstance(value, Mapping):
-                raise SchemaError(f"mm_kwargs: expected a map of name to tensor, got {type(value).__name__}")
-            tensors = as_encoded_tensors(dict(value))
-            out.update({MM_KWARGS_PREFIX + kwarg: tensor for kwarg, tensor in tensors.items()})
-        elif name.startswith(MM_KWARGS_PREFIX):
-            out[name] = as_encoded_tensors({name[len(MM_KWARGS_PREFIX) :]: value}).popitem()[1]
-        else:
-            out[name] = value
-    return out
-
-
-# How a rollout's segments are held in its blob, beside its arrays' [dtype, shape, data].
-_SEGMENTS_DTYPE = "segments"
-
-
-def pack_arrays(arrays: Mapping[str, Any]) -> bytes:
-    """Arrays to one compact blob: no JSON lists, one copy of each array's bytes. An
-    mm_kwargs tensor keeps the producer's dtype name (it may be one numpy lacks)."""
-    entries: dict[str, list[Any]] = {}
-    for name, value in flat_arrays(arrays).items():
-        if name == PAYLOAD_FIELD:
-            stored = msgpack.packb([segment.to_stored() for segment in value], use_bin_type=True)
-            entries[name] = [_SEGMENTS_DTYPE, [len(value)], stored]
-            continue
-        if isinstance(value, EncodedTensor):
-            entries[name] = [value.dtype, list(value.shape), value.data]
-            continue
-        array = np.ascontiguousarray(value)
-        data = memoryview(array).cast("B") if array.size else b""  # no cast of a zero in the shape
-        entries[name] = [array.dtype.str, list(array.shape), data]
-    return msgpack.packb(entries, use_bin_type=True)
-
-
-def unpack_arrays(blob: bytes, key: str = "<blob>") -> dict[str, Any]:
-    """The inverse of `pack_arrays`: arrays are read-only views into `blob`, mm_kwargs
-    tensors EncodedTensor. PayloadCorruptError names the entry that does not decode."""
-    try:
-        entries = msgpack.unpackb(blob, raw=False)
-        if not isinstance(entries, dict):
-            raise TypeError(f"expected a map, got {type(entries).__name__}")
-    except (ValueError, TypeError, msgpack.UnpackException) as exc:
-        raise PayloadCorruptError(f"{key}: stored arrays do not decode ({exc})") from exc
-    arrays = {}
-    for name, entry in entries.items():
-        try:
-            arrays[name] = _unpack_entry(name, entry)
-        except (ValueError, TypeError, SyntaxError, msgpack.UnpackException) as exc:  # SyntaxError: a dtype
-            raise PayloadCorruptError(f"{key}: stored arrays do not decode (entry {name!r}: {exc})") from exc
-    return arrays
-
-
-def _unpack_entry(name: str, entry: Any) -> Any:
-    dtype, shape, data = entry
-    if name.startswith(MM_KWARGS_PREFIX):
-        return EncodedTensor(dtype, shape, data)
-    if dtype == _SEGMENTS_DTYPE:
-        return [PayloadSegment.from_values(values) for values in msgpack.unpackb(data, raw=False)]
-    # reshape would fill in a -1 (or take a bool): a shape says each dimension itself
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise ValueError(f"shape {shape!r:.80} is not a list of dimensions >= 0")
-    return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
 
 
 def _decode_rollouts(keys: list[str], values: list[bytes | None]) -> dict[str, dict[str, np.ndarray]]:
@@ -266,13 +193,15 @@ class PayloadStore:
         their files in `directory` and the files of side-array rows they point at
         (`hold_rows`)."""
         released = ReleasedPayloads.from_script(
-            _release_payloads(self.client, self.keys, ranks, through_step, evict_through)
+            release_retained_payloads(self.client, self.keys, ranks, through_step, evict_through)
         )
         if directory is not None:
             directory.remove_steps(released.released)
         if rows is not None and released.released:
             held = [self.keys.rows_held(step) for step in released.released]
-            rows.unlink(rollout_id for value in self.client.mget(held) for rollout_id in _held_ids(value))
+            rows.unlink(
+                rollout_id for value in self.client.mget(held) for rollout_id in held_rollout_ids(value)
+            )
             self.client.unlink(*held)
         return released
 
@@ -341,13 +270,15 @@ class AsyncPayloadStore:
     ) -> ReleasedPayloads:
         """See `PayloadStore.release_payloads` (the files are deleted off the event loop)."""
         released = ReleasedPayloads.from_script(
-            await _release_payloads(self.client, self.keys, ranks, through_step, evict_through)
+            await release_retained_payloads(self.client, self.keys, ranks, through_step, evict_through)
         )
         if directory is not None and released.released:
             await asyncio.to_thread(directory.remove_steps, released.released)
         if rows is not None and released.released:
             held = [self.keys.rows_held(step) for step in released.released]
-            ids = [rollout_id for value in await self.client.mget(held) for rollout_id in _held_ids(value)]
+            ids = [
+                rollout_id for value in await self.client.mget(held) for rollout_id in held_rollout_ids(value)
+            ]
             await asyncio.to_thread(rows.unlink, ids)
             await self.client.unlink(*held)
         return released
@@ -393,67 +324,6 @@ end
 return written
 """
 
-# Taking a holder's bytes out of the run's budget (`RunKeys.held_bytes` and its total), once;
-# a rollout's (with `flow`, `RunKeys.rollout_flow`) counted as released, with its bytes.
-_UNHOLD_LUA = """
-local function unhold(held, total, holder, flow)
-  local bytes = redis.call('HGET', held, holder)
-  if bytes then
-    redis.call('HDEL', held, holder)
-    redis.call('DECRBY', total, bytes)
-    if flow then
-      redis.call('HINCRBY', flow, 'released', 1)
-      redis.call('HINCRBY', flow, 'released_bytes', bytes)
-      redis.call('EXPIRE', flow, ARGV[#ARGV])
-    end
-  end
-end
-"""
-
-# KEYS: the held hash and total, the step's key set, the rollout flow; ARGV: the wire suffix,
-# the TTL. A rollout key's wire sibling goes with it (not counted), and its bytes out of the
-# budget.
-_DELETE_STEP_LUA = (
-    _UNHOLD_LUA
-    + """
-local members = redis.call('SMEMBERS', KEYS[3])
-local deleted = 0
-for i = 1, #members, 1000 do
-  deleted = deleted + redis.call('UNLINK', unpack(members, i, math.min(i + 999, #members)))
-end
-local wires = {}
-for _, key in ipairs(members) do
-  local rollout_id = string.match(key, ':rollout:(.*)$')
-  if rollout_id then
-    table.insert(wires, key .. ARGV[1])
-    unhold(KEYS[1], KEYS[2], rollout_id, KEYS[4])
-  end
-end
-for i = 1, #wires, 1000 do
-  redis.call('UNLINK', unpack(wires, i, math.min(i + 999, #wires)))
-end
-redis.call('UNLINK', KEYS[3])
-return deleted
-"""
-)
-
-# KEYS: the held hash and total, the rollout flow, then each rollout's keys
-# (`RunKeys.rollout_keys`); ARGV: the rollout ids, then the TTL. Returns how many rollout
-# keys were unlinked.
-_RELEASE_ROLLOUTS_LUA = (
-    _UNHOLD_LUA
-    + """
-for i = 1, #ARGV - 1 do
-  unhold(KEYS[1], KEYS[2], ARGV[i], KEYS[3])
-end
-local deleted = 0
-for i = 4, #KEYS, 1000 do
-  deleted = deleted + redis.call('UNLINK', unpack(KEYS, i, math.min(i + 999, #KEYS)))
-end
-return deleted
-"""
-)
-
 # KEYS: the held hash and total; ARGV: the holder, its bytes, the TTL. A redelivered encode
 # holds its payload's bytes once.
 _HOLD_LUA = """
@@ -478,81 +348,3 @@ def _renew(pipe: Any, keys: RunKeys, found: list[bytes], seconds: int) -> None:
 def payload_holder(step: int, rank: int) -> str:
     """A retained payload's field in `RunKeys.held_bytes`."""
     return f"payload:{step}:{rank}"
-
-
-def release_rollouts(client: Any, keys: RunKeys, rollout_ids: list[str]) -> Any:
-    """Unlink rollouts that will never ship and take their bytes out of the budget, on a sync
-    or async client or a pipeline (queued with the rest of it)."""
-    rollout_keys = [key for r in rollout_ids for key in keys.rollout_keys(r)]
-    return client.register_script(_RELEASE_ROLLOUTS_LUA)(
-        keys=[keys.held_bytes, keys.held_bytes_total, keys.rollout_flow, *rollout_keys],
-        args=[*rollout_ids, DEFAULT_TTL_SECONDS],
-    )
-
-
-@dataclass(frozen=True)
-class ReleasedPayloads:
-    """What one release of retained payloads did: the steps it freed, and which of them were
-    evicted by the retention bound before every rank acknowledged them."""
-
-    released: list[int]
-    evicted_unacknowledged: list[int]
-
-    @property
-    def steps(self) -> int:
-        return len(self.released)
-
-    @classmethod
-    def from_script(cls, reply: list[Any]) -> ReleasedPayloads:
-        return cls(sorted(int(s) for s in reply[0]), sorted(int(s) for s in reply[1]))
-
-
-# KEYS[1]: the retained-steps set, KEYS[2] and [3] the held hash and total (`_UNHOLD_LUA`).
-# ARGV: the step-key prefix ("...:step:"), the trained-set prefix ("...:trained:"), ranks,
-# the newest step to consider, the newest step to evict even if unacknowledged, the payload
-# name (`step:{n}:{name}:{rank}`). A released step also loses its `trained` set, and its
-# payloads' bytes leave the budget.
-_RELEASE_PAYLOADS_LUA = (
-    _UNHOLD_LUA
-    + """
-local ranks = tonumber(ARGV[3])
-local evict_through = tonumber(ARGV[5])
-local released, evicted = {}, {}
-for _, step in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[4])) do
-  local acked = redis.call('SCARD', ARGV[2] .. step)
-  if acked >= ranks or tonumber(step) <= evict_through then
-    for rank = 0, ranks - 1 do
-      redis.call('UNLINK', ARGV[1] .. step .. ':' .. ARGV[6] .. ':' .. rank)
-      unhold(KEYS[2], KEYS[3], 'payload:' .. step .. ':' .. rank)
-    end
-    redis.call('UNLINK', ARGV[2] .. step)
-    if acked < ranks then
-      table.insert(evicted, step)
-    end
-    redis.call('ZREM', KEYS[1], step)
-    table.insert(released, step)
-  end
-end
-return {released, evicted}
-"""
-)
-
-
-def _held_ids(value: bytes | None) -> list[str]:
-    return msgpack.unpackb(value, raw=False) if value else []
-
-
-def _release_payloads(client: Any, keys: RunKeys, ranks: int, through_step: int, evict_through: int) -> Any:
-    return client.register_script(_RELEASE_PAYLOADS_LUA)(
-        keys=[keys.retained_payloads, keys.held_bytes, keys.held_bytes_total],
-        args=[keys.steps_prefix, keys.trained_prefix, ranks, through_step, evict_through, PAYLOAD],
-    )
-
-
-def unlink_step_keys(client: Any, keys: RunKeys, step: int) -> Any:
-    """Run the release script on a sync or async client or pipeline (async: an awaitable; a
-    pipeline: queued, so a transaction can take a step back with the rest of it)."""
-    return client.register_script(_DELETE_STEP_LUA)(
-        keys=[keys.held_bytes, keys.held_bytes_total, keys.step_keys(step), keys.rollout_flow],
-        args=[WIRE_SUFFIX, DEFAULT_TTL_SECONDS],
-    )

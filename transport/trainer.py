@@ -22,11 +22,10 @@ import redis
 from transport.base import ReceivedStep, ReplaySource, StepReceiver
 from transport.checksum import payload_checksum
 from transport.codec import decode_microbatches
-from transport.keys import RunKeys
+from transport.keys import DEFAULT_TTL_SECONDS, RunKeys
 from transport.numbering import version_after
 from transport.payload_segments import read_side_arrays
 from transport.schema import WIRE_559B447, WireProfile
-from transport.store import DEFAULT_TTL_SECONDS
 from transport.task_metrics import note_idle
 
 if TYPE_CHECKING:

@@ -34,6 +34,7 @@ COMMANDS: dict[str, str] = {
     "bench curve": "what CURVE costs the ZMQ transport: sender and ranks' CPU a step, plain and with CURVE",
     "bench tracing": "what tracing costs a stage task: its spans and their export, per task and per step",
     "bench episodes": "a producer's CPU for verifiers episodes against plain rollouts of the same tokens",
+    "bench mock-inference": "a mock OpenAI-compatible inference server: streamed answers at a set pace",
     "config show": "the effective settings (environment < --config TOML < flags), or a run's stored ones",
     "config table": "every setting (flag, variable, default, description) as a Markdown table",
     "chaos": "a seeded run while its workers and orchestrator are killed, against a fault-free one",
@@ -68,6 +69,8 @@ def load_command(name: str) -> CommandEntry:
             from orchestrator.commands.bench.tracing import add_arguments, main
         case "bench episodes":
             from orchestrator.commands.bench.episodes import add_arguments, main
+        case "bench mock-inference":
+            from orchestrator.commands.bench.mock_inference import add_arguments, main
         case "config show":
             from orchestrator.commands.config import add_arguments, main
         case "config table":

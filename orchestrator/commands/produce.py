@@ -83,7 +83,8 @@ class SyntheticWorkload:
             moe_inline=settings.workload == "moe-inline",
         )
 
-    def _lengths(self) -> tuple[int, int]:
+    def lengths(self) -> tuple[int, int]:
+        """A rollout's prompt and completion lengths: long-tailed, within `seq_len`."""
         rng = self._rng
         prompt = int(np.clip(rng.lognormal(4.5, 0.6), 8, self.seq_len // 4))
         completion = int(np.clip(rng.lognormal(5.5, 1.0), 1, self.seq_len - prompt))
@@ -129,7 +130,7 @@ class SyntheticWorkload:
         fractional = env == "chat"
         out = []
         for member in range(group_size_of(self.group_size, env)):
-            prompt, completion = self._lengths()
+            prompt, completion = self.lengths()
             turns = int(rng.integers(1, 4)) if env == "code" else 1
             error = "timeout" if rng.random() < self.error_rate else None
             cancelled = error is None and rng.random() < self.cancel_rate

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.run_info import RunInfo
+from tasks.stages.record_names import agg_statistic, total_shipped_tokens
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -149,7 +150,8 @@ def stat_plotter(name: str, title: str, unit: str) -> Callable[[Axes, list[float
 
     def plot(ax: Axes, steps: list[float], records: Sequence[Record]) -> None:
         for subset, color in SUBSETS:
-            key = f"train/agg/{subset}/{name}"
+            plain = f"train/agg/{subset}/{name}"  # rlship-1's, else the first other name found
+            key = next((k for k in (agg_statistic(r, subset, name) for r in records) if k != plain), plain)
             low, high, band = spread(records, key)
             ax.fill_between(steps, low, high, color=color, alpha=0.2, label=f"{subset} {band}")
             ax.plot(steps, series(records, f"{key}/mean"), ".-", color=color, label=f"{subset} mean")
@@ -217,7 +219,7 @@ def summary_rows(records: Sequence[Record]) -> list[tuple[str, str]]:
         ("rollouts shipped", f"{int(last.get('accounting/shipped', 0)):,}"),
         ("discarded", ", ".join(f"{r} {n:,}" for r, n in discarded.items()) or "none"),
         ("rejected", f"{int(last.get('accounting/rejected', 0)):,}"),
-        ("tokens shipped", f"{int(last.get('progress/total_tokens', 0)):,}"),
+        ("tokens shipped", f"{int(total_shipped_tokens(last)):,}"),
         ("cut → publish", f"mean {sum(ship) / len(ship):.3f} s, max {max(ship):.3f} s" if ship else "n/a"),
         ("event-loop lag", f"max {max(lag):.1f} ms" if lag else "n/a"),
         ("accounting", "n/a" if balanced is None else ("balanced" if balanced else "NOT balanced")),

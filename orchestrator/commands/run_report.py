@@ -14,8 +14,8 @@ from typing import Any
 import redis
 
 from orchestrator.settings import RunSettings
-from transport.keys import RunKeys
-from transport.store import DEFAULT_TTL_SECONDS
+from tasks.stages.record_names import total_shipped_tokens
+from transport.keys import DEFAULT_TTL_SECONDS, RunKeys
 
 KEYS_KEPT_SECONDS = DEFAULT_TTL_SECONDS
 
@@ -62,7 +62,7 @@ def summarize(
     lag_ms = [record.get("event_loop_lag/max_ms", 0.0) for record in records]
     summary.update(
         {
-            "tokens_shipped": int(records[-1]["progress/total_tokens"]) if records else 0,
+            "tokens_shipped": int(total_shipped_tokens(records[-1])) if records else 0,
             "loop_lag_max_ms": max([summary.get("loop_lag_max_ms", 0.0), *lag_ms]),
             "steps_wanted": settings.steps,
             "steps_shipped": shipped,

@@ -277,6 +277,7 @@ def _trace_rollouts(
             "is_truncated": trace.is_truncated,
             "stop_condition": identifier(trace.stop_condition) if trace.stop_condition else None,
             "metrics": {identifier(k): float(v) for k, v in trace.metrics.items() if v is not None},
+            "agent": identifier(trace.agent.name),
         }
         rollouts.append((record, arrays))
     return rollouts

@@ -1,7 +1,9 @@
 """Metrics: the step's statistics over `all` (every rollout finalized since the previous
 cut, whatever became of it) and `effective` (exactly the rollouts shipped in this step).
 
-Keys follow `train/{scope}/{subset}/{name}/{stat}` (docs/metrics.md). A rollout whose
+Keys follow `train/{scope}/{subset}/{name}/{stat}` (docs/metrics.md): the statistics of
+`record_names` `rlship-1`; under `prime-rl-559b447`, tasks.stages.names_559b447 computes
+them instead, and this module the keys both schemes share. A rollout whose
 producer gave its credit per token is observed in `advantage` by the mean of its advantages
 over its loss tokens (tasks.stages.credit). Every
 observation of the window is kept, so percentiles are exact (numpy's linear
@@ -18,7 +20,7 @@ import numpy as np
 
 from tasks.cohort import CUSTOM_PREFIX, Cohort
 from tasks.manifest import StepManifest
-from tasks.stages import prime_names
+from tasks.stages import names_559b447, prime_names, record_names
 from tasks.stages.credit import CREDIT_TOKENS_COLUMN, GIVEN, GROUP_BASELINE, credit_kinds
 from tasks.stages.prune import drop_field
 
@@ -129,9 +131,17 @@ def step_metrics(manifest: StepManifest, shipped: Cohort, dropped_by_workers: li
     """Everything of the record the workers compute from the manifest and the shipped cohort.
 
     `shipped` carries the finalize annotations (`num_tokens`, `staleness`);
-    `dropped_by_workers` the reasons of the cut rollouts the workers could not ship.
+    `dropped_by_workers` the reasons of the cut rollouts the workers could not ship. The
+    statistics are those of the run's `record_names` (tasks.stages.record_names); the
+    progress, credit and staleness keys are rlship's internal ones in both (publish reads
+    them, then names the record).
     """
-    record = train_metrics(manifest.window, shipped)
+    rlship_1 = manifest.config.record_names == record_names.RLSHIP_1
+    if rlship_1:
+        record = train_metrics(manifest.window, shipped)
+    else:
+        statistics = names_559b447.from_step(manifest.window, shipped, manifest.loop_lag_ms)
+        record = record_names.pending(statistics)
     input_tokens = float(shipped.numeric["num_input_tokens"].sum())
     output_tokens = float(shipped.numeric["num_output_tokens"].sum())
     record.update(
@@ -164,7 +174,8 @@ def step_metrics(manifest: StepManifest, shipped: Cohort, dropped_by_workers: li
             "event_loop_lag/samples": float(len(manifest.loop_lag_ms)),
         }
     )
-    record.update(prime_names.from_step(manifest.window, manifest.loop_lag_ms))
+    if rlship_1:
+        record.update(prime_names.from_step(manifest.window, manifest.loop_lag_ms))
     for name, value in manifest.counters.items():
         record[name] = float(value)
     return record

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from tasks.stages import prime_names
+from tasks.stages import record_names
 
 log = logging.getLogger("rlship.publish")
 
@@ -42,8 +42,11 @@ def conservation_error(record: Mapping[str, float]) -> str | None:
 
 
 def running_totals(previous: Mapping[str, float], metrics: Mapping[str, float]) -> dict[str, float]:
-    """Totals after this step: the previous totals plus this step's progress, and one step."""
+    """Totals after this step: the previous totals plus this step's progress (and, for the
+    559b447 record, its window counts), and one step."""
     totals = {name: float(previous.get(name, 0.0)) + metrics[f"progress/{name}"] for name in TOTALS}
+    for name, count in record_names.window_progress(metrics).items():
+        totals[name] = float(previous.get(name, 0.0)) + count
     totals["steps"] = float(previous.get("steps", 0.0)) + 1
     return totals
 
@@ -55,8 +58,10 @@ def build_record(
     ship_seconds: float,
     wait_for_policy_seconds: float,
     totals: Mapping[str, float],
+    names: str,
 ) -> dict[str, float]:
-    """The combined all/effective record: metrics, timings, running totals and `step`."""
+    """The combined all/effective record: metrics, timings, running totals and `step`,
+    named by `names` (tasks.stages.record_names)."""
     record = dict(metrics)
     for stage, seconds in sorted(stage_seconds.items()):
         record[f"time/{stage}"] = float(seconds)
@@ -66,7 +71,7 @@ def build_record(
         record[f"progress/total_{name}"] = float(value)
     record["accounting/shipped"] = float(totals["rollouts"])
     record["accounting/dropped_by_workers"] = float(totals["dropped_by_workers"])
-    record.update(prime_names.from_record(record))
+    record = record_names.name_record(record, names)
     record["step"] = float(step)
     problem = conservation_error(record)
     if problem is not None:

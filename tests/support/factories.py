@@ -7,10 +7,10 @@ from typing import Any
 import numpy as np
 
 from orchestrator.records import RolloutRecord
+from transport.arrays_blob import pack_arrays
 from transport.codec import encode_microbatches
 from transport.keys import RunKeys
 from transport.schema import MicroBatch
-from transport.store import pack_arrays
 
 
 def rollout(

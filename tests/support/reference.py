@@ -17,6 +17,8 @@ import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 
+from tests.support.reference_559b447 import record_559b447
+
 UNREPRODUCIBLE = (
     "time/",
     "event_loop_lag/",
@@ -293,14 +295,17 @@ def balance(reported: Mapping[str, float], own: Mapping[str, float]) -> float:
 
 
 def reference_records(
-    lines: Iterable[dict], published: Iterable[Mapping[str, float]], *, first_step: int
+    lines: Iterable[dict], published: Iterable[Mapping[str, float]], *, first_step: int, names: str
 ) -> dict[int, dict[str, float]]:
     """The reproducible part of each published step's record, its balance checked with the
     terms the reference counts itself. Staleness is prime-rl's: its step s (this run's step
-    less `first_step`, plus 1) trains a rollout of version v s - 1 - v steps off-policy."""
+    less `first_step`, plus 1) trains a rollout of version v s - 1 - v steps off-policy.
+    `names` is the run's `record_names`: `prime-rl-559b447` (tests.support.reference_559b447)
+    or `rlship-1`."""
     lines = list(lines)
     reported = {int(record["step"]): record for record in published}
     totals: Counter[str] = Counter()
+    window_totals: Counter[str] = Counter()  # the 559b447 record's totals, over the windows
     records = {}
     for step in sorted(reported):
         window = [line for line in lines if line["step"] == step]
@@ -351,6 +356,13 @@ def reference_records(
         record["accounting/cut"] = float(totals["rollouts"] + totals["dropped_by_workers"])
         record["accounting/pending"] = float(pending_at_cut(lines, step))
         record.update(prime_rl_names(window, record))
+        if names == "prime-rl-559b447":
+            record = record_559b447(window, shipped, record, window_totals)
+            window_totals.update(
+                tokens=record["progress/tokens"],
+                rollouts=record["progress/rollouts"],
+                tasks=record["progress/tasks"],
+            )
         record["accounting/balanced"] = balance(reported[step], record)
         records[step] = record
     return records

@@ -91,10 +91,12 @@ CONTRACT = {
     "error": (False, lambda v: v is None or _is_identifier(v)),
     "cancelled": (False, lambda v: type(v) is bool),
     "stop_condition": (False, lambda v: v is None or _is_identifier(v)),
+    "agent": (False, lambda v: v is None or _is_identifier(v)),
     "metrics": (
         False,
         lambda v: isinstance(v, dict) and all(_is_identifier(k) and _is_number(x) for k, x in v.items()),
     ),
+    "group_rollouts": (False, lambda v: v is None or (_is_count(v) and v >= 1)),
 }
 
 
@@ -119,7 +121,8 @@ def test_the_contract_oracle_on_cases_written_out():
     assert acceptable(json.dumps(GOOD).encode())
     for change in ({"reward": True}, {"reward": "1"}, {"policy_version": 1.0}, {"is_truncated": 1},
                    {"temperature": 0}, {"metrics": {"t": True}}, {"error": ""}, {"env": "code"},
-                   {"extra": 1}, {"rollout_id": "a b"}, {"reward": float("nan")}):  # fmt: skip
+                   {"extra": 1}, {"rollout_id": "a b"}, {"reward": float("nan")}, {"group_rollouts": 0},
+                   {"group_rollouts": True}, {"group_rollouts": 2.0}):  # fmt: skip
         assert not acceptable(json.dumps({**GOOD, **change}).encode()), change
 
 

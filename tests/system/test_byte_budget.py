@@ -14,7 +14,8 @@ from orchestrator.producer import RolloutProducer
 from tests.support.factories import group
 from transport.keys import RunKeys
 from transport.payload_segments import write_segment_file
-from transport.store import PayloadStore, release_rollouts
+from transport.release_scripts import release_rollouts
+from transport.store import PayloadStore
 
 LAYERS, TOPK = 48, 8
 

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from orchestrator.producer import AsyncRolloutProducer, RolloutProducer, RolloutRejected
 from orchestrator.settings import RunSettings
 from tests.support.factories import rollout
-from transport.store import unpack_arrays
+from transport.arrays_blob import unpack_arrays
 
 
 def stored_ids(client, run_id: str, rollout_id: str) -> np.ndarray:

@@ -58,7 +58,10 @@ def test_rlship_run_ships_every_step_to_every_rank(redis_url, tmp_path):
     said = re.search(rf"rlship run {run_id}: .* in ([0-9.]+) s; event-loop lag max ([0-9.]+) ms", done.stdout)
     assert said, done.stdout[-1000:]
     frame = subprocess.run(
-        python_command("status", run_id, "--redis-url", redis_url), cwd=REPO, capture_output=True, text=True,
+        python_command("status", run_id, "--redis-url", redis_url),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
         timeout=60,
     ).stdout
     assert frame.count("status: ") == 1 and f"3 cut | {said.group(1)} s |" in frame, (said.groups(), frame)
@@ -71,16 +74,17 @@ def test_rlship_run_ships_every_step_to_every_rank(redis_url, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
     keys = (
-        "train/agg/all/reward/p90", "train/agg/effective/num_total_tokens/mean", "progress/total_tokens",
-        "time/finalize", "time/ship", "time/wait_for_policy", "off_policy/staleness/max",
+        "train/agg/effective/agent/reward/p90", "train/agg/effective/num_total_tokens/mean",
+        "progress/total_tokens", "time/finalize", "time/ship", "time/wait_for_policy", "off_policy/max",
         "event_loop_lag/p99_ms", "accounting/balanced",
     )  # fmt: skip
     for key in keys:
         assert all(key in r for r in records), key
-    assert sum(r["progress/tokens"] for r in records) == summary["tokens_shipped"]
+    shipped = sum(r["progress/input_tokens"] + r["progress/output_tokens"] for r in records)
+    assert shipped == summary["tokens_shipped"]
 
     lines = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
-    expected = reference_records(lines, records, first_step=0)
+    expected = reference_records(lines, records, first_step=0, names="prime-rl-559b447")
     for record in records:
         assert expected[int(record["step"])]["accounting/balanced"] == 1.0
         assert compare(record, expected[int(record["step"])]) == []

@@ -139,6 +139,7 @@ def test_given_credit_groups_per_env_and_a_cancelled_group(client, redis_url, ru
     settings = ship_settings(
         run_id, redis_url, workers, tmp_path, steps=2, transport="fs", trainers="external",
         batch_size=BATCH, group_size=GROUP_SIZE, envs=["math", "code"], max_off_policy_steps=100,
+        record_names="rlship-1",  # rlship-1: its progress/rollouts counts the shipped rollouts
     )  # fmt: skip
     open_policy_gate(settings)
     steps = [Path(tmp_path, "rollouts", f"step_{n}") for n in settings.step_numbers]

@@ -31,8 +31,9 @@ from tests.support.shiprun import (
     ship,
     ship_settings,
 )
+from transport.arrays_blob import pack_arrays
 from transport.keys import RunKeys
-from transport.store import PayloadStore, pack_arrays
+from transport.store import PayloadStore
 
 GROUP_SIZE = 4
 BATCH = 8  # two groups per step
@@ -66,6 +67,7 @@ def test_an_empty_cut_is_cut_again_under_the_same_number(
     settings = ship_settings(
         run_id, redis_url, workers, tmp_path, steps=3, batch_size=BATCH, group_size=GROUP_SIZE,
         transport="fs", max_off_policy_steps=100, max_async_level=max_async_level,
+        record_names="rlship-1",  # rlship-1: its progress/rollouts counts the shipped rollouts
     )  # fmt: skip
     first_ids = produce_groups(client, run_id, 8, corrupt={2, 3})
     result = ship(settings, produce=False)

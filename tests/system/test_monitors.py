@@ -23,16 +23,16 @@ def test_records_reach_every_monitor_and_samples_are_written(client, redis_url, 
     result = ship(settings)
 
     lines = metrics_lines(settings)
-    stream = [
-        json.loads(fields[b"record"]) for _, fields in client.xrange(RunKeys(run_id).metrics_stream)
-    ]
+    stream = [json.loads(fields[b"record"]) for _, fields in client.xrange(RunKeys(run_id).metrics_stream)]
     assert lines == stream == result.records
     assert [line["step"] for line in lines] == [0.0, 1.0]
 
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, f"one offline W&B run (wandb {wandb.__version__})"
     history = b"".join(path.read_bytes() for path in runs[0].glob("*.wandb"))
-    assert b"train/agg/effective/reward/mean" in history and b"train/agg/all/reward/p90" in history
+    assert (
+        b"train/agg/effective/agent/reward/mean" in history and b"train/agg/all/agent/reward/p90" in history
+    )
 
     for step in (0, 1):
         samples = [

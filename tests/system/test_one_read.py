@@ -18,7 +18,8 @@ import redis
 from orchestrator.producer import RolloutProducer
 from tests.support.factories import group
 from tests.support.shiprun import metrics_lines, ship, ship_settings
-from transport.store import PayloadStore, pack_arrays
+from transport.arrays_blob import pack_arrays
+from transport.store import PayloadStore
 
 STEPS, BATCH, GROUP = 3, 16, 4
 

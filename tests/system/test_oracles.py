@@ -212,6 +212,7 @@ def test_what_a_trainer_decodes_is_what_the_rollouts_said(
         run_id, redis_url, workers, tmp_path, transport=transport, steps=STEPS, ranks=RANKS,
         batch_size=BATCH, group_size=GROUP, seq_len=SEQ_LEN, pad_to_multiple=PAD,
         max_off_policy_steps=100, envs=["math", "code"], samples_per_step=0,
+        record_names="rlship-1",  # the rlship-1 statistics: `count`, NaN for an empty window
         trainers="external" if transport == "zmq" else "builtin",
         first_step=0,  # the steps below are numbered from 0
     )  # fmt: skip

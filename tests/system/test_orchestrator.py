@@ -198,9 +198,9 @@ def test_policy_wait_is_in_the_held_steps_own_record(client, redis_url, run_id, 
 
     records, held = asyncio.run(scenario())
     assert [int(r["step"]) for r in records] == [0, 1]
-    assert records[0]["time/wait_for_policy"] == records[0]["time/wait_for_ckpt"] == 0.0
+    assert records[0]["time/wait_for_policy"] == 0.0
     assert held_seconds / 2 <= records[1]["time/wait_for_policy"] <= held
-    assert records[1]["time/wait_for_ckpt"] == records[1]["time/wait_for_policy"]
+    assert "time/wait_for_ckpt" not in records[1], "prime-rl 0002457f's name: rlship-1 only"
 
 
 def test_bad_records_are_rejected_naming_field_and_value():

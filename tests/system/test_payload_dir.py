@@ -15,10 +15,11 @@ import uuid
 import pytest
 
 from tests.support.processes import rlship, session_queue
+from transport.arrays_blob import PayloadCorruptError
 from transport.keys import RunKeys
 from transport.payload_dir import payload_directory
 from transport.replay import RetainedPayloads
-from transport.store import PayloadCorruptError, PayloadStore
+from transport.store import PayloadStore
 from transport.zmq_sockets import free_port_pair
 
 

@@ -40,8 +40,8 @@ from tests.support.stock_peers import (
     resume_announcements,
     start_stock_ranks,
 )
-from transport.keys import RunKeys
-from transport.store import DEFAULT_TTL_SECONDS, PayloadStore
+from transport.keys import DEFAULT_TTL_SECONDS, RunKeys
+from transport.store import PayloadStore
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,6 +1,6 @@
-"""prime-rl's metric names in the published record, end to end (real Redis and Celery
-workers), against values computed here from the rollouts this test wrote, following
-prime-rl's orchestrator (`to_log` in orchestrator.py): its batch is every rollout
+"""prime-rl 0002457f's metric names in the published record of `record_names` `rlship-1`,
+end to end (real Redis and Celery workers), against values computed here from the rollouts
+this test wrote, following prime-rl's orchestrator (`to_log` in orchestrator.py): its batch is every rollout
 generated for the step (here every rollout finalized before the cut), its per-example
 statistics are per-example means summarized over examples, `reward/std` is pandas' (ddof
 1), error shares are among the errored rollouts, per-env reward only with several envs."""
@@ -89,7 +89,7 @@ def expected_names() -> dict[str, float]:
 def test_the_record_carries_prime_rl_names(client, redis_url, run_id, workers, tmp_path):
     settings = ship_settings(
         run_id, redis_url, workers, tmp_path, steps=1, batch_size=8, group_size=4, transport="fs",
-        trainers="external", envs=["math", "code"],
+        trainers="external", envs=["math", "code"], record_names="rlship-1",
     )  # fmt: skip
     write_rollouts(client, run_id)
     ship(settings, trainers=False, produce=False)

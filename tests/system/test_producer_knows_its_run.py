@@ -26,9 +26,10 @@ from orchestrator.stored_settings import RunNotStarted, SettingsDisagree
 from tests.support.factories import group
 from tests.support.prometheus import scrape
 from tests.support.shiprun import metrics_lines, ship, ship_settings
+from transport.arrays_blob import pack_arrays
 from transport.keys import RunKeys
 from transport.outcomes import cut_into, dropped_at, record_outcomes
-from transport.store import PayloadStore, pack_arrays
+from transport.store import PayloadStore
 from transport.zmq_sockets import free_port_pair
 
 GROUP = 4

@@ -100,7 +100,7 @@ def write_step(
 
 
 def publish_record(client: redis.Redis, state: RunKeys, step: int, lag_ms: float) -> None:
-    record = {"step": step, "progress/rollouts": 16, "event_loop_lag/max_ms": lag_ms}
+    record = {"step": step, "credit/group_baseline": 16, "event_loop_lag/max_ms": lag_ms}
     client.xadd(state.metrics_stream, {"step": step, "record": json.dumps(record)})
 
 

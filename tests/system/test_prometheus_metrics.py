@@ -189,7 +189,7 @@ def test_every_metric_of_a_live_run_and_its_values_after(
         assert values(families["rlship_redis_memory_used_bytes"], "rlship_redis_memory_used_bytes")[""] > 0
 
         staleness = values(families["rlship_policy_staleness_steps"], "rlship_policy_staleness_steps")
-        assert staleness == {"": records[-1]["off_policy/staleness/max"]}
+        assert staleness == {"": records[-1]["off_policy/max"]}
         limit = values(families["rlship_policy_staleness_limit_steps"], "rlship_policy_staleness_limit_steps")
         assert limit == {"": settings.max_off_policy_steps}
 

@@ -19,7 +19,8 @@ from orchestrator.settings import RunSettings
 from tests.support.factories import rollout
 from tests.support.reference import check_advantages, compare, reference_records
 from tests.support.shiprun import open_policy_gate, run_orchestrator, ship_settings
-from transport.store import PayloadStore, pack_arrays
+from transport.arrays_blob import pack_arrays
+from transport.store import PayloadStore
 
 SCENARIOS = 50
 ENVS = ("math", "code", "chat")
@@ -33,6 +34,7 @@ def scenario_settings(seed: int, run_id: str, redis_url: str, workers, tmp_path)
         batch_size=int(rng.integers(3, 13)), group_size=int(rng.integers(2, 6)),
         max_off_policy_steps=int(rng.integers(0, 3)), seq_len=64, max_async_level=int(rng.integers(0, 3)),
         record_rollouts=tmp_path / "rollouts.jsonl",
+        record_names="rlship-1" if seed % 4 == 3 else "prime-rl-559b447",
     )  # fmt: skip
 
 
@@ -72,6 +74,8 @@ def produce_scenario(seed: int, settings: RunSettings, stop: threading.Event) ->
                 fields["cancelled"] = True
             if env == "math":
                 fields["metrics"] = {"solve_time": float(rng.exponential())}
+            if env == "code":  # two agents (as a verifiers env's), the other envs verifiers' default
+                fields["agent"] = ("solver", "critic")[member % 2]
             reward = float(rng.random() < difficulty) if env != "chat" else round(float(rng.random()), 2)
             group.append(rollout(f"s{seed}-g{index}-r{member}", f"g{index}", reward, **fields))
         try:
@@ -109,7 +113,9 @@ def test_records_equal_the_reference(seed, client, redis_url, run_id, workers, t
     assert len({line["rollout_id"] for line in lines}) == len(lines), "one line per rollout"
     steps = [int(r["step"]) for r in result.records]
     assert steps == list(settings.step_numbers), "one record per step, contiguous"
-    expected = reference_records(lines, result.records, first_step=settings.first_step)
+    expected = reference_records(
+        lines, result.records, first_step=settings.first_step, names=settings.record_names
+    )
     for record in result.records:
         assert expected[int(record["step"])]["accounting/balanced"] == 1.0, "the reference's own balance"
         assert compare(record, expected[int(record["step"])]) == []

@@ -40,7 +40,8 @@ def shipped_step(
 ) -> Iterator[tuple[PayloadStore, ShipConfig]]:
     store = PayloadStore(client, run_id)
     config = ShipConfig(ranks=RANKS, seq_len=64, transport="fs", output_dir=str(tmp_path), vocab_size=100,
-                        cpu_queue=f"cpu-{run_id}", ship_queue=f"ship-{run_id}")  # fmt: skip
+                        cpu_queue=f"cpu-{run_id}", ship_queue=f"ship-{run_id}",
+                        record_names="rlship-1")  # rlship-1: progress/rollouts, shipped  # fmt: skip
     builder = CohortBuilder()
     for rollout_id, (ids, prompt, advantage, env) in ROLLOUTS.items():
         store_rollout_arrays(client, run_id, {rollout_id: {

@@ -18,7 +18,9 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.mark.parametrize("transport", ["zmq", "fs"])
 def test_every_step_reaches_every_rank_once_in_order(transport, client, redis_url, run_id, workers, tmp_path):
-    settings = ship_settings(run_id, redis_url, workers, tmp_path, transport=transport, steps=4)
+    settings = ship_settings(  # rlship-1: progress/rollouts and `count` count the shipped
+        run_id, redis_url, workers, tmp_path, transport=transport, steps=4, record_names="rlship-1"
+    )
     result = ship(settings)
     keys = RunKeys(run_id)
 
@@ -56,7 +58,9 @@ def test_orchestrator_process_runs_no_stage(client, redis_url, run_id, workers, 
 
 
 def test_record_counts_discarded_rollouts_in_all(client, redis_url, run_id, workers, tmp_path):
-    settings = ship_settings(run_id, redis_url, workers, tmp_path, steps=2, batch_size=24)
+    settings = ship_settings(  # rlship-1: its `count` of each subset
+        run_id, redis_url, workers, tmp_path, steps=2, batch_size=24, record_names="rlship-1"
+    )
     result = ship(settings)
     first = result.records[0]
     discarded = {k.split("/")[-1]: v for k, v in first.items() if k.startswith("accounting/discarded/")}

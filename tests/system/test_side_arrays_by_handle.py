@@ -285,6 +285,7 @@ def stock_settings(run_id: str, redis_url: str, workers, output_dir: Path, steps
         run_id, redis_url, workers, output_dir, steps=steps, batch_size=8, group_size=4,
         max_off_policy_steps=100, trainers="external", wire=WIRE_0F59B24,
         record_rollouts=output_dir / "rollouts.jsonl",
+        record_names="rlship-1",  # rlship-1: its progress/rollouts counts the shipped rollouts
     )  # fmt: skip
 
 

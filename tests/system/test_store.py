@@ -10,16 +10,9 @@ import redis.asyncio as aioredis
 
 from orchestrator.lease import Lease
 from tests.support.factories import store_rollout_arrays
-from transport.keys import RunKeys
-from transport.store import (
-    DEFAULT_TTL_SECONDS,
-    AsyncPayloadStore,
-    PayloadCorruptError,
-    PayloadMissingError,
-    PayloadStore,
-    pack_arrays,
-    unpack_arrays,
-)
+from transport.arrays_blob import PayloadCorruptError, pack_arrays, unpack_arrays
+from transport.keys import DEFAULT_TTL_SECONDS, RunKeys
+from transport.store import AsyncPayloadStore, PayloadMissingError, PayloadStore
 
 
 def _arrays(n: int = 10) -> dict[str, np.ndarray]:

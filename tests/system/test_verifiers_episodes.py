@@ -347,6 +347,10 @@ def test_rlship_run_with_the_episodes_workload_ships_every_step(redis_url, tmp_p
         assert f"rank {rank}: received steps [0, 1, 2]" in done.stdout
     samples = [json.loads(line) for path in (tmp_path / "samples").glob("*.jsonl") for line in path.open()]
     assert samples and all(s["rollout_id"].count("/") == 2 for s in samples), "episode/trace/branch ids"
+    # prime-rl 559b447's per-agent names, under the traces' agent (the synthetic solver)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all("train/agg/effective/solver/reward/mean" in r for r in records), sorted(records[0])[:40]
+    assert not any(key.startswith("train/agg/effective/agent/") for r in records for key in r)
 
 
 def test_bench_episodes_measures_both_ways_and_leaves_nothing(client, redis_url, tmp_path):

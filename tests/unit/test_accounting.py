@@ -23,7 +23,9 @@ def finalizer_record(arrived: float) -> dict[str, float]:
         "accounting/pending": 3.0,
         "accounting/in_open_groups": 4.0,
     }
-    return build_record(7, metrics, {}, 0.0, 0.0, {"rollouts": 5.0, "dropped_by_workers": 1.0})
+    return build_record(
+        7, metrics, {}, 0.0, 0.0, {"rollouts": 5.0, "dropped_by_workers": 1.0}, names="rlship-1"
+    )
 
 
 @pytest.mark.parametrize("arrived", [BALANCED_ARRIVED + 1, BALANCED_ARRIVED - 1])
@@ -72,7 +74,7 @@ def reported(step: int, arrived: float) -> dict[str, float]:
 
 
 def test_the_reference_counts_pending_and_checks_the_balance_itself():
-    expected = reference_records(LOG, [reported(0, 6), reported(1, 6)], first_step=0)
+    expected = reference_records(LOG, [reported(0, 6), reported(1, 6)], first_step=0, names="rlship-1")
     assert expected[0]["accounting/pending"] == 1 and expected[1]["accounting/pending"] == 0
     assert expected[0]["accounting/discarded"] == 2 and expected[1]["accounting/shipped"] == 2
     assert expected[0]["accounting/balanced"] == expected[1]["accounting/balanced"] == 1.0
@@ -80,10 +82,12 @@ def test_the_reference_counts_pending_and_checks_the_balance_itself():
 
 @pytest.mark.parametrize("arrived", [5, 7])
 def test_the_reference_flags_a_record_unbalanced_either_way(arrived):
-    expected = reference_records(LOG, [reported(0, arrived)], first_step=0)
+    expected = reference_records(LOG, [reported(0, arrived)], first_step=0, names="rlship-1")
     assert expected[0]["accounting/balanced"] == 0.0
 
 
 def test_the_reference_flags_a_record_that_hides_its_open_groups():
-    expected = reference_records(LOG, [{**reported(0, 6), "accounting/in_open_groups": 0}], first_step=0)
+    expected = reference_records(
+        LOG, [{**reported(0, 6), "accounting/in_open_groups": 0}], first_step=0, names="rlship-1"
+    )
     assert expected[0]["accounting/balanced"] == 0.0

@@ -18,7 +18,8 @@ from tasks.stages.finalize import (
     rollouts_to_read,
     rollouts_with_facts,
 )
-from transport.store import PayloadMissingError, pack_arrays
+from transport.arrays_blob import pack_arrays
+from transport.store import PayloadMissingError
 
 SEQ_LEN, VOCAB = 8, 100
 

@@ -21,8 +21,8 @@ from orchestrator.records import RolloutRecord
 from tasks.stages.credit import GivenCredit
 from tasks.stages.finalize import PayloadFacts, check_rollout_arrays
 from tests.support.fuzz import ARRAY_NAMES, fuzz, names_one_of, rollout_arrays, segment_values
+from transport.arrays_blob import unpack_arrays
 from transport.payload_segments import SideArrays
-from transport.store import unpack_arrays
 
 BASE = Path(tempfile.gettempdir()) / f"rlship-fuzz-{os.getpid()}"
 ROOT, OUTSIDE = BASE / "root", BASE / "outside"

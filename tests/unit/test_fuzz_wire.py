@@ -16,9 +16,9 @@ from hypothesis import example
 from orchestrator.settings_resolution import read_config_file
 from tests.support.factories import make_batch, rollout
 from tests.support.fuzz import fuzz, mangled, text
+from transport.arrays_blob import PayloadCorruptError, pack_arrays, unpack_arrays
 from transport.codec import CodecError, decode_microbatches, encode_microbatches
 from transport.schema import WIRE_0F59B24, WIRE_559B447
-from transport.store import PayloadCorruptError, pack_arrays, unpack_arrays
 from transport.zmq_sockets import parse_topic
 
 PAYLOADS = [bytes(encode_microbatches([make_batch(list(range(n)))])) for n in (3, 70, 200)]

@@ -111,7 +111,7 @@ def test_outcome_row_by_hand() -> None:
         "cancelled": 0.0,
     }  # fmt: skip
     assert labels == {"rollout_id": "r", "env": "code", "group_id": "g2", "task_id": "t7", "error": "",
-                      "stop_condition": "length"}  # fmt: skip
+                      "stop_condition": "length", "agent": ""}  # fmt: skip
     assert custom == {"len": 2.0}
     errored = record("e", error="timeout", cancelled=True)
     numeric, labels, _ = outcome_row(Outcome(errored, 0.0, "error"))

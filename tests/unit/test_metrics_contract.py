@@ -199,7 +199,7 @@ def _manifest(window: Cohort, lag: list[float], counters: dict[str, float]) -> S
         step=4,
         prev_step=3,
         cut_time=0.0,
-        config=ShipConfig(ranks=1, seq_len=64),
+        config=ShipConfig(ranks=1, seq_len=64, record_names="rlship-1"),
         effective=window,
         window=window,
         counters=counters,

@@ -96,7 +96,7 @@ COUNTERS = {
 def test_build_record_by_hand(caplog: pytest.LogCaptureFixture) -> None:
     metrics = {"train/agg/all/count": 7.0, **COUNTERS}
     with caplog.at_level(logging.ERROR, logger="rlship.publish"):
-        record = build_record(5, metrics, {"pack": 0.25, "encode": 1}, 2.5, 0.75, TOTALS)
+        record = build_record(5, metrics, {"pack": 0.25, "encode": 1}, 2.5, 0.75, TOTALS, names="rlship-1")
     assert record == {
         "train/agg/all/count": 7.0,
         **COUNTERS,
@@ -124,7 +124,7 @@ def test_build_record_flags_and_logs_an_unbalanced_record(
 ) -> None:
     metrics = {**COUNTERS, "accounting/arrived": arrived}
     with caplog.at_level(logging.ERROR, logger="rlship.publish"):
-        record = build_record(6, metrics, {}, 0.0, 0.0, TOTALS)
+        record = build_record(6, metrics, {}, 0.0, 0.0, TOTALS, names="rlship-1")
     assert record["accounting/balanced"] == 0.0
     [entry] = caplog.records
     assert entry.levelno == logging.ERROR

@@ -83,7 +83,6 @@ def test_children_get_the_resolved_settings(monkeypatch: pytest.MonkeyPatch, tmp
     assert not settings_from_args(parse("--no-log-json")).log_json
 
 
-
 def test_a_runs_queues_are_its_own_unless_named() -> None:
     """Left unset, a run's queues are named after it (and follow a new run id, in a child
     too); a queue an operator names is kept."""
@@ -112,7 +111,7 @@ def test_ship_config_is_the_same_named_settings(tmp_path: Path) -> None:
         ship_queue="send", samples_per_step=2, replay_steps=9, first_step=1, bind_wait_seconds=2.5,
         redis_wait_replicas=2, redis_wait_timeout_ms=250, wire="prime-rl-0f59b24",
         payload_root=tmp_path / "rows", payload_store="dir", dedupe_horizon=4096, zmq_curve=True,
-        zmq_keys_dir=tmp_path / "keys", file_mode="group",
+        zmq_keys_dir=tmp_path / "keys", file_mode="group", record_names="rlship-1",
     )  # fmt: skip
     config = settings.ship_config()
     for field in dataclasses.fields(ShipConfig):
@@ -120,6 +119,7 @@ def test_ship_config_is_the_same_named_settings(tmp_path: Path) -> None:
         expected = str(setting) if isinstance(setting, Path) else setting
         assert getattr(config, field.name) == expected, field.name
         assert expected != field.default, f"{field.name}: pick a value other than the default"
+
 
 @pytest.mark.parametrize(
     ("url", "masked"),

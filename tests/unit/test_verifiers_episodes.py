@@ -160,6 +160,7 @@ def test_the_record_says_what_the_episode_says() -> None:
     assert record.policy_version == 3 and record.reward == 0.25 and record.temperature == 0.9
     assert record.num_turns == 3 and record.is_truncated and record.stop_condition == "max_turns"
     assert record.metrics == {"turns_used": 3.0}
+    assert record.agent == trace.agent.name == "solver", "the record's per-agent statistics name it"
     assert record.num_output_tokens == int(arrays["loss_mask"].sum())
     assert "advantages" not in arrays  # one episode alone: no group credit unless given
 

@@ -27,7 +27,9 @@ import psutil
 import redis
 
 from orchestrator.commands.bench.cpu import CpuSampler
+from orchestrator.commands.bench.inference import InferenceSpec
 from orchestrator.commands.bench.memory import DirectoryBytes, MemoryLimitReached, MemoryWatch, RedisMemory
+from orchestrator.commands.bench.mock_inference import start_mock_inference
 from orchestrator.commands.bench.moe import Rollout, StepCache, Variant, routed_experts_as
 from orchestrator.commands.bench.otlp_sink import OtlpSink
 from orchestrator.commands.bench.placements import StepBatch
@@ -114,6 +116,30 @@ class StepSource:
     @classmethod
     def of_cache(cls, cache: StepCache, steps: int, routed_experts: bool) -> StepSource:
         return cls(steps, lambda step: cache.read(step, routed_experts), cache)
+
+
+def server_options(args: argparse.Namespace) -> list[str]:
+    """The mock inference server's pace and workload, from the bench's options."""
+    return [
+        *("--ttft-ms", str(args.inference_ttft_ms), "--token-ms", str(args.inference_token_ms)),
+        *("--chunk-tokens", str(args.inference_chunk_tokens)),
+        *("--seq-len", str(args.seq_len), "--seed", str(args.seed)),
+    ]
+
+
+def inference_spec(args: argparse.Namespace, settings: RunSettings, url: str) -> InferenceSpec:
+    """The orchestrator's inference load: `--inference-concurrency` requests in flight to `url`,
+    one step's rollouts kept."""
+    return InferenceSpec(
+        url=url,
+        concurrency=args.inference_concurrency,
+        warmup_seconds=args.inference_warmup_seconds,
+        baseline_seconds=args.inference_baseline_seconds,
+        seq_len=settings.seq_len,
+        vocab_size=settings.vocab_size,
+        group_size=settings.group_size,
+        rollouts_kept=settings.batch_size,
+    )
 
 
 def placement_settings(
@@ -209,6 +235,13 @@ def _run_placement(
             for name, command in worker_commands(settings).items():
                 group.start(name, _prioritized(command, args.worker_nice, args.idle_class))
             wait_for_workers(settings, group)
+        inference, shipping_flag = None, None
+        if args.inference_concurrency:
+            inference = inference_spec(
+                args, settings, start_mock_inference(group, server_options(args), log_dir / "inference.port")
+            )
+            shipping_flag = log_dir / "shipping"
+            shipping_flag.unlink(missing_ok=True)
         spec.write_text(
             json.dumps(
                 {
@@ -217,6 +250,8 @@ def _run_placement(
                     "timeout": args.timeout,
                     "steps_cache": str(source.cache.root) if source.cache is not None else None,
                     "routed_experts": variant.routed_experts == "inline",
+                    "inference": inference.to_json() if inference is not None else None,
+                    "shipping_flag": str(shipping_flag) if shipping_flag is not None else None,
                 }
             )
         )
@@ -234,7 +269,7 @@ def _run_placement(
         arrivals = {}
         if placement.startswith("celery"):
             handed = routed_experts_as(variant.routed_experts, settings.run_rows())
-            arrivals = feed(settings, source, handed, group, deadline, fill_seconds(args))
+            arrivals = feed(settings, source, handed, group, deadline, fill_seconds(args), shipping_flag)
         try:
             child.wait(max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -324,6 +359,7 @@ def feed(
     group: ProcessGroup,
     deadline: float,
     fill_seconds: float,
+    shipping_flag: Path | None = None,
 ) -> dict[int, float]:
     """The producer of the celery placement. Step k's rollouts come once the trainer ranks
     have decoded step k - 1 and its record is published (the trainers wait for them, the
@@ -331,11 +367,17 @@ def feed(
     spread over `fill_seconds`, as inference returns them, each call's rollouts as
     `handed` makes them (routed experts written to rows files, for one); returns when each
     step's last call returned (its last rollout arrived), on the monotonic clock. The step
-    is read only then, and let go before its cut: no step is held while one ships."""
+    is read only then, and let go before its cut: no step is held while one ships. With a
+    `shipping_flag`, nothing comes before the orchestrator process makes it (its inference
+    load's baseline is the load alone)."""
     client = connect_redis(settings.redis_url)
     producer = RolloutProducer.for_run(client, settings, admitted=False)
     keys = RunKeys(settings.run_id)
     arrivals: dict[int, float] = {}
+    while shipping_flag is not None and not shipping_flag.exists():
+        if group.failed() or time.monotonic() > deadline:
+            return arrivals
+        time.sleep(0.01)
     for step in range(source.steps):
         previous = version_after(step - 1, settings.first_step)
         while step and not (

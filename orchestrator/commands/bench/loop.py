@@ -18,6 +18,13 @@ ratio of CPU per step (issue 37's goal: at most 1.03). The first `--warmup-steps
 bind sockets and warm the workers; they are shipped and checked but not measured. A PNG
 of lag over time is written beside the JSON.
 
+`--inference-concurrency C` adds the orchestrator's own inference traffic, as prime-rl's loop
+drives it: in each placement's process, C streaming requests in flight to a mock inference
+server (`mock_inference`, a process of its own started for the placement), first alone (the
+baseline), then while the placement ships; each placement then reports `inference`
+(`inference_figures`): what shipping kept of the load's throughput, its latency and time to
+first token against the baseline's, beside the windows' lag and the trainer's idle time.
+
 `--workload moe` compares variants instead (`orchestrator.commands.bench.moe.VARIANTS`): the
 same rollouts, each with routed experts of a 48-layer top-8 model (384 bytes a token), shipped
 by the celery placement without them (dense), by handle (rows files under the payload root,
@@ -151,6 +158,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="workers and trainers in SCHED_IDLE: CPU only when the orchestrator does not want it",
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per placement")
+    inference = parser.add_argument_group(
+        "the orchestrator's own inference traffic (orchestrator.commands.bench.inference)"
+    )
+    inference.add_argument(
+        "--inference-concurrency",
+        type=int,
+        default=None,
+        help="requests the orchestrator's loop keeps in flight to a mock inference server while it "
+        "ships (64 to 1024, as prime-rl's orchestrator); each placement reports `inference`",
+    )
+    inference.add_argument(
+        "--inference-ttft-ms", type=float, default=100.0, help="the server's time to first token"
+    )
+    inference.add_argument(
+        "--inference-token-ms", type=float, default=10.0, help="the server's time per token"
+    )
+    inference.add_argument("--inference-chunk-tokens", type=int, default=16, help="tokens per streamed chunk")
+    inference.add_argument(
+        "--inference-warmup-seconds",
+        type=float,
+        default=30.0,
+        help="the load alone before its baseline; longer than nearly every request (the default "
+        "pace's p99 is about 25 s): a request longer than warmup + baseline cannot complete in the "
+        "baseline, which would cut its latency p99 short and count the first short answers' burst",
+    )
+    inference.add_argument(
+        "--inference-baseline-seconds",
+        type=float,
+        default=10.0,
+        help="the load alone, measured: the figures without shipping, in the same process before it ships",
+    )
 
 
 @dataclass(frozen=True)
@@ -191,6 +229,7 @@ def main(args: argparse.Namespace) -> int:
         args.min_available_mib = 2048 if args.min_available_mib is None else args.min_available_mib
     if args.steps < 1 or args.warmup_steps < 0:
         raise SystemExit("rlship: --steps must be >= 1 and --warmup-steps >= 0")
+    check_inference_options(args)
     base = RunSettings(
         run_id="bench-loop",
         steps=args.warmup_steps + args.steps,
@@ -280,12 +319,34 @@ def main(args: argparse.Namespace) -> int:
     return 0 if report["steps_identical"] and not report.get("stopped_for_memory") else 1
 
 
+def check_inference_options(args: argparse.Namespace) -> None:
+    """A bad inference option fails before anything starts, named with its value."""
+    if args.inference_concurrency is None:
+        return
+    if args.inference_concurrency < 1:
+        raise SystemExit(f"rlship: --inference-concurrency: must be >= 1 (got {args.inference_concurrency})")
+    if args.inference_chunk_tokens < 1:
+        raise SystemExit(
+            f"rlship: --inference-chunk-tokens: must be >= 1 (got {args.inference_chunk_tokens})"
+        )
+    for name in ("ttft_ms", "token_ms", "warmup_seconds"):
+        value = getattr(args, f"inference_{name}")
+        if not value >= 0:
+            raise SystemExit(f"rlship: --inference-{name.replace('_', '-')}: must be >= 0 (got {value})")
+    if not args.inference_baseline_seconds > 0:
+        raise SystemExit(
+            f"rlship: --inference-baseline-seconds: must be > 0 (got {args.inference_baseline_seconds})"
+        )
+
+
 def command_line(args: argparse.Namespace) -> str:
-    """The command that reproduces this run, every option spelled out."""
+    """The command that reproduces this run, every option spelled out (the inference load's
+    only when it ran)."""
+    without_load = args.inference_concurrency is None
     options = " ".join(
         f"--{name.replace('_', '-')}" + ("" if value is True else f" {value}")
         for name, value in vars(args).items()
-        if value is not False and value is not None
+        if value is not False and value is not None and not (without_load and name.startswith("inference_"))
     )
     return f"rlship bench loop {options}"
 

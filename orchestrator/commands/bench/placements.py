@@ -12,6 +12,9 @@ the ship window, which runs from the cut to the published record. On the loop, a
 `LagProbe` observes lag every 10 ms and a heartbeat (a `LagProbe` of 50 ms) ticks, both
 with their timelines.
 
+With `--inference-concurrency`, the loop also drives the orchestrator's own inference
+traffic (`inference.InferenceLoad`): alone first (its baseline), then while it ships.
+
 Each placement runs in a fresh process (`python -m orchestrator.commands.bench.placements SPEC
 RESULT`) so that its peak RSS is its own; the bench command starts it.
 """
@@ -35,6 +38,7 @@ import psutil
 import redis.asyncio as aioredis
 
 from orchestrator.accounting import Accounting, outcome_row
+from orchestrator.commands.bench.inference import InferenceLoad, InferenceSpec
 from orchestrator.commands.bench.moe import StepCache
 from orchestrator.commands.produce import SyntheticWorkload
 from orchestrator.dispatcher import Dispatcher
@@ -224,6 +228,7 @@ class InProcessShipper:
         self.totals: dict[str, float] = {}
         self.windows: dict[int, list[float]] = {}
         self.arrivals: dict[int, float] = {}
+        self.sender: ZMQSender | None = None
 
     async def wait_for_policy(self, step: int) -> float:
         """The orchestrator's gate: the trainers' policy version >= the step's required one."""
@@ -233,17 +238,25 @@ class InProcessShipper:
             await asyncio.sleep(POLL_SECONDS)
         return time.perf_counter() - started
 
-    async def ship(self, steps: int) -> None:
-        sender = ZMQSender(
-            self.settings.zmq_host,
-            self.settings.zmq_port,
-            self.settings.ranks,
-            run_id=self.settings.run_id,
-            send_timeout=SEND_TIMEOUT_SECONDS,
-        )
-        try:
+    def connect(self) -> ZMQSender:
+        """The sender to the trainer ranks, once every rank is ready (made once)."""
+        if self.sender is None:
+            sender = ZMQSender(
+                self.settings.zmq_host,
+                self.settings.zmq_port,
+                self.settings.ranks,
+                run_id=self.settings.run_id,
+                send_timeout=SEND_TIMEOUT_SECONDS,
+            )
             if not sender.wait_ready(READY_TIMEOUT_SECONDS):
+                sender.close()
                 raise RuntimeError(f"trainer ranks not ready within {READY_TIMEOUT_SECONDS:.0f} s")
+            self.sender = sender
+        return self.sender
+
+    async def ship(self, steps: int) -> None:
+        try:
+            sender = self.connect()
             for batch in self.batches(steps):
                 waited = await self.wait_for_policy(batch.step)
                 # Held in memory, the step's rollouts arrive (the last one completes the
@@ -253,7 +266,8 @@ class InProcessShipper:
                 del batch
                 await self.run(trim_process_memory)
         finally:
-            sender.close()
+            if self.sender is not None:
+                self.sender.close()
 
     async def ship_step(self, batch: StepBatch, sender: ZMQSender, waited: float) -> None:
         """Cut, finalize, prune, metrics, pack, encode and send per rank, publish: the window."""
@@ -289,7 +303,10 @@ class InProcessShipper:
             payload = await stage("encode", encode_rank, plans, samples, arrays, config.wire_profile)
             await stage("send", sender.send, step, rank, payload)
         self.totals = running_totals(self.totals, metrics)
-        record = build_record(step, metrics, seconds, time.time() - manifest.cut_time, waited, self.totals)
+        ship_seconds = time.time() - manifest.cut_time
+        record = build_record(
+            step, metrics, seconds, ship_seconds, waited, self.totals, names=config.record_names
+        )
         await self.client.xadd(self.keys.metrics_stream, {"step": step, "record": json.dumps(record)})
         self.windows[step] = [started, loop.time()]
 
@@ -335,25 +352,42 @@ async def run_placement(
     settings: RunSettings,
     timeout: float,
     batches: Callable[[int], Iterator[StepBatch]] | None = None,
+    inference: InferenceSpec | None = None,
+    shipping_flag: Path | None = None,
 ) -> dict[str, Any]:
     """Ship `settings.steps` steps in `placement` (the in-process ones: `batches`, by default
-    the seeded workload); the windows and timelines on this loop's clock."""
+    the seeded workload); the windows and timelines on this loop's clock. With `inference`,
+    the loop's own inference load runs first alone (its baseline), then while it ships;
+    `shipping_flag` is made when the shipping begins (the bench's feed waits for it)."""
     loop = asyncio.get_running_loop()
     origin = loop.time()
     baseline_rss = psutil.Process().memory_info().rss
     heartbeat = LagProbe(HEARTBEAT_SECONDS, keep_timeline=True)
     client = connect_redis_async(settings.redis_url, socket_timeout=60)
     background = [asyncio.create_task(heartbeat.run())]
+    load = InferenceLoad(inference, origin) if inference is not None else None
     try:
-        if placement.startswith("celery"):
-            shipper: TimedOrchestrator | InProcessShipper = TimedOrchestrator(settings, client)
-            await asyncio.wait_for(shipper.run(), timeout)
-        else:
+        if not placement.startswith("celery"):
             probe = LagProbe(keep_timeline=True)
             background.append(asyncio.create_task(probe.run()))
-            shipper = InProcessShipper(settings, client, RUNNERS[placement], probe, batches)
-            await asyncio.wait_for(shipper.ship(settings.steps), timeout)
+            in_process = InProcessShipper(settings, client, RUNNERS[placement], probe, batches)
+            in_process.connect()  # the trainer ranks up and idle before the load's baseline, as celery's are
+        if load is not None:
+            load.start()
+            await load.measure_baseline()
+        if shipping_flag is not None:
+            shipping_flag.touch()
+        if placement.startswith("celery"):
+            shipper: TimedOrchestrator | InProcessShipper = TimedOrchestrator(settings, client)
+            shipping = shipper.run()
+        else:
+            shipper = in_process
+            shipping = shipper.ship(settings.steps)
+        shipped = asyncio.wait_for(shipping, timeout)
+        await (load.while_running(shipped) if load is not None else shipped)
     finally:
+        if load is not None:
+            await load.stop()
         for task in background:
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)
@@ -369,6 +403,7 @@ async def run_placement(
         "heartbeat": _timeline(heartbeat, origin),
         "baseline_rss_bytes": baseline_rss,
         "peak_rss_bytes": peak_rss_bytes(),
+        **({"inference": load.result()} if load is not None else {}),
     }
 
 
@@ -383,8 +418,9 @@ def peak_rss_bytes() -> int:
 
 def main(argv: list[str]) -> int:
     """`python -m orchestrator.commands.bench.placements SPEC RESULT`: SPEC holds the placement,
-    the settings and the timeout, and, under `--workload moe`, the bench's step cache and
-    whether the routed experts are shipped (in this process's memory)."""
+    the settings and the timeout, under `--workload moe` the bench's step cache and whether
+    the routed experts are shipped (in this process's memory), and with
+    `--inference-concurrency` the inference load's spec and the file that says shipping began."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the bench asks for stacks on timeout
     spec = json.loads(Path(argv[0]).read_text())
     settings = RunSettings(**spec["settings"])
@@ -392,7 +428,11 @@ def main(argv: list[str]) -> int:
     if spec.get("steps_cache"):
         cache = StepCache(Path(spec["steps_cache"]))
         batches = functools.partial(cache.batches, experts=bool(spec["routed_experts"]), in_memory=True)
-    result = asyncio.run(run_placement(spec["placement"], settings, spec["timeout"], batches))
+    inference = InferenceSpec(**spec["inference"]) if spec.get("inference") else None
+    flag = Path(spec["shipping_flag"]) if spec.get("shipping_flag") else None
+    result = asyncio.run(
+        run_placement(spec["placement"], settings, spec["timeout"], batches, inference, flag)
+    )
     Path(argv[1]).write_text(json.dumps(result))
     return 0
 

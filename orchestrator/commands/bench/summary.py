@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 
 from orchestrator.commands.bench.cpu import SHIP_KINDS
+from orchestrator.commands.bench.inference_figures import inference_figures, print_inference_table
+from tasks.stages.record_names import shipped_tokens
 
 
 def in_windows(timeline: dict[str, list[float]], windows: list[tuple[float, float]]) -> np.ndarray:
@@ -69,7 +71,7 @@ def summarize(raw: dict[str, Any], reference: dict[str, list[list[Any]]], warmup
         "orchestrator_rss_growth_bytes": raw["peak_rss_bytes"] - raw["baseline_rss_bytes"],
         "cpu_seconds": cpu,
         "cpu_seconds_per_step": median_step(cpu),
-        "tokens_shipped": int(sum(r.get("progress/tokens", 0.0) for r in records)),
+        "tokens_shipped": int(sum(map(shipped_tokens, records))),
         "steps_identical": identical,
         "lag_observations": len(lag),
         "heartbeat_observations": len(beat),
@@ -91,8 +93,35 @@ def summarize(raw: dict[str, Any], reference: dict[str, list[list[Any]]], warmup
             for name in ("lag", "heartbeat")
         },
         **memory_figures(raw, raw["origin"] + origin),
+        **({"inference": with_ship_figures(raw, measured, lag, idle, warmup)} if "inference" in raw else {}),
         **({"otlp_received": raw["otlp_received"]} if "otlp_received" in raw else {}),
     }
+
+
+def with_ship_figures(
+    raw: dict[str, Any],
+    measured: list[tuple[float, float]],
+    lag: np.ndarray,
+    idle: dict[int, float],
+    warmup: int,
+) -> dict[str, Any]:
+    """The inference load's figures, with the loop's lag and the trainer's idle time of the
+    same windows beside them (the load ran through them), and the heartbeat's delay in the
+    baseline: what the load alone does to the loop."""
+    load = raw["inference"]
+    alone = in_windows(raw["heartbeat"], [tuple(load["baseline"])]) if load["baseline"] else np.zeros(0)
+    return {
+        **inference_figures(load, measured),
+        "lag_ms": _p99_max(lag),
+        "baseline_heartbeat_ms": _p99_max(alone),
+        "trainer_idle_seconds": [idle[s] for s in sorted(idle) if s >= warmup],
+    }
+
+
+def _p99_max(ms: np.ndarray) -> dict[str, float]:
+    if not len(ms):
+        return {"p99": float("nan"), "max": float("nan")}
+    return {"p99": float(np.percentile(ms, 99)), "max": float(ms.max())}
 
 
 def memory_figures(raw: dict[str, Any], origin: float) -> dict[str, Any]:
@@ -155,9 +184,25 @@ def goals(results: dict[str, dict[str, Any]], rollouts: int) -> list[dict[str, A
         idle = statistics.median(celery["idle_seconds"]) / statistics.median(thread["idle_seconds"])
         target = idle_target(rollouts)
         goal(f"celery / thread median idle_seconds <= {target}", idle, target, idle <= target)
+    if celery is not None and "inference" in celery:
+        load, kept = celery["inference"], inference_target(rollouts)
+        goal(
+            f"celery inference throughput_kept >= {kept}",
+            load["throughput_kept"],
+            kept,
+            load["throughput_kept"] >= kept,
+        )
+        inflation = load["latency_p99_inflation"]
+        goal("celery inference request p99 inflation <= 1.1", inflation, 1.1, inflation <= 1.1)
     identical = all(r["steps_identical"] for r in results.values())
     goal("steps_identical", float(identical), 1.0, identical)
     return out
+
+
+# Issue 36's bound on the inference throughput the celery placement keeps while it ships:
+# 95% up to the seed's size (4,096 rollouts a step), 90% beyond.
+def inference_target(rollouts: int) -> float:
+    return 0.95 if rollouts <= 4096 else 0.9
 
 
 # `--workload moe`: the placement the ratios divide by, the one the goals are about, and
@@ -218,6 +263,16 @@ def moe_goals(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     if handle is not None:
         goal(f"{BY_HANDLE} lag_ms.max <= 20", handle["lag_ms"]["max"], 20.0)
         goal(f"{BY_HANDLE} lag_ms.p99 <= 5", handle["lag_ms"]["p99"], 5.0)
+    if handle is not None and "inference" in handle:  # issue 36: 90% kept with the MoE workload
+        kept = handle["inference"]["throughput_kept"]
+        out.append(
+            {
+                "goal": f"{BY_HANDLE} inference throughput_kept >= 0.9",
+                "value": kept,
+                "target": 0.9,
+                "pass": bool(kept >= 0.9),
+            }
+        )
     identical = all(r["steps_identical"] for r in results.values())
     out.append({"goal": "steps_identical", "value": float(identical), "target": 1.0, "pass": identical})
     return out
@@ -286,7 +341,22 @@ def summary_line(placement: str, result: dict[str, Any]) -> str:
         f"(+{result['orchestrator_rss_growth_bytes'] / 2**20:.0f} over imports) | "
         f"CPU {1000 * result['cpu_seconds_per_step']['ship']:.0f} ms a step | "
         + memory
+        + inference_line(result)
         + f"identical {result['steps_identical']}"
+    )
+
+
+def inference_line(result: dict[str, Any]) -> str:
+    if "inference" not in result:
+        return ""
+    load = result["inference"]
+    shipping, baseline = load["shipping"], load["baseline"]
+    return (
+        f"inference C={load['concurrency']}: {shipping['requests_per_second']:.1f} req/s shipping, "
+        f"{baseline['requests_per_second']:.1f} alone (kept {load['throughput_kept']:.2f}; tokens "
+        f"{load['token_throughput_kept']:.2f}), latency p50/p99 x{load['latency_p50_inflation']:.2f}/"
+        f"x{load['latency_p99_inflation']:.2f}, TTFT p99 {load['ttft_p99_ms']:.0f} ms "
+        f"(x{load['ttft_p99_inflation']:.2f}) | "
     )
 
 
@@ -302,6 +372,7 @@ def print_report(report: dict[str, Any]) -> None:
     for placement, result in report["placements"].items():
         print("  " + summary_line(placement, result))
     print_cpu_table(report["placements"])
+    print_inference_table(report["placements"])
     if "ratios" in report:
         print_memory_table(report["placements"])
         print_ratios(report["ratios"])

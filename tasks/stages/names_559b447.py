@@ -1,0 +1,169 @@
+"""prime-rl 559b447's step statistics: what its orchestrator logs per step
+(`orchestrator/metrics.py`'s `TrainMetrics.to_wandb` over the `{agg,<env>} x {all,effective}`
+matrix, and the `progress/*`, `off_policy/*`, `batch/{env}` keys of `orchestrator.py`),
+computed from rlship's cohorts for the record named `prime-rl-559b447`
+(tasks.stages.record_names). docs/record.md maps each name to its rlship source.
+
+rlship's unit is the rollout: a plain rollout is one episode of one trace of one branch,
+and a rollout of a verifiers episode (rlship.verifiers) is one trainable branch, so each
+rollout counts as one episode and one trace here (`num_branches` 1). Its agent is the
+record's `agent` (a verifiers trace's agent name), else verifiers' default name `agent`.
+Distributions follow prime-rl's `Stat.to_dict`: mean, max, min, p10, p90 (linear
+interpolation between closest ranks), nothing for an empty set; an empty subset or an env
+absent from it has no keys at all, as prime-rl's `to_wandb` of no episodes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from tasks.cohort import CUSTOM_PREFIX, Cohort
+
+DEFAULT_AGENT = "agent"  # verifiers' AgentInfo.name when an env does not name its agent
+STATS: tuple[str, ...] = ("mean", "max", "min", "p10", "p90")
+EPISODE_SUMS: tuple[str, ...] = (
+    "num_total_tokens",
+    "num_input_tokens",
+    "num_output_tokens",
+    "num_turns",
+    "num_branches",
+)
+TRACE_DISTRIBUTIONS: tuple[str, ...] = ("reward", *EPISODE_SUMS)
+PROMPT_TOO_LONG = "prompt_too_long"  # the stop condition prime-rl does not count as generation-truncated
+SOLVED_REWARD = 1.0
+
+
+def distribution(prefix: str, values: np.ndarray) -> dict[str, float]:
+    """prime-rl's `Stat.to_dict`: `{prefix}/{mean,max,min,p10,p90}`, empty when no values."""
+    if not len(values):
+        return {}
+    p10, p90 = np.percentile(values, [10, 90])
+    figures = (values.mean(), values.max(), values.min(), p10, p90)
+    return {f"{prefix}/{stat}": float(value) for stat, value in zip(STATS, figures, strict=True)}
+
+
+def _column(cohort: Cohort, name: str) -> np.ndarray:
+    if name == "num_total_tokens":
+        return cohort.numeric["num_input_tokens"] + cohort.numeric["num_output_tokens"]
+    if name == "num_branches":
+        return np.ones(len(cohort))
+    return cohort.numeric[name]
+
+
+def _agents(cohort: Cohort) -> list[str]:
+    return [agent or DEFAULT_AGENT for agent in cohort.labels["agent"]]
+
+
+def _solve_rates(cohort: Cohort) -> dict[str, float]:
+    """Groups none of whose rewards is above 0 (they sum to 0), all of whose rewards are
+    1.0, and the rest, as shares of the groups."""
+    groups: dict[tuple[str, str], list[float]] = {}
+    for env, group, reward in zip(
+        cohort.labels["env"], cohort.labels["group_id"], cohort.numeric["reward"], strict=True
+    ):
+        groups.setdefault((env, group), []).append(float(reward))
+    none = sum(sum(rewards) == 0 for rewards in groups.values())
+    every = sum(all(r == SOLVED_REWARD for r in rewards) for rewards in groups.values())
+    return {
+        "solved_none": none / len(groups),
+        "solved_all": every / len(groups),
+        "solved_some": 1 - (none + every) / len(groups),
+    }
+
+
+def _stop_conditions(cohort: Cohort) -> dict[str, float]:
+    """`generation_truncated` (truncated, not for a too long prompt) over every rollout; each
+    stop condition's share among the rollouts that have one."""
+    conditions = cohort.labels["stop_condition"]
+    truncated = cohort.numeric["is_truncated"].astype(bool)
+    generation = sum(bool(t) and c != PROMPT_TOO_LONG for t, c in zip(truncated, conditions, strict=True))
+    out = {"generation_truncated": generation / len(cohort)}
+    given = [c for c in conditions if c]
+    out.update({c: n / len(given) for c, n in sorted(Counter(given).items())})
+    return out
+
+
+def agent_metrics(cohort: Cohort, prefix: str, subset: str) -> dict[str, float]:
+    """One agent's statistics (prime-rl's `TraceMetrics.to_dict` and `TrainMetrics`' rates)."""
+    out: dict[str, float] = {}
+    for name in TRACE_DISTRIBUTIONS:
+        out |= distribution(f"{prefix}/{name}", _column(cohort, name))
+    out[f"{prefix}/is_truncated/mean"] = float(cohort.numeric["is_truncated"].mean())
+    out[f"{prefix}/is_completed/mean"] = 1.0  # every finalized rollout finished its run
+    for name in cohort.custom_metric_names:
+        values = cohort.numeric[CUSTOM_PREFIX + name]
+        out |= distribution(f"{prefix}/metrics/{name}", values[~np.isnan(values)])
+    if subset == "all":
+        out[f"{prefix}/has_error/mean"] = float(cohort.numeric["has_error"].mean())
+        out[f"{prefix}/cancelled/mean"] = float(cohort.numeric["cancelled"].mean())
+        for error, count in sorted(Counter(e for e in cohort.labels["error"] if e).items()):
+            out[f"{prefix}/error/{error}"] = float(count)
+        out |= {f"{prefix}/{key}": value for key, value in _solve_rates(cohort).items()}
+    out |= {f"{prefix}/stop_condition/{key}": value for key, value in _stop_conditions(cohort).items()}
+    out[f"{prefix}/is_trainable/mean"] = float(cohort.numeric["is_trainable"].mean())
+    out[f"{prefix}/is_admitted/mean"] = 1.0  # rlship has no curriculum: every group is admitted
+    return out
+
+
+def subset_metrics(cohort: Cohort, prefix: str, subset: str) -> dict[str, float]:
+    """`{prefix}/...` of one scope and subset (prime-rl's `TrainMetrics.to_wandb`)."""
+    if not len(cohort):
+        return {}
+    out: dict[str, float] = {}
+    for name in EPISODE_SUMS:
+        out |= distribution(f"{prefix}/{name}", _column(cohort, name))
+    if subset == "all":
+        out[f"{prefix}/has_error/mean"] = float(cohort.numeric["has_error"].mean())
+        out[f"{prefix}/cancelled/mean"] = float(cohort.numeric["cancelled"].mean())
+    agents = np.asarray(_agents(cohort))
+    for agent in sorted(set(agents.tolist())):
+        out |= agent_metrics(cohort.take(agents == agent), f"{prefix}/{agent}", subset)
+    return out
+
+
+def train_metrics(window: Cohort, shipped: Cohort) -> dict[str, float]:
+    """`train/{agg,<env>}/{all,effective}/...`: `all` is the window (every rollout finalized
+    since the previous cut), `effective` the shipped rollouts; an env per subset where it
+    has rollouts."""
+    out: dict[str, float] = {}
+    for subset, cohort in (("all", window), ("effective", shipped)):
+        out |= subset_metrics(cohort, f"train/agg/{subset}", subset)
+        for env in sorted(set(cohort.labels["env"])):
+            out |= subset_metrics(cohort.where("env", env), f"train/{env}/{subset}", subset)
+    return out
+
+
+def step_counts(window: Cohort, shipped: Cohort) -> dict[str, float]:
+    """This step's `progress/*` (tokens, rollouts and tasks of the window; input and output
+    tokens of the shipped rollouts) and `batch/{env}` (each env's share of the window)."""
+    tokens = window.numeric["num_input_tokens"].sum() + window.numeric["num_output_tokens"].sum()
+    out = {
+        "progress/tokens": float(tokens),
+        "progress/input_tokens": float(shipped.numeric["num_input_tokens"].sum()),
+        "progress/output_tokens": float(shipped.numeric["num_output_tokens"].sum()),
+        "progress/rollouts": float(len(window)),
+        "progress/tasks": float(len(set(zip(window.labels["env"], window.labels["group_id"], strict=True)))),
+    }
+    for env, count in sorted(Counter(window.labels["env"]).items()):
+        out[f"batch/{env}"] = count / len(window)
+    return out
+
+
+def event_loop_lag(loop_lag_ms: np.ndarray) -> dict[str, float]:
+    """prime-rl's lag statistics in seconds (its pipeline logger's names), over the probe's
+    samples since the previous cut; none without a sample."""
+    if not len(loop_lag_ms):
+        return {}
+    lag = np.asarray(loop_lag_ms, dtype=np.float64) / 1000.0
+    p50, p90, p99 = np.percentile(lag, [50, 90, 99])
+    figures = {"min": lag.min(), "mean": lag.mean(), "median": p50, "p90": p90, "p99": p99, "max": lag.max()}
+    return {f"event_loop_lag/{name}": float(value) for name, value in figures.items()} | {
+        "event_loop_lag/n": float(len(lag))
+    }
+
+
+def from_step(window: Cohort, shipped: Cohort, loop_lag_ms: np.ndarray) -> dict[str, float]:
+    """Everything of the 559b447 record the metrics stage computes from the cohorts."""
+    return train_metrics(window, shipped) | step_counts(window, shipped) | event_loop_lag(loop_lag_ms)
