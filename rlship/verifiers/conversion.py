@@ -4,8 +4,11 @@ rollouts, `(RolloutRecord, arrays)`, one per trainable branch, with the meaning 
 `algo/routing.py`, `algo/grpo.py`, `train_sink.py`).
 
 What is kept of each trace and branch:
-- a trace is left out if it errored (counted, as prime-rl's `TrainSink` counts them), if its
-  agent is not trainable, or if no node of it has a sampled token;
+- a trace trains nothing if it errored, if its agent is not trainable, or if no branch of it
+  has a sampled token left to train: it becomes one record of no tokens (`untrained`: the
+  error's type as its `error`, else credit of no token), so the step's `all` statistics count
+  it as prime-rl 559b447's count every trace of the window (`has_error`, `error/{type}`,
+  `is_trainable` per agent) while it ships nothing;
 - a branch becomes one rollout; a sampled node shared by several branches (a fork) trains in
   the first branch holding it only (the later ones carry it as context); a branch left with
   nothing to train is skipped;
@@ -52,6 +55,7 @@ class GroupRollouts:
     """What one group of episodes became: its rollouts, and its traces left out by why."""
 
     rollouts: list[Rollout] = field(default_factory=list)
+    untrained: list[Rollout] = field(default_factory=list)  # one record of no tokens a trace
     errored_traces: int = 0  # prime-rl's count: errored traces, plus episodes failed with none
     not_trainable_traces: int = 0  # traces of an agent that does not train
     untrained_traces: int = 0  # clean traces with no branch left to train
@@ -158,10 +162,14 @@ def convert_group(
         result.errored_traces += sum(trace.has_error for trace in episode.traces)
         result.errored_traces += int(not episode.traces and not episode.ok)
         for trace in episode.traces:
-            if trace.has_error:
-                continue
-            if not trace.agent.trainable:
-                result.not_trainable_traces += 1
+            if trace.has_error or not trace.agent.trainable:
+                result.not_trainable_traces += int(not trace.has_error)
+                _append(
+                    result.untrained,
+                    _untrained_rollout(episode, trace, conversion),
+                    problems,
+                    (episode, trace),
+                )
                 continue
             where = f"{episode.id}/{trace.id}"
             found = _trace_problems(trace, conversion, where)
@@ -174,16 +182,34 @@ def convert_group(
                 problems |= found
                 continue
             rollouts = _trace_rollouts(episode, trace, conversion, (trace_advantages or {}).get(trace.id))
-            result.untrained_traces += int(not rollouts)
-            for record_fields, arrays in rollouts:
-                try:
-                    result.rollouts.append((RolloutRecord(**record_fields), arrays))
-                except InvalidRecord as exc:
-                    rollout = record_fields["rollout_id"]
-                    problems[rollout] = f"episode {episode.id!r}, trace {trace.id!r}: {exc}"
+            if not rollouts:
+                result.untrained_traces += 1
+                _append(
+                    result.untrained,
+                    _untrained_rollout(episode, trace, conversion),
+                    problems,
+                    (episode, trace),
+                )
+            for rollout in rollouts:
+                _append(result.rollouts, rollout, problems, (episode, trace))
     if problems:
         raise RolloutRejected(problems)
     return result
+
+
+def _append(
+    rollouts: list[Rollout],
+    rollout: tuple[dict[str, Any], dict[str, Any]],
+    problems: dict[str, str],
+    where: tuple[vf.Episode, vf.Trace],
+) -> None:
+    """A rollout's record built from its fields and kept, or why not kept under its id."""
+    record_fields, arrays = rollout
+    try:
+        rollouts.append((RolloutRecord(**record_fields), arrays))
+    except InvalidRecord as exc:
+        episode, trace = where
+        problems[record_fields["rollout_id"]] = f"episode {episode.id!r}, trace {trace.id!r}: {exc}"
 
 
 def _episode_problem(episode: vf.Episode, conversion: Conversion) -> str | None:
@@ -254,6 +280,7 @@ def _trace_rollouts(
     trained: set[int] = set()  # nodes trained in an earlier branch (by id)
     weighted: dict[str, set[int]] = {stream: set() for stream in LOSS_STREAMS}
     rollouts = []
+    fields = _trace_fields(episode, trace, conversion)
     for branch in trace.branches:
         if not branch.trainable:
             continue
@@ -263,24 +290,53 @@ def _trace_rollouts(
             continue
         arrays = _branch_arrays(trace, layout, mask, weighted, conversion, advantage)
         output_tokens = len(layout.positions)
-        record = {
+        record = fields | {
             "rollout_id": identifier(f"{episode.id}/{trace.id}/{branch.index}"),
-            "group_id": identifier(episode.group.id),  # type: ignore[union-attr]  # checked
-            "task_id": identifier(_task_key(trace)),
-            "env": identifier(episode.env.name or ""),
-            "policy_version": _policy_version(episode, conversion),
-            "reward": trace.reward,
             "num_input_tokens": len(mask) - output_tokens,
             "num_output_tokens": output_tokens,
-            "num_turns": trace.num_turns,
-            "temperature": conversion.temperature,
-            "is_truncated": trace.is_truncated,
-            "stop_condition": identifier(trace.stop_condition) if trace.stop_condition else None,
-            "metrics": {identifier(k): float(v) for k, v in trace.metrics.items() if v is not None},
-            "agent": identifier(trace.agent.name),
         }
         rollouts.append((record, arrays))
     return rollouts
+
+
+def _untrained_rollout(
+    episode: vf.Episode, trace: vf.Trace, conversion: Conversion
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A trace that trains nothing as one record of no tokens: its error's type as the
+    record's `error` (an error verifiers gave no type: `error`), and credit of no token, so
+    it takes no part in its group's baseline and its fate is not trainable."""
+    record = _trace_fields(episode, trace, conversion) | {
+        "rollout_id": identifier(f"{episode.id}/{trace.id}"),
+        "num_input_tokens": 0,
+        "num_output_tokens": 0,
+    }
+    if trace.has_error:
+        error = trace.last_error
+        record["error"] = identifier(error.type if error is not None else "error")
+    arrays = {
+        "input_ids": np.zeros(0, dtype=np.int64),
+        "loss_mask": np.zeros(0, dtype=bool),
+        "inference_logprobs": np.zeros(0, dtype=np.float32),
+        "advantages": np.zeros(0, dtype=np.float32),
+    }
+    return record, arrays
+
+
+def _trace_fields(episode: vf.Episode, trace: vf.Trace, conversion: Conversion) -> dict[str, Any]:
+    """The record fields every rollout of a trace shares."""
+    return {
+        "group_id": identifier(episode.group.id),  # type: ignore[union-attr]  # checked
+        "task_id": identifier(_task_key(trace)),
+        "env": identifier(episode.env.name or ""),
+        "policy_version": _policy_version(episode, conversion),
+        "reward": trace.reward,
+        "num_turns": trace.num_turns,
+        "temperature": conversion.temperature,
+        "is_truncated": trace.is_truncated,
+        "stop_condition": identifier(trace.stop_condition) if trace.stop_condition else None,
+        "metrics": {identifier(k): float(v) for k, v in trace.metrics.items() if v is not None},
+        "agent": identifier(trace.agent.name),
+    }
 
 
 def _task_key(trace: vf.Trace) -> str:
