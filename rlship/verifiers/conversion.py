@@ -35,17 +35,15 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, repeat
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import verifiers.v1 as vf
 
 from orchestrator.records import IDENTIFIER, InvalidRecord, RolloutRecord
 from orchestrator.rollout_checks import RolloutRejected
+from rlship.verifiers.layout import LOSS_STREAMS, ActionLoss, TraceLayout, branch_arrays, trainable_mask
 
-LOSS_STREAMS: tuple[str, ...] = ("rl", "ce", "ref_kl")
-ActionLoss = Literal["rl", "ce", "ref_kl"]
 Rollout = tuple[RolloutRecord, dict[str, Any]]
 _NOT_IDENTIFIER = re.compile(r"[^A-Za-z0-9_.\-/]")
 
@@ -73,7 +71,7 @@ def trainable_traces(episodes: Iterable[vf.Episode]) -> list[tuple[vf.Episode, v
         (episode, trace)
         for episode in episodes
         for trace in episode.traces
-        if not trace.has_error and trace.agent.trainable and any(any(node.mask) for node in trace.nodes)
+        if not trace.has_error and trace.agent.trainable and any(True in node.mask for node in trace.nodes)
     ]
 
 
@@ -247,7 +245,7 @@ def _trace_problems(trace: vf.Trace, conversion: Conversion, where: str) -> dict
     problems = []
     for index, node in enumerate(trace.nodes):
         tokens = len(node.token_ids)
-        sampled = sum(node.mask)
+        sampled = node.mask.count(True)
         if len(node.mask) != tokens:
             problems.append(f"node {index}: mask of {len(node.mask)} for {tokens} token ids")
             continue
@@ -277,19 +275,25 @@ def _trace_rollouts(
     episode: vf.Episode, trace: vf.Trace, conversion: Conversion, advantage: float | None
 ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """A checked trace's rollouts: record fields and arrays, one per trainable branch."""
-    trained: set[int] = set()  # nodes trained in an earlier branch (by id)
+    layout = TraceLayout(trace)
+    trained: set[int] = set()  # nodes trained in an earlier branch (by place)
     weighted: dict[str, set[int]] = {stream: set() for stream in LOSS_STREAMS}
     rollouts = []
     fields = _trace_fields(episode, trace, conversion)
     for branch in trace.branches:
         if not branch.trainable:
             continue
-        layout = _Layout.of(branch)
-        mask = layout.trainable(trained)
+        places = [layout.place[id(node)] for node in branch.nodes]
+        take = layout.take(places)
+        sampled = layout.sampled[take]
+        mask = trainable_mask(layout, places, sampled, trained)
         if not mask.any():
             continue
-        arrays = _branch_arrays(trace, layout, mask, weighted, conversion, advantage)
-        output_tokens = len(layout.positions)
+        arrays = branch_arrays(
+            trace, layout, places, take, mask, weighted,
+            conversion.action_loss, conversion.mm_token_type_ids_mapping, advantage,
+        )  # fmt: skip
+        output_tokens = sum(layout.counts[place] for place in places)
         record = fields | {
             "rollout_id": identifier(f"{episode.id}/{trace.id}/{branch.index}"),
             "num_input_tokens": len(mask) - output_tokens,
@@ -346,113 +350,3 @@ def _task_key(trace: vf.Trace) -> str:
         return str(task.key or task.hash)
     index = getattr(task.data, "idx", None)
     return f"{task.type}-{index}" if index is not None else task.type
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """Where a branch's nodes and sampled tokens are: each node's first token and sampled
-    count, the sampled mask over the branch and its True positions."""
-
-    nodes: list[vf.MessageNode]
-    starts: list[int]
-    counts: list[int]
-    sampled: np.ndarray
-    positions: np.ndarray
-
-    @classmethod
-    def of(cls, branch: vf.Branch) -> _Layout:
-        nodes = branch.nodes
-        lengths = [len(node.token_ids) for node in nodes]
-        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(int).tolist()
-        sampled = np.fromiter(chain.from_iterable(node.mask for node in nodes), bool, count=starts[-1])
-        counts = [sum(node.mask) for node in nodes]
-        return cls(nodes, starts, counts, sampled, np.flatnonzero(sampled))
-
-    def trainable(self, trained: set[int]) -> np.ndarray:
-        """The sampled mask, but a node trained in an earlier branch is context here."""
-        mask = self.sampled.copy()
-        for index, node in enumerate(self.nodes):
-            if not (node.sampled and self.counts[index]):
-                continue
-            if id(node) in trained:
-                mask[self.starts[index] : self.starts[index + 1]] = False
-            else:
-                trained.add(id(node))
-        return mask
-
-    def spread(self, values: Sequence[Sequence[float] | None]) -> np.ndarray:
-        """Per-node values over their sampled tokens, widened to the branch (0 elsewhere; a
-        node with none reads 0)."""
-        out = np.zeros(len(self.sampled), dtype=np.float32)
-        given = (v if v else repeat(0.0, c) for v, c in zip(values, self.counts, strict=True) if c)
-        out[self.positions] = np.fromiter(chain.from_iterable(given), np.float32, count=len(self.positions))
-        return out
-
-
-def _branch_arrays(
-    trace: vf.Trace,
-    layout: _Layout,
-    mask: np.ndarray,
-    weighted: dict[str, set[int]],
-    conversion: Conversion,
-    advantage: float | None,
-) -> dict[str, Any]:
-    """One branch's per-token arrays (rlship's names: `docs/integrators.md`)."""
-    nodes = layout.nodes
-    token_ids = np.fromiter(chain.from_iterable(node.token_ids for node in nodes), np.int64, count=len(mask))
-    arrays: dict[str, Any] = {
-        "input_ids": token_ids,
-        "loss_mask": mask,
-        "inference_logprobs": layout.spread([node.logprobs for node in nodes]),
-    }
-    if any(node.reference_logprobs is not None for node in nodes):
-        arrays["ref_logprobs"] = layout.spread([node.reference_logprobs for node in nodes])
-    if any(node.advantages is not None for node in nodes):
-        arrays["advantages"] = layout.spread([node.advantages for node in nodes])
-    elif advantage is not None:
-        arrays["advantages"] = np.where(layout.sampled, np.float32(advantage), np.float32(0.0))
-    streams = any(node.loss_weights for node in nodes)
-    for stream in LOSS_STREAMS if streams else ():
-        weights = _stream_weights(nodes, stream, weighted[stream])
-        if weights is not None:
-            arrays[f"{stream}_weights"] = weights
-    if conversion.action_loss != "rl":
-        _route_action_loss(arrays, conversion.action_loss)
-    experts = [node.routed_experts for node in nodes if node.token_ids]
-    if experts and all(rows is not None for rows in experts):
-        arrays["routed_experts"] = np.ascontiguousarray(np.concatenate(experts, axis=0))
-    mapping = conversion.mm_token_type_ids_mapping
-    mapping = trace.mm_token_type_id_map if mapping is None else mapping
-    if mapping:
-        types = np.array([mapping.get(int(token), 0) for token in token_ids.tolist()], dtype=np.int64)
-        if types.any():
-            arrays["mm_token_type_ids"] = types
-    return arrays
-
-
-def _stream_weights(nodes: list[vf.MessageNode], stream: str, weighted: set[int]) -> np.ndarray | None:
-    """A loss-weight stream over a branch's nodes, each node weighted in the first branch that
-    weights it only; None when the branch has no non-zero weight of it."""
-    parts = []
-    for node in nodes:
-        node_weights = (node.loss_weights or {}).get(stream)
-        if node_weights is None or id(node) in weighted:
-            parts.append(np.zeros(len(node.token_ids), dtype=np.float32))
-            continue
-        parts.append(np.asarray(node_weights, dtype=np.float32))
-        if any(node_weights):
-            weighted.add(id(node))
-    weights = np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
-    return weights if weights.any() else None
-
-
-def _route_action_loss(arrays: dict[str, Any], action_loss: ActionLoss) -> None:
-    """An algorithm whose action tokens train another loss than `rl` (SFT's `ce`, OPD's
-    `ref_kl`): no rl weight anywhere, weight 1.0 on the trainable tokens in its stream."""
-    mask = arrays["loss_mask"]
-    arrays["rl_weights"] = np.zeros(len(mask), dtype=np.float32)
-    name = f"{action_loss}_weights"
-    base = arrays.get(name) if action_loss == "ce" else None
-    weights = np.zeros(len(mask), dtype=np.float32) if base is None else base.copy()
-    weights[mask] = 1.0
-    arrays[name] = weights
