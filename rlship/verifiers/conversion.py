@@ -35,6 +35,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,7 @@ from orchestrator.rollout_checks import RolloutRejected
 from rlship.verifiers.layout import LOSS_STREAMS, ActionLoss, TraceLayout, branch_arrays, trainable_mask
 
 Rollout = tuple[RolloutRecord, dict[str, Any]]
+Made = tuple[dict[str, Any], dict[str, Any], vf.Episode, vf.Trace]  # a rollout's fields, arrays, whose
 _NOT_IDENTIFIER = re.compile(r"[^A-Za-z0-9_.\-/]")
 
 
@@ -59,6 +61,7 @@ class GroupRollouts:
     untrained_traces: int = 0  # clean traces with no branch left to train
 
 
+@lru_cache(maxsize=1 << 14)
 def identifier(value: str) -> str:
     """`value` as a record identifier: characters it may not hold replaced by `-`."""
     text = _NOT_IDENTIFIER.sub("-", value)[:200]
@@ -95,14 +98,16 @@ def has_advantages(episodes: Iterable[vf.Episode]) -> bool:
 class Conversion:
     """How a group's episodes become rollouts: the run they must be of (None: any), the
     version stamped on an episode without a policy span, the env's sampling temperature,
-    the algorithm's action loss (prime-rl's `action_loss_type`) and the token-type map
-    (None: each trace's own)."""
+    the algorithm's action loss (prime-rl's `action_loss_type`), the token-type map
+    (None: each trace's own), and whether the episodes are one whole group written together
+    (then every record says how many the group has: `group_rollouts`)."""
 
     run_id: str | None = None
     policy_version: int | None = None
     temperature: float = 1.0
     action_loss: ActionLoss = "rl"
     mm_token_type_ids_mapping: Mapping[int, int] | None = None
+    whole_group: bool = False
 
 
 def episode_rollouts(
@@ -151,6 +156,8 @@ def convert_group(
     episode, trace or branch is bad (all of them named)."""
     result = GroupRollouts()
     problems: dict[str, str] = {}
+    trained: list[Made] = []  # record fields and arrays, and whose they are
+    untrained: list[Made] = []
     given = has_advantages(episodes) and conversion.action_loss == "rl"
     for episode in episodes:
         problem = _episode_problem(episode, conversion)
@@ -162,12 +169,7 @@ def convert_group(
         for trace in episode.traces:
             if trace.has_error or not trace.agent.trainable:
                 result.not_trainable_traces += int(not trace.has_error)
-                _append(
-                    result.untrained,
-                    _untrained_rollout(episode, trace, conversion),
-                    problems,
-                    (episode, trace),
-                )
+                untrained.append((*_untrained_rollout(episode, trace, conversion), episode, trace))
                 continue
             where = f"{episode.id}/{trace.id}"
             found = _trace_problems(trace, conversion, where)
@@ -182,32 +184,30 @@ def convert_group(
             rollouts = _trace_rollouts(episode, trace, conversion, (trace_advantages or {}).get(trace.id))
             if not rollouts:
                 result.untrained_traces += 1
-                _append(
-                    result.untrained,
-                    _untrained_rollout(episode, trace, conversion),
-                    problems,
-                    (episode, trace),
-                )
-            for rollout in rollouts:
-                _append(result.rollouts, rollout, problems, (episode, trace))
+                untrained.append((*_untrained_rollout(episode, trace, conversion), episode, trace))
+            trained.extend((fields, arrays, episode, trace) for fields, arrays in rollouts)
+    size = (
+        {"group_rollouts": len(trained) + len(untrained)}
+        if conversion.whole_group and trained + untrained
+        else {}
+    )
+    result.rollouts = _records(trained, size, problems)
+    result.untrained = _records(untrained, size, problems)
     if problems:
         raise RolloutRejected(problems)
     return result
 
 
-def _append(
-    rollouts: list[Rollout],
-    rollout: tuple[dict[str, Any], dict[str, Any]],
-    problems: dict[str, str],
-    where: tuple[vf.Episode, vf.Trace],
-) -> None:
-    """A rollout's record built from its fields and kept, or why not kept under its id."""
-    record_fields, arrays = rollout
-    try:
-        rollouts.append((RolloutRecord(**record_fields), arrays))
-    except InvalidRecord as exc:
-        episode, trace = where
-        problems[record_fields["rollout_id"]] = f"episode {episode.id!r}, trace {trace.id!r}: {exc}"
+def _records(made: list[Made], size: dict[str, int], problems: dict[str, str]) -> list[Rollout]:
+    """The rollouts' records built from their fields (and the group's size, if given); a bad
+    one named in `problems` under its id."""
+    rollouts = []
+    for record_fields, arrays, episode, trace in made:
+        try:
+            rollouts.append((RolloutRecord(**record_fields, **size), arrays))
+        except InvalidRecord as exc:
+            problems[record_fields["rollout_id"]] = f"episode {episode.id!r}, trace {trace.id!r}: {exc}"
+    return rollouts
 
 
 def _episode_problem(episode: vf.Episode, conversion: Conversion) -> str | None:
@@ -280,10 +280,9 @@ def _trace_rollouts(
     weighted: dict[str, set[int]] = {stream: set() for stream in LOSS_STREAMS}
     rollouts = []
     fields = _trace_fields(episode, trace, conversion)
-    for branch in trace.branches:
-        if not branch.trainable:
+    for index, places, trainable in layout.branches():
+        if not trainable:
             continue
-        places = [layout.place[id(node)] for node in branch.nodes]
         take = layout.take(places)
         sampled = layout.sampled[take]
         mask = trainable_mask(layout, places, sampled, trained)
@@ -295,7 +294,7 @@ def _trace_rollouts(
         )  # fmt: skip
         output_tokens = sum(layout.counts[place] for place in places)
         record = fields | {
-            "rollout_id": identifier(f"{episode.id}/{trace.id}/{branch.index}"),
+            "rollout_id": identifier(f"{episode.id}/{trace.id}/{index}"),
             "num_input_tokens": len(mask) - output_tokens,
             "num_output_tokens": output_tokens,
         }

@@ -30,7 +30,6 @@ class TraceLayout:
     def __init__(self, trace: vf.Trace) -> None:
         nodes = trace.nodes
         self.nodes = nodes
-        self.place = {id(node): index for index, node in enumerate(nodes)}
         self.starts = [0, *accumulate(len(node.token_ids) for node in nodes)]
         total = self.starts[-1]
         self.token_ids = np.fromiter(chain.from_iterable(node.token_ids for node in nodes), np.int64, total)
@@ -42,6 +41,25 @@ class TraceLayout:
         self.reference_logprobs = None if all(v is None for v in references) else self.spread(references)
         self.advantages = None if all(v is None for v in advantages) else self.spread(advantages)
         self.streams = any(node.loss_weights for node in nodes)
+
+    def branches(self) -> list[tuple[int, list[int], bool]]:
+        """The trace's branches as verifiers 0.4.0's `Trace.branches` makes them (one per
+        leaf, root to leaf; a compaction attempt trains only if the harness resumed from it),
+        by node place, without building its `Branch` objects: index, places, trainable."""
+        nodes = self.nodes
+        has_child = {node.parent for node in nodes if node.parent is not None}
+        resumed = {link.node for node in nodes for link in node.semantic_parents if link.type == "compaction"}
+        branches = []
+        for index, leaf in enumerate(place for place in range(len(nodes)) if place not in has_child):
+            path: list[int] = []
+            place: int | None = leaf
+            while place is not None:
+                path.append(place)
+                place = nodes[place].parent
+            path.reverse()
+            attempt = any(link.type == "compaction_attempt" for link in nodes[leaf].semantic_parents)
+            branches.append((index, path, not attempt or leaf in resumed))
+        return branches
 
     def spread(self, values: Sequence[Sequence[float] | None]) -> np.ndarray:
         """Per-node values over their sampled tokens, widened to the trace (0 elsewhere; a

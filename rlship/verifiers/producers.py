@@ -77,20 +77,14 @@ class _EpisodeConverter:
             self.temperature,
             self.action_loss,
             self.mm_token_type_ids_mapping,
+            whole_group=True,
         )
         advantages = None if has_advantages(decoded) else grpo_advantages(decoded)
         group = convert_group(decoded, conversion, advantages)
         self.errored_traces += group.errored_traces
         self.not_trainable_traces += group.not_trainable_traces
         self.untrained_traces += group.untrained_traces
-        size = len(group.rollouts) + len(group.untrained)
-        group.rollouts = [
-            (record.model_copy(update={"group_rollouts": size}), self._by_handle(record, arrays))
-            for record, arrays in group.rollouts
-        ]
-        group.untrained = [
-            (record.model_copy(update={"group_rollouts": size}), arrays) for record, arrays in group.untrained
-        ]
+        group.rollouts = [(record, self._by_handle(record, arrays)) for record, arrays in group.rollouts]
         return group
 
     def _check_group(self, episodes: Sequence[vf.Episode]) -> None:
