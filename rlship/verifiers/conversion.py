@@ -15,7 +15,7 @@ What is kept of each trace and branch:
 - per token: the node logprobs and reference logprobs spread onto their sampled positions,
   the `rl`/`ce`/`ref_kl` loss-weight streams (a shared node weighted once per stream), the
   advantages (the episode's own, else `grpo_advantages` of its group), routed experts and
-  modality markers.
+  modality markers (made by rlship.verifiers.layout, each trace's nodes converted once).
 
 Where verifiers 0.4.0 differs from the verifiers prime-rl 559b447 pinned, this follows the
 meaning (docs/integrators.md, "From prime-rl's environment servers"): 0.4.0's `Branch` has no
