@@ -52,7 +52,8 @@ _NOT_IDENTIFIER = re.compile(r"[^A-Za-z0-9_.\-/]")
 
 @dataclass
 class GroupRollouts:
-    """What one group of episodes became: its rollouts, and its traces left out by why."""
+    """What one group of episodes became: its rollouts, a record of no tokens for each trace
+    that trains nothing, and how many of those traces by why."""
 
     rollouts: list[Rollout] = field(default_factory=list)
     untrained: list[Rollout] = field(default_factory=list)  # one record of no tokens a trace
