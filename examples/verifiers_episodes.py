@@ -116,7 +116,7 @@ def episode_loop(redis_url: str, run_id: str, stop: threading.Event) -> None:
                 continue
             raise
         groups += 1
-    print(f"episodes: {groups} groups; traces left out: {producer.errored_traces} errored")
+    print(f"episodes: {groups} groups; traces that trained nothing: {producer.errored_traces} errored")
 
 
 def main() -> int:

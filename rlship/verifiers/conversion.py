@@ -4,15 +4,18 @@ rollouts, `(RolloutRecord, arrays)`, one per trainable branch, with the meaning 
 `algo/routing.py`, `algo/grpo.py`, `train_sink.py`).
 
 What is kept of each trace and branch:
-- a trace is left out if it errored (counted, as prime-rl's `TrainSink` counts them), if its
-  agent is not trainable, or if no node of it has a sampled token;
+- a trace trains nothing if it errored, if its agent is not trainable, or if no branch of it
+  has a sampled token left to train: it becomes one record of no tokens (`untrained`: the
+  error's type as its `error`, else credit of no token), so the step's `all` statistics count
+  it as prime-rl 559b447's count every trace of the window (`has_error`, `error/{type}`,
+  `is_trainable` per agent) while it ships nothing;
 - a branch becomes one rollout; a sampled node shared by several branches (a fork) trains in
   the first branch holding it only (the later ones carry it as context); a branch left with
   nothing to train is skipped;
 - per token: the node logprobs and reference logprobs spread onto their sampled positions,
   the `rl`/`ce`/`ref_kl` loss-weight streams (a shared node weighted once per stream), the
   advantages (the episode's own, else `grpo_advantages` of its group), routed experts and
-  modality markers.
+  modality markers (made by rlship.verifiers.layout, each trace's nodes converted once).
 
 Where verifiers 0.4.0 differs from the verifiers prime-rl 559b447 pinned, this follows the
 meaning (docs/integrators.md, "From prime-rl's environment servers"): 0.4.0's `Branch` has no
@@ -32,31 +35,34 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, repeat
-from typing import Any, Literal
+from functools import lru_cache
+from typing import Any
 
 import numpy as np
 import verifiers.v1 as vf
 
 from orchestrator.records import IDENTIFIER, InvalidRecord, RolloutRecord
 from orchestrator.rollout_checks import RolloutRejected
+from rlship.verifiers.layout import LOSS_STREAMS, ActionLoss, TraceLayout, branch_arrays, trainable_mask
 
-LOSS_STREAMS: tuple[str, ...] = ("rl", "ce", "ref_kl")
-ActionLoss = Literal["rl", "ce", "ref_kl"]
 Rollout = tuple[RolloutRecord, dict[str, Any]]
+Made = tuple[dict[str, Any], dict[str, Any], vf.Episode, vf.Trace]  # a rollout's fields, arrays, whose
 _NOT_IDENTIFIER = re.compile(r"[^A-Za-z0-9_.\-/]")
 
 
 @dataclass
 class GroupRollouts:
-    """What one group of episodes became: its rollouts, and its traces left out by why."""
+    """What one group of episodes became: its rollouts, a record of no tokens for each trace
+    that trains nothing, and how many of those traces by why."""
 
     rollouts: list[Rollout] = field(default_factory=list)
+    untrained: list[Rollout] = field(default_factory=list)  # one record of no tokens a trace
     errored_traces: int = 0  # prime-rl's count: errored traces, plus episodes failed with none
     not_trainable_traces: int = 0  # traces of an agent that does not train
     untrained_traces: int = 0  # clean traces with no branch left to train
 
 
+@lru_cache(maxsize=1 << 14)
 def identifier(value: str) -> str:
     """`value` as a record identifier: characters it may not hold replaced by `-`."""
     text = _NOT_IDENTIFIER.sub("-", value)[:200]
@@ -69,7 +75,7 @@ def trainable_traces(episodes: Iterable[vf.Episode]) -> list[tuple[vf.Episode, v
         (episode, trace)
         for episode in episodes
         for trace in episode.traces
-        if not trace.has_error and trace.agent.trainable and any(any(node.mask) for node in trace.nodes)
+        if not trace.has_error and trace.agent.trainable and any(True in node.mask for node in trace.nodes)
     ]
 
 
@@ -93,14 +99,16 @@ def has_advantages(episodes: Iterable[vf.Episode]) -> bool:
 class Conversion:
     """How a group's episodes become rollouts: the run they must be of (None: any), the
     version stamped on an episode without a policy span, the env's sampling temperature,
-    the algorithm's action loss (prime-rl's `action_loss_type`) and the token-type map
-    (None: each trace's own)."""
+    the algorithm's action loss (prime-rl's `action_loss_type`), the token-type map
+    (None: each trace's own), and whether the episodes are one whole group written together
+    (then every record says how many the group has: `group_rollouts`)."""
 
     run_id: str | None = None
     policy_version: int | None = None
     temperature: float = 1.0
     action_loss: ActionLoss = "rl"
     mm_token_type_ids_mapping: Mapping[int, int] | None = None
+    whole_group: bool = False
 
 
 def episode_rollouts(
@@ -149,6 +157,8 @@ def convert_group(
     episode, trace or branch is bad (all of them named)."""
     result = GroupRollouts()
     problems: dict[str, str] = {}
+    trained: list[Made] = []  # record fields and arrays, and whose they are
+    untrained: list[Made] = []
     given = has_advantages(episodes) and conversion.action_loss == "rl"
     for episode in episodes:
         problem = _episode_problem(episode, conversion)
@@ -158,10 +168,9 @@ def convert_group(
         result.errored_traces += sum(trace.has_error for trace in episode.traces)
         result.errored_traces += int(not episode.traces and not episode.ok)
         for trace in episode.traces:
-            if trace.has_error:
-                continue
-            if not trace.agent.trainable:
-                result.not_trainable_traces += 1
+            if trace.has_error or not trace.agent.trainable:
+                result.not_trainable_traces += int(not trace.has_error)
+                untrained.append((*_untrained_rollout(episode, trace, conversion), episode, trace))
                 continue
             where = f"{episode.id}/{trace.id}"
             found = _trace_problems(trace, conversion, where)
@@ -174,16 +183,32 @@ def convert_group(
                 problems |= found
                 continue
             rollouts = _trace_rollouts(episode, trace, conversion, (trace_advantages or {}).get(trace.id))
-            result.untrained_traces += int(not rollouts)
-            for record_fields, arrays in rollouts:
-                try:
-                    result.rollouts.append((RolloutRecord(**record_fields), arrays))
-                except InvalidRecord as exc:
-                    rollout = record_fields["rollout_id"]
-                    problems[rollout] = f"episode {episode.id!r}, trace {trace.id!r}: {exc}"
+            if not rollouts:
+                result.untrained_traces += 1
+                untrained.append((*_untrained_rollout(episode, trace, conversion), episode, trace))
+            trained.extend((fields, arrays, episode, trace) for fields, arrays in rollouts)
+    size = (
+        {"group_rollouts": len(trained) + len(untrained)}
+        if conversion.whole_group and trained + untrained
+        else {}
+    )
+    result.rollouts = _records(trained, size, problems)
+    result.untrained = _records(untrained, size, problems)
     if problems:
         raise RolloutRejected(problems)
     return result
+
+
+def _records(made: list[Made], size: dict[str, int], problems: dict[str, str]) -> list[Rollout]:
+    """The rollouts' records built from their fields (and the group's size, if given); a bad
+    one named in `problems` under its id."""
+    rollouts = []
+    for record_fields, arrays, episode, trace in made:
+        try:
+            rollouts.append((RolloutRecord(**record_fields, **size), arrays))
+        except InvalidRecord as exc:
+            problems[record_fields["rollout_id"]] = f"episode {episode.id!r}, trace {trace.id!r}: {exc}"
+    return rollouts
 
 
 def _episode_problem(episode: vf.Episode, conversion: Conversion) -> str | None:
@@ -221,7 +246,7 @@ def _trace_problems(trace: vf.Trace, conversion: Conversion, where: str) -> dict
     problems = []
     for index, node in enumerate(trace.nodes):
         tokens = len(node.token_ids)
-        sampled = sum(node.mask)
+        sampled = node.mask.count(True)
         if len(node.mask) != tokens:
             problems.append(f"node {index}: mask of {len(node.mask)} for {tokens} token ids")
             continue
@@ -251,36 +276,71 @@ def _trace_rollouts(
     episode: vf.Episode, trace: vf.Trace, conversion: Conversion, advantage: float | None
 ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """A checked trace's rollouts: record fields and arrays, one per trainable branch."""
-    trained: set[int] = set()  # nodes trained in an earlier branch (by id)
+    layout = TraceLayout(trace)
+    trained: set[int] = set()  # nodes trained in an earlier branch (by place)
     weighted: dict[str, set[int]] = {stream: set() for stream in LOSS_STREAMS}
     rollouts = []
-    for branch in trace.branches:
-        if not branch.trainable:
+    fields = _trace_fields(episode, trace, conversion)
+    for index, places, trainable in layout.branches():
+        if not trainable:
             continue
-        layout = _Layout.of(branch)
-        mask = layout.trainable(trained)
+        take = layout.take(places)
+        sampled = layout.sampled[take]
+        mask = trainable_mask(layout, places, sampled, trained)
         if not mask.any():
             continue
-        arrays = _branch_arrays(trace, layout, mask, weighted, conversion, advantage)
-        output_tokens = len(layout.positions)
-        record = {
-            "rollout_id": identifier(f"{episode.id}/{trace.id}/{branch.index}"),
-            "group_id": identifier(episode.group.id),  # type: ignore[union-attr]  # checked
-            "task_id": identifier(_task_key(trace)),
-            "env": identifier(episode.env.name or ""),
-            "policy_version": _policy_version(episode, conversion),
-            "reward": trace.reward,
+        arrays = branch_arrays(
+            trace, layout, places, take, mask, weighted,
+            conversion.action_loss, conversion.mm_token_type_ids_mapping, advantage,
+        )  # fmt: skip
+        output_tokens = sum(layout.counts[place] for place in places)
+        record = fields | {
+            "rollout_id": identifier(f"{episode.id}/{trace.id}/{index}"),
             "num_input_tokens": len(mask) - output_tokens,
             "num_output_tokens": output_tokens,
-            "num_turns": trace.num_turns,
-            "temperature": conversion.temperature,
-            "is_truncated": trace.is_truncated,
-            "stop_condition": identifier(trace.stop_condition) if trace.stop_condition else None,
-            "metrics": {identifier(k): float(v) for k, v in trace.metrics.items() if v is not None},
-            "agent": identifier(trace.agent.name),
         }
         rollouts.append((record, arrays))
     return rollouts
+
+
+def _untrained_rollout(
+    episode: vf.Episode, trace: vf.Trace, conversion: Conversion
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A trace that trains nothing as one record of no tokens: its error's type as the
+    record's `error` (an error verifiers gave no type: `error`), and credit of no token, so
+    it takes no part in its group's baseline and its fate is not trainable."""
+    record = _trace_fields(episode, trace, conversion) | {
+        "rollout_id": identifier(f"{episode.id}/{trace.id}"),
+        "num_input_tokens": 0,
+        "num_output_tokens": 0,
+    }
+    if trace.has_error:
+        error = trace.last_error
+        record["error"] = identifier(error.type if error is not None else "error")
+    arrays = {
+        "input_ids": np.zeros(0, dtype=np.int64),
+        "loss_mask": np.zeros(0, dtype=bool),
+        "inference_logprobs": np.zeros(0, dtype=np.float32),
+        "advantages": np.zeros(0, dtype=np.float32),
+    }
+    return record, arrays
+
+
+def _trace_fields(episode: vf.Episode, trace: vf.Trace, conversion: Conversion) -> dict[str, Any]:
+    """The record fields every rollout of a trace shares."""
+    return {
+        "group_id": identifier(episode.group.id),  # type: ignore[union-attr]  # checked
+        "task_id": identifier(_task_key(trace)),
+        "env": identifier(episode.env.name or ""),
+        "policy_version": _policy_version(episode, conversion),
+        "reward": trace.reward,
+        "num_turns": trace.num_turns,
+        "temperature": conversion.temperature,
+        "is_truncated": trace.is_truncated,
+        "stop_condition": identifier(trace.stop_condition) if trace.stop_condition else None,
+        "metrics": {identifier(k): float(v) for k, v in trace.metrics.items() if v is not None},
+        "agent": identifier(trace.agent.name),
+    }
 
 
 def _task_key(trace: vf.Trace) -> str:
@@ -290,113 +350,3 @@ def _task_key(trace: vf.Trace) -> str:
         return str(task.key or task.hash)
     index = getattr(task.data, "idx", None)
     return f"{task.type}-{index}" if index is not None else task.type
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """Where a branch's nodes and sampled tokens are: each node's first token and sampled
-    count, the sampled mask over the branch and its True positions."""
-
-    nodes: list[vf.MessageNode]
-    starts: list[int]
-    counts: list[int]
-    sampled: np.ndarray
-    positions: np.ndarray
-
-    @classmethod
-    def of(cls, branch: vf.Branch) -> _Layout:
-        nodes = branch.nodes
-        lengths = [len(node.token_ids) for node in nodes]
-        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(int).tolist()
-        sampled = np.fromiter(chain.from_iterable(node.mask for node in nodes), bool, count=starts[-1])
-        counts = [sum(node.mask) for node in nodes]
-        return cls(nodes, starts, counts, sampled, np.flatnonzero(sampled))
-
-    def trainable(self, trained: set[int]) -> np.ndarray:
-        """The sampled mask, but a node trained in an earlier branch is context here."""
-        mask = self.sampled.copy()
-        for index, node in enumerate(self.nodes):
-            if not (node.sampled and self.counts[index]):
-                continue
-            if id(node) in trained:
-                mask[self.starts[index] : self.starts[index + 1]] = False
-            else:
-                trained.add(id(node))
-        return mask
-
-    def spread(self, values: Sequence[Sequence[float] | None]) -> np.ndarray:
-        """Per-node values over their sampled tokens, widened to the branch (0 elsewhere; a
-        node with none reads 0)."""
-        out = np.zeros(len(self.sampled), dtype=np.float32)
-        given = (v if v else repeat(0.0, c) for v, c in zip(values, self.counts, strict=True) if c)
-        out[self.positions] = np.fromiter(chain.from_iterable(given), np.float32, count=len(self.positions))
-        return out
-
-
-def _branch_arrays(
-    trace: vf.Trace,
-    layout: _Layout,
-    mask: np.ndarray,
-    weighted: dict[str, set[int]],
-    conversion: Conversion,
-    advantage: float | None,
-) -> dict[str, Any]:
-    """One branch's per-token arrays (rlship's names: `docs/integrators.md`)."""
-    nodes = layout.nodes
-    token_ids = np.fromiter(chain.from_iterable(node.token_ids for node in nodes), np.int64, count=len(mask))
-    arrays: dict[str, Any] = {
-        "input_ids": token_ids,
-        "loss_mask": mask,
-        "inference_logprobs": layout.spread([node.logprobs for node in nodes]),
-    }
-    if any(node.reference_logprobs is not None for node in nodes):
-        arrays["ref_logprobs"] = layout.spread([node.reference_logprobs for node in nodes])
-    if any(node.advantages is not None for node in nodes):
-        arrays["advantages"] = layout.spread([node.advantages for node in nodes])
-    elif advantage is not None:
-        arrays["advantages"] = np.where(layout.sampled, np.float32(advantage), np.float32(0.0))
-    streams = any(node.loss_weights for node in nodes)
-    for stream in LOSS_STREAMS if streams else ():
-        weights = _stream_weights(nodes, stream, weighted[stream])
-        if weights is not None:
-            arrays[f"{stream}_weights"] = weights
-    if conversion.action_loss != "rl":
-        _route_action_loss(arrays, conversion.action_loss)
-    experts = [node.routed_experts for node in nodes if node.token_ids]
-    if experts and all(rows is not None for rows in experts):
-        arrays["routed_experts"] = np.ascontiguousarray(np.concatenate(experts, axis=0))
-    mapping = conversion.mm_token_type_ids_mapping
-    mapping = trace.mm_token_type_id_map if mapping is None else mapping
-    if mapping:
-        types = np.array([mapping.get(int(token), 0) for token in token_ids.tolist()], dtype=np.int64)
-        if types.any():
-            arrays["mm_token_type_ids"] = types
-    return arrays
-
-
-def _stream_weights(nodes: list[vf.MessageNode], stream: str, weighted: set[int]) -> np.ndarray | None:
-    """A loss-weight stream over a branch's nodes, each node weighted in the first branch that
-    weights it only; None when the branch has no non-zero weight of it."""
-    parts = []
-    for node in nodes:
-        node_weights = (node.loss_weights or {}).get(stream)
-        if node_weights is None or id(node) in weighted:
-            parts.append(np.zeros(len(node.token_ids), dtype=np.float32))
-            continue
-        parts.append(np.asarray(node_weights, dtype=np.float32))
-        if any(node_weights):
-            weighted.add(id(node))
-    weights = np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
-    return weights if weights.any() else None
-
-
-def _route_action_loss(arrays: dict[str, Any], action_loss: ActionLoss) -> None:
-    """An algorithm whose action tokens train another loss than `rl` (SFT's `ce`, OPD's
-    `ref_kl`): no rl weight anywhere, weight 1.0 on the trainable tokens in its stream."""
-    mask = arrays["loss_mask"]
-    arrays["rl_weights"] = np.zeros(len(mask), dtype=np.float32)
-    name = f"{action_loss}_weights"
-    base = arrays.get(name) if action_loss == "ce" else None
-    weights = np.zeros(len(mask), dtype=np.float32) if base is None else base.copy()
-    weights[mask] = 1.0
-    arrays[name] = weights

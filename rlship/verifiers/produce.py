@@ -109,8 +109,8 @@ def produce_episode_files(client: redis.Redis, settings: RunSettings, path: Path
             "size: not written"
         )
     log.info(
-        "episodes: %d groups written; traces left out: %d errored, %d of agents that do not train, "
-        "%d with nothing to train",
+        "episodes: %d groups written; traces that trained nothing: %d errored, %d of agents that do "
+        "not train, %d with nothing to train",
         written,
         producer.errored_traces,
         producer.not_trainable_traces,

@@ -2,13 +2,16 @@
 producers (same admission, same checks, same refusals: orchestrator.producer).
 
 A call takes one rollout group of episodes (one `group.id`, one env) as prime-rl's train
-sink takes a group when it completes: its rollouts are one per trainable branch
-(rlship.verifiers.conversion), written together as one rlship group whose size is theirs
-(`group_rollouts`). Their credit is the episodes' own per-token advantages where the
-user's algorithm assigned any, else prime-rl's plain GRPO over the group's trainable
-traces; either way it ships as given (rlship computes no baseline for it). With a run whose
-wire takes side arrays by handle, routed experts go to the run's rows files (the producer
-writes them) instead of Redis.
+sink takes a group when it completes: its rollouts are one per trainable branch, and one
+record of no tokens for each trace that trains nothing (errored, of an agent that does not
+train, or with nothing left to train: rlship.verifiers.conversion), written together as
+one rlship group whose size is theirs (`group_rollouts`); the orchestrator discards the
+latter (`error`, `zero_advantage`) and counts them in the step's `all` statistics, as
+prime-rl 559b447 counts every trace of its window. The rollouts' credit is the episodes'
+own per-token advantages where the user's algorithm assigned any, else prime-rl's plain
+GRPO over the group's trainable traces; either way it ships as given (rlship computes no
+baseline for it). With a run whose wire takes side arrays by handle, routed experts go to
+the run's rows files (the producer writes them) instead of Redis.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ class _EpisodeConverter:
         self.action_loss: ActionLoss = action_loss
         self.mm_token_type_ids_mapping = mm_token_type_ids_mapping
         self.policy_version = policy_version
-        # Traces left out so far, by why (prime-rl's train sink counts the errored).
+        # Traces that trained nothing so far, by why (prime-rl's train sink counts the errored).
         self.errored_traces = 0
         self.not_trainable_traces = 0
         self.untrained_traces = 0
@@ -74,17 +77,14 @@ class _EpisodeConverter:
             self.temperature,
             self.action_loss,
             self.mm_token_type_ids_mapping,
+            whole_group=True,
         )
         advantages = None if has_advantages(decoded) else grpo_advantages(decoded)
         group = convert_group(decoded, conversion, advantages)
         self.errored_traces += group.errored_traces
         self.not_trainable_traces += group.not_trainable_traces
         self.untrained_traces += group.untrained_traces
-        size = len(group.rollouts)
-        group.rollouts = [
-            (record.model_copy(update={"group_rollouts": size}), self._by_handle(record, arrays))
-            for record, arrays in group.rollouts
-        ]
+        group.rollouts = [(record, self._by_handle(record, arrays)) for record, arrays in group.rollouts]
         return group
 
     def _check_group(self, episodes: Sequence[vf.Episode]) -> None:
@@ -160,8 +160,8 @@ class EpisodeProducer(_EpisodeConverter):
         Raises as `RolloutProducer.produce` does: RolloutRejected (naming each bad episode,
         trace and branch; nothing written) or AdmissionRefused."""
         group = self._group(episodes)
-        if group.rollouts:
-            self.rollouts.produce(group.rollouts, timeout=timeout)
+        if group.rollouts or group.untrained:
+            self.rollouts.produce([*group.rollouts, *group.untrained], timeout=timeout)
         return group
 
 
@@ -188,6 +188,6 @@ class AsyncEpisodeProducer(_EpisodeConverter):
         """See `EpisodeProducer.produce`."""
         await self.rollouts.ready()
         group = self._group(episodes)
-        if group.rollouts:
-            await self.rollouts.produce(group.rollouts, timeout=timeout)
+        if group.rollouts or group.untrained:
+            await self.rollouts.produce([*group.rollouts, *group.untrained], timeout=timeout)
         return group

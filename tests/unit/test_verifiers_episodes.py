@@ -125,7 +125,7 @@ def test_an_algorithm_routing_actions_to_another_loss_matches_prime_rl(action_lo
     assert_same(ours(group, action_loss=action_loss).rollouts, group_samples(group, action_loss=action_loss))
 
 
-def test_errored_and_non_trainable_traces_are_left_out_and_counted() -> None:
+def test_errored_and_non_trainable_traces_train_nothing_and_are_recorded() -> None:
     rng = np.random.default_rng(5)
     judge = build.TraceBuilder(rng)
     judge.turn(judge.prompt())
@@ -148,6 +148,17 @@ def test_errored_and_non_trainable_traces_are_left_out_and_counted() -> None:
         group[0].traces[0].id,
         group[1].traces[0].id,
     }
+    # Each trace that trains nothing is one record of no tokens, for the step's `all` statistics
+    # (prime-rl 559b447's metrics count every trace of the window; the trace-less episode has none).
+    untrained = {record.rollout_id: (record, arrays) for record, arrays in result.untrained}
+    expected = {
+        f"{group[0].id}/{group[0].traces[1].id}": ("judge", None),
+        f"{group[2].id}/{group[2].traces[0].id}": ("solver", "ProviderError"),
+        f"{group[4].id}/{group[4].traces[0].id}": ("solver", None),
+    }
+    assert {rid: (record.agent, record.error) for rid, (record, _) in untrained.items()} == expected
+    for record, arrays in untrained.values():
+        assert record.num_tokens == 0 and all(len(values) == 0 for values in arrays.values())
 
 
 def test_the_record_says_what_the_episode_says() -> None:

@@ -66,8 +66,11 @@ def one_round(client: Any, args: argparse.Namespace, seed: int) -> dict[str, flo
     try:
         episodes = EpisodeProducer.for_run(client, settings[0], admitted=False)
         start = cpu_seconds()
-        written = [episodes.produce(group).rollouts for group in groups]
+        results = [episodes.produce(group) for group in groups]
         episodes_cpu = cpu_seconds() - start
+        # The plain side writes the same records: the rollouts, and the records of no tokens
+        # of the traces that train nothing (rlship.verifiers.producers).
+        written = [[*result.rollouts, *result.untrained] for result in results]
         as_lists = [[(record, {k: v.tolist() for k, v in a.items()}) for record, a in g] for g in written]
         rollouts = RolloutProducer.for_run(client, settings[1], admitted=False)
         start = cpu_seconds()
@@ -81,11 +84,11 @@ def one_round(client: Any, args: argparse.Namespace, seed: int) -> dict[str, flo
             if keys:
                 client.unlink(*keys)
     tokens = sum(len(a["input_ids"]) for group in written for _, a in group)
-    rollout_count = sum(len(group) for group in written)
     return {
         "episodes_cpu": episodes_cpu,
         "rollouts_cpu": rollouts_cpu,
-        "rollouts": rollout_count,
+        "rollouts": sum(len(result.rollouts) for result in results),
+        "untrained": sum(len(result.untrained) for result in results),
         "tokens": tokens,
     }
 
@@ -104,7 +107,10 @@ def main(args: argparse.Namespace) -> int:
     episodes = statistics.median(r["episodes_cpu"] for r in rounds)
     plain = statistics.median(r["rollouts_cpu"] for r in rounds)
     first = rounds[0]
-    print(f"a round: {first['rollouts']:,} rollouts (trainable branches), {first['tokens']:,} tokens")
+    print(
+        f"a round: {first['rollouts']:,} rollouts (trainable branches), {first['tokens']:,} tokens, "
+        f"{first['untrained']:,} records of traces that train nothing"
+    )
     for name, label, median in (
         ("episodes_cpu", "episodes", episodes),
         ("rollouts_cpu", "plain rollouts", plain),
