@@ -171,6 +171,7 @@ def test_policy_wait_is_in_the_held_steps_own_record(client, redis_url, run_id, 
     async def scenario() -> tuple[list[dict], float]:
         aclient = aioredis.Redis.from_url(redis_url)
         orchestrator = Orchestrator(settings, aclient)
+        started = asyncio.get_running_loop().time()  # the gate cannot hold a step before this
         run = asyncio.create_task(orchestrator.run())
         trainers = []
 
@@ -179,14 +180,13 @@ def test_policy_wait_is_in_the_held_steps_own_record(client, redis_url, run_id, 
 
         try:
             await _until(lambda: cut(0))
-            held_from = asyncio.get_running_loop().time()
             await asyncio.sleep(held_seconds)
             assert not await cut(1), "step 1 waits for version 0"
             stable = Path(settings.broadcast_dir, "step_0", "STABLE")
             stable.parent.mkdir(parents=True)
             stable.touch()
             await _until(lambda: cut(1))
-            held = asyncio.get_running_loop().time() - held_from
+            held = asyncio.get_running_loop().time() - started  # the wait ended before step 1's cut
             assert not await aclient.hexists(state.published, 0), "step 0 is published after the wait"
             trainers = start_trainers(settings)
             await asyncio.wait_for(run, 60)
