@@ -229,10 +229,11 @@ class PayloadStore:
         self.client.set(self.keys.ship_fatal, problem, ex=DEFAULT_TTL_SECONDS)
 
     def expire_run(self, seconds: int = DEFAULT_TTL_SECONDS) -> None:
-        """Every key of the run lives `seconds` from now, or longer if it already would: at a
-        run's end, and renewed while it lives (`orchestrator.lease`), so that no key of a run
-        lives forever, nor expires under a run that lives (or pauses) for less than that.
-        Keys with short expiries of their own (`RunKeys.self_expiring`) are left to them."""
+        """Every key of the run lives at least half of `seconds` from now (`seconds` if it
+        had no expiry or less than that): at a run's end, and renewed while it lives
+        (`orchestrator.lease`), so that no key of a run lives forever, nor expires under a
+        run that lives (or pauses) for less than that. Keys with short expiries of their own
+        (`RunKeys.self_expiring`) are left to them."""
         keys = list(self.client.scan_iter(match=self.keys.prefix + "*", count=1000))
         pipe = self.client.pipeline(transaction=False)
         _renew(pipe, self.keys, keys, seconds)
@@ -335,14 +336,32 @@ redis.call('EXPIRE', KEYS[2], ARGV[3])
 """
 
 
+# KEYS: keys of the run; ARGV: the seconds. A key without an expiry, or expiring within half
+# of them, gets them; any other is not touched: an EXPIRE that applies counts as a write, and
+# would abort a stage's transaction that WATCHes the key (finalize watches the manifest the
+# cut has just written).
+_RENEW_LUA = """
+local renewed = 0
+for _, key in ipairs(KEYS) do
+  local ttl = redis.call('TTL', key)
+  if ttl == -1 or (ttl >= 0 and ttl * 2 < tonumber(ARGV[1])) then
+    redis.call('EXPIRE', key, ARGV[1])
+    renewed = renewed + 1
+  end
+end
+return renewed
+"""
+
+
 def _renew(pipe: Any, keys: RunKeys, found: list[bytes], seconds: int) -> None:
     """Queue on `pipe` the expiry `expire_run` gives each key found and the run's own queues'
-    (`RunKeys.own_queue_traces`): `seconds` for a key without one (NX) or expiring sooner (GT)."""
+    (`RunKeys.own_queue_traces`): `seconds` for a key without one or expiring within half of
+    them (`_RENEW_LUA`)."""
     skipped = keys.self_expiring
-    for key in [*found, *(name.encode() for name in keys.own_queue_traces)]:
-        if key.decode() not in skipped:
-            pipe.expire(key, seconds, nx=True)
-            pipe.expire(key, seconds, gt=True)
+    names = [k for k in [*found, *(n.encode() for n in keys.own_queue_traces)] if k.decode() not in skipped]
+    for start in range(0, len(names), 500):
+        batch = names[start : start + 500]
+        pipe.eval(_RENEW_LUA, len(batch), *batch, seconds)
 
 
 def payload_holder(step: int, rank: int) -> str:

@@ -142,3 +142,21 @@ def test_expire_run_gives_every_key_the_run_keeps_its_time_and_leaves_short_live
     assert DEFAULT_TTL_SECONDS - 60 < client.ttl(keys.settings) <= DEFAULT_TTL_SECONDS
     assert client.ttl(keys.announced_ranks) > DEFAULT_TTL_SECONDS
     assert 0 < client.ttl(keys.ship_problem) <= 10
+
+
+def test_expire_run_leaves_a_fresh_key_untouched_so_a_watch_on_it_holds(client, run_id):
+    """finalize WATCHes the step's manifest the cut has just written; the lease's renewal,
+    running beside the first cut (it scans every key of a Redis that may hold tens of
+    thousands), must not count as a write to it, or finalize takes its step for one found
+    empty and the step stalls until `stall_seconds` (seen in the clean-clone runs)."""
+    store = PayloadStore(client, run_id)
+    manifest = store.keys.step(0, "manifest")
+    client.set(manifest, b"cut", ex=DEFAULT_TTL_SECONDS)
+    with client.pipeline(transaction=True) as pipe:
+        pipe.watch(manifest)
+        store.expire_run()
+        pipe.multi()
+        pipe.set(store.keys.step(0, "verdict"), b"ok", ex=60)
+        assert pipe.execute() == [True], "the renewal broke the watch"
+    assert DEFAULT_TTL_SECONDS - 60 < client.ttl(manifest) <= DEFAULT_TTL_SECONDS
+    client.delete(manifest, store.keys.step(0, "verdict"))
