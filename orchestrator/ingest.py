@@ -167,20 +167,18 @@ class Ingest:
             self.outcomes[rollout_id] = rejected(exc.reason, str(exc))
             return [rollout_id]
         checked = PayloadFacts.from_wire(facts)
+        if checked is not None:
+            self.open_facts[record.rollout_id] = checked
+        if given is not None:
+            self.open_credit[record.rollout_id] = given
         if group is None:
             self.open_entries[record.rollout_id] = entry_id
-            if checked is not None:
-                self.open_facts[record.rollout_id] = checked
-            if given is not None:
-                self.open_credit[record.rollout_id] = given
             return []
         for member in group:
             self.open_entries.pop(member.rollout_id, None)
         group_facts = {m.rollout_id: self.open_facts.pop(m.rollout_id, None) for m in group}
-        group_facts[record.rollout_id] = checked
-        group_credit = {m.rollout_id: self.open_credit.pop(m.rollout_id, None) for m in group}
-        group_credit[record.rollout_id] = given
-        given_credit = {rid: credit for rid, credit in group_credit.items() if credit is not None}
+        popped = ((m.rollout_id, self.open_credit.pop(m.rollout_id, None)) for m in group)
+        given_credit = {rollout_id: credit for rollout_id, credit in popped if credit is not None}
         released = []
         for outcome in decide_group(
             group,

@@ -61,6 +61,11 @@ class GroupRollouts:
     not_trainable_traces: int = 0  # traces of an agent that does not train
     untrained_traces: int = 0  # clean traces with no branch left to train
 
+    @property
+    def written(self) -> list[Rollout]:
+        """Every rollout the group is written as: its rollouts, then its records of no tokens."""
+        return [*self.rollouts, *self.untrained]
+
 
 @lru_cache(maxsize=1 << 14)
 def identifier(value: str) -> str:

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from verifiers.v1.episode import WireEpisode
 
 from orchestrator.admission import FINISHED, AdmissionRefused
+from orchestrator.commands.produce import DEFAULT_ENVS, WAIT_REPORT_SECONDS
 from orchestrator.groups import group_size_of
 from orchestrator.records import RecordRejected, describe_validation_error
 from orchestrator.rollout_checks import RolloutRejected
@@ -31,8 +32,6 @@ from rlship.verifiers.producers import EpisodeProducer
 from rlship.verifiers.synthetic import SyntheticEpisodes
 
 log = logging.getLogger("rlship.producer")
-DEFAULT_ENVS = ("math", "code", "chat")
-WAIT_REPORT_SECONDS = 5.0
 
 
 class EpisodeFileError(ValueError):

@@ -160,8 +160,8 @@ class EpisodeProducer(_EpisodeConverter):
         Raises as `RolloutProducer.produce` does: RolloutRejected (naming each bad episode,
         trace and branch; nothing written) or AdmissionRefused."""
         group = self._group(episodes)
-        if group.rollouts or group.untrained:
-            self.rollouts.produce([*group.rollouts, *group.untrained], timeout=timeout)
+        if written := group.written:
+            self.rollouts.produce(written, timeout=timeout)
         return group
 
 
@@ -188,6 +188,6 @@ class AsyncEpisodeProducer(_EpisodeConverter):
         """See `EpisodeProducer.produce`."""
         await self.rollouts.ready()
         group = self._group(episodes)
-        if group.rollouts or group.untrained:
-            await self.rollouts.produce([*group.rollouts, *group.untrained], timeout=timeout)
+        if written := group.written:
+            await self.rollouts.produce(written, timeout=timeout)
         return group

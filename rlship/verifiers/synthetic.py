@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import verifiers.v1 as vf
 
+from orchestrator.commands.produce import DEFAULT_ENVS
 from orchestrator.groups import group_size_of
 
 ERROR_RATE = 0.03
@@ -28,7 +29,7 @@ class SyntheticEpisodes:
     run_id: str
     seed: int = 0
     group_size: int | Mapping[str, int] = 8
-    envs: tuple[str, ...] = ("math", "code", "chat")
+    envs: tuple[str, ...] = DEFAULT_ENVS
     seq_len: int = 2048
     vocab_size: int = 151_936
     rng: np.random.Generator = field(init=False)

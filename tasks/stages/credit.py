@@ -18,6 +18,7 @@ and the workers its trainable tokens from it, reading no array.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,6 @@ import numpy as np
 
 GIVEN = "given"
 GROUP_BASELINE = "group_baseline"
-CREDIT_KINDS: tuple[str, ...] = (GIVEN, GROUP_BASELINE)
 # The cohort column of a rollout with given credit: its tokens that train (NaN: group baseline).
 CREDIT_TOKENS_COLUMN = "credit_tokens"
 
@@ -39,8 +39,7 @@ def token_rl_weights(arrays: Mapping[str, Any], advantage: float | None = None) 
     given = arrays.get("rl_weights")
     weights = loss_mask.astype(np.float64) if given is None else np.asarray(given, dtype=np.float64)
     advantages = arrays.get("advantages")
-    own = advantages is not None
-    zero = np.asarray(advantages) == 0.0 if own else np.full(len(loss_mask), advantage == 0.0)
+    zero = np.asarray(advantages) == 0.0 if advantages is not None else advantage == 0.0
     return np.where(loss_mask & zero, 0.0, weights)
 
 
@@ -84,7 +83,7 @@ class GivenCredit:
             tokens, mean = int(words[0]), float(words[1])
         except (ValueError, IndexError):
             raise ValueError(f"credit: {text!r:.80} is not '<trainable tokens> <mean advantage>'") from None
-        if len(words) != 2 or tokens < 0 or not np.isfinite(mean):
+        if len(words) != 2 or tokens < 0 or not math.isfinite(mean):
             raise ValueError(f"credit: {text!r:.80} is not '<trainable tokens> <mean advantage>'")
         return cls(tokens, mean)
 

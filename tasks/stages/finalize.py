@@ -40,22 +40,20 @@ from transport.payload_segments import (
 from transport.schema import MM_KWARGS_PREFIX, EncodedTensor
 
 REQUIRED_ARRAYS: tuple[str, ...] = ("input_ids", "loss_mask", "inference_logprobs")
+# The credit streams: per-token values that otherwise follow from the record. `advantages` is
+# the producer's own credit (its algorithm's, per token): rlship then ships it as given and
+# computes no group baseline for the rollout (docs/integrators.md, "Credit").
+CREDIT_ARRAYS: tuple[str, ...] = ("advantages", "rl_weights", "temperatures")
 # Optional per-token streams a producer may supply, one value per token (routed experts:
 # [tokens, layers, topk]); the encoder carries each into the micro-batch field of its name.
-# `advantages` is the producer's own credit (its algorithm's, per token): rlship then ships it
-# as given and computes no group baseline for the rollout (docs/integrators.md, "Credit").
 OPTIONAL_TOKEN_ARRAYS: tuple[str, ...] = (
     "ref_logprobs",
     "routed_experts",
     "ce_weights",
     "ref_kl_weights",
     "mm_token_type_ids",
-    "advantages",
-    "rl_weights",
-    "temperatures",
+    *CREDIT_ARRAYS,
 )
-# The credit streams among them: per-token values that otherwise follow from the record.
-CREDIT_ARRAYS: tuple[str, ...] = ("advantages", "rl_weights", "temperatures")
 FLOAT_ARRAYS: tuple[str, ...] = (
     "inference_logprobs",
     "ref_logprobs",

@@ -70,7 +70,7 @@ def one_round(client: Any, args: argparse.Namespace, seed: int) -> dict[str, flo
         episodes_cpu = cpu_seconds() - start
         # The plain side writes the same records: the rollouts, and the records of no tokens
         # of the traces that train nothing (rlship.verifiers.producers).
-        written = [[*result.rollouts, *result.untrained] for result in results]
+        written = [result.written for result in results]
         as_lists = [[(record, {k: v.tolist() for k, v in a.items()}) for record, a in g] for g in written]
         rollouts = RolloutProducer.for_run(client, settings[1], admitted=False)
         start = cpu_seconds()
