@@ -46,6 +46,16 @@ log = logging.getLogger("rlship.producer")
 DEFAULT_ENVS = ("math", "code", "chat")
 
 
+def workload_envs(settings: RunSettings) -> tuple[str, ...]:
+    """The envs a synthetic workload draws from: the run's own (`envs`), else those its
+    per-env group sizes name, else the default three. Any other would be refused by the run."""
+    if settings.envs:
+        return tuple(settings.envs)
+    if isinstance(settings.group_size, Mapping):
+        return tuple(settings.group_size)
+    return DEFAULT_ENVS
+
+
 @dataclass
 class SyntheticWorkload:
     """Seeded synthetic rollouts, one group at a time."""
@@ -76,7 +86,7 @@ class SyntheticWorkload:
         return cls(
             seed=settings.seed,
             group_size=settings.group_size,
-            envs=tuple(settings.group_size) if isinstance(settings.group_size, Mapping) else DEFAULT_ENVS,
+            envs=workload_envs(settings),
             seq_len=settings.seq_len,
             vocab_size=settings.vocab_size,
             moe_rows=moe_rows,

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from verifiers.v1.episode import WireEpisode
 
 from orchestrator.admission import FINISHED, AdmissionRefused
-from orchestrator.commands.produce import DEFAULT_ENVS, WAIT_REPORT_SECONDS
+from orchestrator.commands.produce import WAIT_REPORT_SECONDS, workload_envs
 from orchestrator.groups import group_size_of
 from orchestrator.records import RecordRejected, describe_validation_error
 from orchestrator.rollout_checks import RolloutRejected
@@ -126,7 +126,7 @@ def run_synthetic_episodes(
     groups written."""
     producer = EpisodeProducer.for_run(client, settings)
     synthetic = SyntheticEpisodes(
-        settings.run_id, settings.seed, settings.group_size, tuple(settings.envs or DEFAULT_ENVS),
+        settings.run_id, settings.seed, settings.group_size, workload_envs(settings),
         settings.seq_len, settings.vocab_size,
     )  # fmt: skip
     written = 0
