@@ -11,7 +11,7 @@ When tracing is off every method returns at once with nothing (no header, no spa
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -104,15 +104,15 @@ class StepTraces:
         histograms' exemplar: `trace_id`, as Grafana's exemplar link to Jaeger reads it)."""
         return tracing.trace_id_of(self.parents.get(step))
 
-    async def resume(self, client: aioredis.Redis, steps: Iterable[int]) -> None:
-        """The trace contexts of steps a previous orchestrator cut (their roots went with it):
-        the tasks enqueued again for them stay in their traces."""
-        if not self.enabled:
+    async def resume(self, client: aioredis.Redis, steps: Sequence[int]) -> None:
+        """The trace contexts of steps a previous orchestrator cut (their roots went with it),
+        in one read: the tasks enqueued again for them stay in their traces."""
+        if not self.enabled or not steps:
             return
-        for step in steps:
-            stored = await client.get(self.keys.trace(step))
-            if stored is not None:
-                self.parents[step] = stored.decode()
+        stored = await client.mget([self.keys.trace(step) for step in steps])
+        for step, traceparent in zip(steps, stored, strict=True):
+            if traceparent is not None:
+                self.parents[step] = traceparent.decode()
 
     def published(self, step: int) -> None:
         """The step's record is published: its root span ends."""

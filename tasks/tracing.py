@@ -53,10 +53,6 @@ EXTRA = "pip install 'rlship[tracing]'"
 HTTP_EXPORTER = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
 GRPC_EXPORTER = "opentelemetry.exporter.otlp.proto.grpc.trace_exporter"
 GRPC_PACKAGE = "opentelemetry-exporter-otlp-proto-grpc"
-# How long a task's end waits for its spans to reach the collector: a collector that does
-# not answer delays one task by this, then none until it answers again
-# (`tasks.tracing_sdk.TaskEndExport.flush`).
-TASK_END_EXPORT_WAIT_SECONDS = 2.0
 # Entries (a task's spans each, about 1 KiB) a run's span list holds while nobody relays them
 # (the orchestrator down, the collector not answering); past it the oldest are dropped.
 SPANS_HELD_MAX = 20_000

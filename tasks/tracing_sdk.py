@@ -18,26 +18,24 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, Tracer, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-from tasks.tracing import TASK_END_EXPORT_WAIT_SECONDS, hold_spans, protocol
+from tasks.tracing import hold_spans, protocol
 
 log = logging.getLogger("rlship.tracing")
 
 QUEUED_SPANS_MAX = 4096
+# How long a task's end waits for its spans to reach the collector: a collector that does
+# not answer delays one task by this, then none until it answers again (`TaskEndExport.flush`).
+TASK_END_EXPORT_WAIT_SECONDS = 2.0
 
 
-class TaskEndPush(SpanProcessor):
-    """A span processor for Celery pool processes (OTLP over HTTP): at the end of each
-    stage task its ended spans are encoded as one OTLP `ExportTraceServiceRequest` and
-    pushed onto the run's span list in Redis (`tasks.tracing.hold_spans`: one script), whence
-    the orchestrator relays them (`orchestrator.span_relay`). They are out of the process
-    before its next task starts, as with `TaskEndExport`, for an encode and one Redis round
-    trip instead of an HTTP request. Redis not answering keeps them here for the next push."""
+class TaskEndSpans(SpanProcessor):
+    """What a Celery pool process's span processor holds between two task ends: the spans
+    ended since the last hand-off (at most `QUEUED_SPANS_MAX`), taken by `task_ended` (a
+    stage task's end) and `process_exit` (the process stops)."""
 
     def __init__(self) -> None:
         self._spans: list[ReadableSpan] = []
         self._lock = threading.Lock()
-        self._run_id: str | None = None  # of the last push: where spans left at exit go
-        self._failing = False
 
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
         return None
@@ -47,13 +45,45 @@ class TaskEndPush(SpanProcessor):
             if len(self._spans) < QUEUED_SPANS_MAX:
                 self._spans.append(span)
 
+    def _take(self) -> list[ReadableSpan]:
+        """The spans held, and none held after."""
+        with self._lock:
+            spans, self._spans = self._spans, []
+        return spans
+
+    def _give_back(self, spans: list[ReadableSpan]) -> None:
+        """Spans taken and not handed on: held again, ahead of those ended since, to the cap."""
+        with self._lock:
+            self._spans[:0] = spans[: max(0, QUEUED_SPANS_MAX - len(self._spans))]
+
+    def task_ended(self, run_id: str) -> None:
+        """A stage task of run `run_id` ended: hand its spans on."""
+        raise NotImplementedError
+
+    def process_exit(self) -> None:
+        """The process stops: hand on what is still held."""
+        raise NotImplementedError
+
+
+class TaskEndPush(TaskEndSpans):
+    """A span processor for Celery pool processes (OTLP over HTTP): at the end of each
+    stage task its ended spans are encoded as one OTLP `ExportTraceServiceRequest` and
+    pushed onto the run's span list in Redis (`tasks.tracing.hold_spans`: one script), whence
+    the orchestrator relays them (`orchestrator.span_relay`). They are out of the process
+    before its next task starts, as with `TaskEndExport`, for an encode and one Redis round
+    trip instead of an HTTP request. Redis not answering keeps them here for the next push."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._run_id: str | None = None  # of the last push: where spans left at exit go
+        self._failing = False
+
     def task_ended(self, run_id: str) -> None:
         """Push the ended spans onto run `run_id`'s span list."""
         from tasks.context import redis_client
 
         self._run_id = run_id
-        with self._lock:
-            spans, self._spans = self._spans, []
+        spans = self._take()
         if not spans:  # nothing recorded (a step not sampled)
             return
         try:
@@ -62,8 +92,7 @@ class TaskEndPush(SpanProcessor):
             if not self._failing:
                 log.exception("pushing %d spans to Redis failed; they wait for the next push", len(spans))
             self._failing = True
-            with self._lock:
-                self._spans[:0] = spans[: max(0, QUEUED_SPANS_MAX - len(self._spans))]
+            self._give_back(spans)
             return
         self._failing = False
 
@@ -80,16 +109,15 @@ class TaskEndPush(SpanProcessor):
         return True
 
 
-class TaskEndExport(SpanProcessor):
+class TaskEndExport(TaskEndSpans):
     """A span processor for Celery pool processes: ended spans wait here and are handed to
     an export thread at the end of each task (`flush`), which waits until they are sent.
     A batch processor on a timer would keep a task's spans for seconds, and a pool process
     killed meanwhile (OOM, a fault) would take its earlier, finished tasks' spans with it."""
 
     def __init__(self, exporter: SpanExporter) -> None:
+        super().__init__()
         self._exporter = exporter
-        self._spans: list[ReadableSpan] = []
-        self._lock = threading.Lock()
         self._wake = threading.Event()
         self._exported = threading.Event()
         self._exported.set()
@@ -97,14 +125,6 @@ class TaskEndExport(SpanProcessor):
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="rlship-span-export", daemon=True)
         self._thread.start()
-
-    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
-        return None
-
-    def on_end(self, span: ReadableSpan) -> None:
-        with self._lock:
-            if len(self._spans) < QUEUED_SPANS_MAX:
-                self._spans.append(span)
 
     def flush(self, wait: float) -> bool:
         """Hand the ended spans to the export thread; wait up to `wait` seconds for them to
@@ -123,8 +143,7 @@ class TaskEndExport(SpanProcessor):
         while not self._stopped:
             self._wake.wait()
             self._wake.clear()
-            with self._lock:
-                spans, self._spans = self._spans, []
+            spans = self._take()
             try:
                 if spans:
                     self._answering = self._exporter.export(spans) == SpanExportResult.SUCCESS
@@ -183,7 +202,7 @@ class Tracing:
         if task_end == "default":
             timer = os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "").strip()
             task_end = None if role != "worker" or timer else "export" if protocol() == "grpc" else "push"
-        self.task_end: TaskEndPush | TaskEndExport | None = None
+        self.task_end: TaskEndSpans | None = None
         if task_end is not None:
             self.task_end = TaskEndPush() if task_end == "push" else TaskEndExport(_exporter())
             self.provider.add_span_processor(self.task_end)
