@@ -202,11 +202,6 @@ def step_trace_id(client: Any, run_id: str, step: int) -> str | None:
     return trace_id_of(client.get(RunKeys(run_id).trace(step)))
 
 
-async def step_trace_id_async(client: Any, run_id: str, step: int) -> str | None:
-    """`step_trace_id` for a `redis.asyncio` client."""
-    return trace_id_of(await client.get(RunKeys(run_id).trace(step)))
-
-
 def current_trace_id() -> str | None:
     """The trace id of the span this thread is in (for log lines); None when off or outside."""
     if not _tracing:
