@@ -52,6 +52,7 @@ import redis.asyncio as aioredis
 from orchestrator.checkpoint import Checkpoint
 from orchestrator.dispatcher import Dispatcher
 from orchestrator.errors import EmptySteps, RunStateLost
+from orchestrator.exporter import serve_metrics
 from orchestrator.follower import RecordFollower
 from orchestrator.gate import PolicyGate
 from orchestrator.ingest import Ingest
@@ -205,7 +206,7 @@ class Orchestrator:
         step's trace id as their exemplar when it is traced."""
         trace_id = self.publisher.traces.trace_id(step)
         seconds = await take_step_seconds(self.client, self.keys, step)
-        self.step_metrics.observe_step(step, seconds, {"trace_id": trace_id} if trace_id else None)
+        self.step_metrics.observe_step(seconds, {"trace_id": trace_id} if trace_id else None)
 
     # -- the run's start and end -----------------------------------------------------
 
@@ -294,9 +295,6 @@ class Orchestrator:
         metrics_server = None
         try:
             if self.settings.metrics_port:
-                # Imported here: prometheus_client is loaded only by a run that serves metrics.
-                from orchestrator.exporter import serve_metrics
-
                 metrics_server = serve_metrics(self.settings, self.follower, self.probe, self.step_metrics)
             await self.follower.follow()
             await self.releases.drain()

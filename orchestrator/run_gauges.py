@@ -1,5 +1,5 @@
-"""The endpoint's metrics that other processes count in the run's Redis, read in two round
-trips per scrape (a pipeline, and `INFO memory`) on the endpoint's thread: the tasks' queue waits and failures
+"""The endpoint's metrics that other processes count in the run's Redis, read in one
+pipelined round trip per scrape on the endpoint's thread: the tasks' queue waits and failures
 (`transport.task_metrics`, from the workers), the trainer ranks' idle seconds, rollouts and
 bytes into and out of the byte budget (the produce script and the release scripts,
 `transport.store`), the newest record's publication and staleness, and Redis' own memory.
@@ -86,8 +86,8 @@ class RunGauges:
         pipe.hgetall(keys.rollout_flow)
         pipe.get(keys.produced)
         pipe.hget(keys.published, newest_step)
-        waits, failures, idle, flow, produced, published_at = pipe.execute()
-        memory = self.client.info("memory")
+        pipe.info("memory")
+        waits, failures, idle, flow, produced, published_at, memory = pipe.execute()
         yield self._queue_waits(waits)
         # Every stage from 0: a first failure is then a rise that increase() and the alert see
         # (a series' first sample is none), and the board has each stage's line from the start.

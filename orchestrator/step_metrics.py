@@ -62,11 +62,9 @@ class StepMetrics:
         self._ship = self.ship_seconds.labels(run_id)
         self._lag = self.loop_lag.labels(run_id)
 
-    def observe_step(
-        self, step: int, seconds: Mapping[str, float], exemplar: dict[str, str] | None = None
-    ) -> None:
+    def observe_step(self, seconds: Mapping[str, float], exemplar: dict[str, str] | None = None) -> None:
         """Observe one shipped step's timings (stage name or `ship` -> seconds); `exemplar`
-        (the step's trace id) goes with each observation. `step` names the step observed."""
+        (the step's trace id) goes with each observation."""
         for stage, child in self._stages.items():
             if stage in seconds:
                 child.observe(seconds[stage], exemplar)

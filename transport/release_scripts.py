@@ -12,19 +12,31 @@ import msgpack
 
 from transport.keys import DEFAULT_TTL_SECONDS, PAYLOAD, WIRE_SUFFIX, RunKeys
 
-# Taking a holder's bytes out of the run's budget (`RunKeys.held_bytes` and its total), once;
-# a rollout's (with `flow`, `RunKeys.rollout_flow`) counted as released, with its bytes.
+# Taking a holder's bytes out of the run's budget (`RunKeys.held_bytes` and its total), once:
+# `unhold` returns them (nil if it held none). Rollouts released are counted in the rollout
+# flow (`RunKeys.rollout_flow`), with their bytes, once per script (from `tally`).
 _UNHOLD_LUA = """
-local function unhold(held, total, holder, flow)
+local function unhold(held, total, holder)
   local bytes = redis.call('HGET', held, holder)
   if bytes then
     redis.call('HDEL', held, holder)
     redis.call('DECRBY', total, bytes)
-    if flow then
-      redis.call('HINCRBY', flow, 'released', 1)
-      redis.call('HINCRBY', flow, 'released_bytes', bytes)
-      redis.call('EXPIRE', flow, ARGV[#ARGV])
-    end
+    return tonumber(bytes)
+  end
+end
+local tally = {rollouts = 0, bytes = 0}
+local function unhold_rollout(held, total, rollout_id)
+  local bytes = unhold(held, total, rollout_id)
+  if bytes then
+    tally.rollouts = tally.rollouts + 1
+    tally.bytes = tally.bytes + bytes
+  end
+end
+local function count_released(flow)
+  if tally.rollouts > 0 then
+    redis.call('HINCRBY', flow, 'released', tally.rollouts)
+    redis.call('HINCRBY', flow, 'released_bytes', tally.bytes)
+    redis.call('EXPIRE', flow, ARGV[#ARGV])
   end
 end
 """
@@ -45,13 +57,14 @@ for _, key in ipairs(members) do
   local rollout_id = string.match(key, ':rollout:(.*)$')
   if rollout_id then
     table.insert(wires, key .. ARGV[1])
-    unhold(KEYS[1], KEYS[2], rollout_id, KEYS[4])
+    unhold_rollout(KEYS[1], KEYS[2], rollout_id)
   end
 end
 for i = 1, #wires, 1000 do
   redis.call('UNLINK', unpack(wires, i, math.min(i + 999, #wires)))
 end
 redis.call('UNLINK', KEYS[3])
+count_released(KEYS[4])
 return deleted
 """
 )
@@ -63,8 +76,9 @@ _RELEASE_ROLLOUTS_LUA = (
     _UNHOLD_LUA
     + """
 for i = 1, #ARGV - 1 do
-  unhold(KEYS[1], KEYS[2], ARGV[i], KEYS[3])
+  unhold_rollout(KEYS[1], KEYS[2], ARGV[i])
 end
+count_released(KEYS[3])
 local deleted = 0
 for i = 4, #KEYS, 1000 do
   deleted = deleted + redis.call('UNLINK', unpack(KEYS, i, math.min(i + 999, #KEYS)))

@@ -88,10 +88,6 @@ class CumulativeHistogram:
     buckets: list[tuple[float, int]]
     total: float
 
-    @property
-    def count(self) -> int:
-        return self.buckets[-1][1]
-
 
 def queue_wait_histograms(raw: Mapping[bytes, bytes]) -> dict[str, CumulativeHistogram]:
     """Per queue kind with any wait, its histogram, from the hash's raw fields (HGETALL)."""

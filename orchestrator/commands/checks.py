@@ -20,8 +20,6 @@ from orchestrator.commands.redis_checks import (
     probe_redis,
     redis_can_be_started,
     redis_checks,
-    redis_keeps_data,
-    redis_replicas,
     wait_for_redis,
 )
 from orchestrator.settings import RunSettings
@@ -168,12 +166,10 @@ def workers_on_queues(settings: RunSettings) -> list[Check]:
 def doctor_checks(settings: RunSettings) -> list[Check]:
     """Everything `rlship doctor` looks at, fatal for a run or not."""
     answer = probe_redis(settings.redis_url)
-    checks = [answer.check]
     if answer.reason == "unreachable":
-        checks.append(redis_can_be_started(settings.redis_url))
-    elif answer.client is not None:
-        checks += redis_keeps_data(answer.client, settings.allow_eviction, bool(settings.redis_wait_replicas))
-        checks += redis_replicas(answer.client, settings)
+        checks = [answer.check, redis_can_be_started(settings.redis_url)]
+    else:
+        checks = redis_checks(settings, answer)
     if settings.transport == "zmq":
         checks.append(port_pair_free(settings.zmq_host, settings.zmq_port))
     if settings.metrics_port:

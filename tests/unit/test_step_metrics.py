@@ -23,8 +23,8 @@ def test_a_step_observed_with_its_trace_id_shows_it_as_an_exemplar_in_openmetric
     port = free_port()
     server, thread = start_http_server(port, "127.0.0.1", registry)
     try:
-        metrics.observe_step(3, {"finalize": 0.003, "send": 1.5, "ship": 4.0}, {"trace_id": "ab12"})
-        metrics.observe_step(4, {"finalize": 0.2})
+        metrics.observe_step({"finalize": 0.003, "send": 1.5, "ship": 4.0}, {"trace_id": "ab12"})
+        metrics.observe_step({"finalize": 0.2})
         families = run_samples(port, "run-a", openmetrics=True)
         stage = families["rlship_stage_duration_seconds"]
         counts = {s.labels["stage"]: s.value for s in stage if s.name.endswith("_count")}
