@@ -67,6 +67,19 @@ class Cohort:
     def custom_metric_names(self) -> list[str]:
         return sorted(n[len(CUSTOM_PREFIX) :] for n in self.numeric if n.startswith(CUSTOM_PREFIX))
 
+    def total_tokens(self) -> np.ndarray:
+        """Each rollout's input plus output tokens."""
+        return self.numeric["num_input_tokens"] + self.numeric["num_output_tokens"]
+
+    def rewards_by_group(self) -> list[list[float]]:
+        """Each group's rewards (a group: a group id of an env), groups as first seen."""
+        groups: dict[tuple[str, str], list[float]] = {}
+        for env, group, reward in zip(
+            self.labels["env"], self.labels["group_id"], self.numeric["reward"], strict=True
+        ):
+            groups.setdefault((env, group), []).append(float(reward))
+        return list(groups.values())
+
     def take(self, index: np.ndarray | list[int]) -> Cohort:
         """The rows at `index` (a boolean mask or positions), in that order."""
         positions = np.flatnonzero(index) if np.asarray(index).dtype == bool else np.asarray(index, int)

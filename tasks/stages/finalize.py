@@ -345,7 +345,7 @@ def finalize_step(
     cohort = manifest.effective
     config = manifest.config
     ids = cohort.labels["rollout_id"]
-    expected = cohort.numeric["num_input_tokens"] + cohort.numeric["num_output_tokens"]
+    expected = cohort.total_tokens()
     loss, max_id = (_fact_column(cohort, name) for name in FACT_COLUMNS[:2])
     # Rows checked by their facts, all at once (a cut of thousands at the cut's pace).
     by_facts = ~np.isnan(loss) & np.array([rid not in payloads for rid in ids], dtype=bool)

@@ -50,24 +50,18 @@ def distribution(values: np.ndarray) -> dict[str, float]:
 
 
 def _column(cohort: Cohort, name: str) -> np.ndarray:
-    if name == "num_total_tokens":
-        return cohort.numeric["num_input_tokens"] + cohort.numeric["num_output_tokens"]
-    return cohort.numeric[name]
+    return cohort.total_tokens() if name == "num_total_tokens" else cohort.numeric[name]
 
 
 def _group_solved_shares(cohort: Cohort) -> dict[str, float]:
     """Share of groups in which none, some or all rollouts solved the task (NaN for an
     empty cohort, whose record keeps the same keys)."""
-    solved_by_group: dict[tuple[str, str], list[bool]] = {}
-    for env, group, reward in zip(
-        cohort.labels["env"], cohort.labels["group_id"], cohort.numeric["reward"], strict=True
-    ):
-        solved_by_group.setdefault((env, group), []).append(bool(reward >= SOLVED_REWARD))
+    solved_by_group = [[reward >= SOLVED_REWARD for reward in group] for group in cohort.rewards_by_group()]
     groups = len(solved_by_group)
     if not groups:
         return {"num_groups": 0.0, "solved_none": math.nan, "solved_all": math.nan, "solved_some": math.nan}
-    none = sum(not any(s) for s in solved_by_group.values())
-    every = sum(all(s) for s in solved_by_group.values())
+    none = sum(not any(s) for s in solved_by_group)
+    every = sum(all(s) for s in solved_by_group)
     return {
         "num_groups": float(groups),
         "solved_none": none / groups,

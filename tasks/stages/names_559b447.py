@@ -46,7 +46,7 @@ def distribution(prefix: str, values: np.ndarray) -> dict[str, float]:
 
 def _column(cohort: Cohort, name: str) -> np.ndarray:
     if name == "num_total_tokens":
-        return cohort.numeric["num_input_tokens"] + cohort.numeric["num_output_tokens"]
+        return cohort.total_tokens()
     if name == "num_branches":
         return np.ones(len(cohort))
     return cohort.numeric[name]
@@ -59,13 +59,9 @@ def _agents(cohort: Cohort) -> list[str]:
 def _solve_rates(cohort: Cohort) -> dict[str, float]:
     """Groups none of whose rewards is above 0 (they sum to 0), all of whose rewards are
     1.0, and the rest, as shares of the groups."""
-    groups: dict[tuple[str, str], list[float]] = {}
-    for env, group, reward in zip(
-        cohort.labels["env"], cohort.labels["group_id"], cohort.numeric["reward"], strict=True
-    ):
-        groups.setdefault((env, group), []).append(float(reward))
-    none = sum(sum(rewards) == 0 for rewards in groups.values())
-    every = sum(all(r == SOLVED_REWARD for r in rewards) for rewards in groups.values())
+    groups = cohort.rewards_by_group()
+    none = sum(sum(rewards) == 0 for rewards in groups)
+    every = sum(all(r == SOLVED_REWARD for r in rewards) for rewards in groups)
     return {
         "solved_none": none / len(groups),
         "solved_all": every / len(groups),
@@ -135,14 +131,13 @@ def train_metrics(window: Cohort, shipped: Cohort) -> dict[str, float]:
     return out
 
 
-def step_counts(window: Cohort, shipped: Cohort) -> dict[str, float]:
-    """This step's `progress/*` (tokens, rollouts and tasks of the window; input and output
-    tokens of the shipped rollouts) and `batch/{env}` (each env's share of the window)."""
-    tokens = window.numeric["num_input_tokens"].sum() + window.numeric["num_output_tokens"].sum()
+def step_counts(window: Cohort) -> dict[str, float]:
+    """This step's `progress/*` that 559b447 counts over the window (tokens, rollouts, tasks;
+    its input and output tokens are the shipped rollouts', rlship's own keys) and `batch/{env}`
+    (each env's share of the window)."""
+    tokens = window.total_tokens().sum()
     out = {
         "progress/tokens": float(tokens),
-        "progress/input_tokens": float(shipped.numeric["num_input_tokens"].sum()),
-        "progress/output_tokens": float(shipped.numeric["num_output_tokens"].sum()),
         "progress/rollouts": float(len(window)),
         "progress/tasks": float(len(set(zip(window.labels["env"], window.labels["group_id"], strict=True)))),
     }
@@ -166,4 +161,4 @@ def event_loop_lag(loop_lag_ms: np.ndarray) -> dict[str, float]:
 
 def from_step(window: Cohort, shipped: Cohort, loop_lag_ms: np.ndarray) -> dict[str, float]:
     """Everything of the 559b447 record the metrics stage computes from the cohorts."""
-    return train_metrics(window, shipped) | step_counts(window, shipped) | event_loop_lag(loop_lag_ms)
+    return train_metrics(window, shipped) | step_counts(window) | event_loop_lag(loop_lag_ms)

@@ -64,13 +64,9 @@ def _per_example_means(cohort: Cohort, column: np.ndarray) -> np.ndarray:
 def _solve_shares(cohort: Cohort) -> dict[str, float]:
     """prime-rl's solve_all / solve_none: problems (groups) whose rewards sum to the number
     of their rollouts (all solved) or to 0 (none solved)."""
-    sums: dict[tuple[str, str], list[float]] = {}
-    for env, group, reward in zip(
-        cohort.labels["env"], cohort.labels["group_id"], cohort.numeric["reward"], strict=True
-    ):
-        sums.setdefault((env, group), []).append(float(reward))
-    solve_all = float(np.mean([sum(r) == len(r) for r in sums.values()]))
-    solve_none = float(np.mean([sum(r) == 0 for r in sums.values()]))
+    groups = cohort.rewards_by_group()
+    solve_all = float(np.mean([sum(r) == len(r) for r in groups]))
+    solve_none = float(np.mean([sum(r) == 0 for r in groups]))
     return {
         "batch/solve_none": solve_none,
         "batch/solve_all": solve_all,
@@ -97,10 +93,7 @@ def from_step(window: Cohort, loop_lag_ms: np.ndarray) -> dict[str, float]:
         fixed += ["errored_rollouts/all"]
         return out | dict.fromkeys(fixed, math.nan)
     for name, source in PER_EXAMPLE.items():
-        if source == "num_total_tokens":
-            column = window.numeric["num_input_tokens"] + window.numeric["num_output_tokens"]
-        else:
-            column = window.numeric[source]
+        column = window.total_tokens() if source == "num_total_tokens" else window.numeric[source]
         means = _per_example_means(window, column)
         for stat, value in (("mean", means.mean()), ("max", means.max()), ("min", means.min())):
             out[f"{name}/{stat}"] = float(value)

@@ -30,7 +30,8 @@ WINDOW_TOTALS: dict[str, str] = {
     "window_rollouts": "progress/rollouts",
     "window_tasks": "progress/tasks",
 }
-# rlship's internal keys that 559b447 names otherwise (same quantity), or replaces.
+# rlship's internal keys that 559b447 names otherwise (same quantity), or replaces (its
+# `progress/input_tokens` and `progress/output_tokens` are rlship's, kept as they are).
 RENAMED_559B447: dict[str, str] = {
     "off_policy/staleness/mean": "off_policy/mean",
     "off_policy/staleness/max": "off_policy/max",
@@ -38,8 +39,6 @@ RENAMED_559B447: dict[str, str] = {
 }
 REPLACED_559B447: tuple[str, ...] = (
     "progress/tokens",
-    "progress/input_tokens",
-    "progress/output_tokens",
     "progress/rollouts",
     "progress/tasks",
     "progress/total_tokens",

@@ -1,12 +1,18 @@
-"""Reading the orchestrator's Prometheus endpoint as a scraper does."""
+"""Reading the orchestrator's Prometheus endpoint as a scraper does, and serving it on a
+finished run's own components."""
 
 from __future__ import annotations
 
 import urllib.request
+from typing import Any
 
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+
+from orchestrator.exporter import MetricsEndpoint, serve_metrics
+from orchestrator.settings import RunSettings
+from transport.zmq_sockets import free_port_pair
 
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 
@@ -41,3 +47,16 @@ def scrape(port: int, run_id: str) -> dict[str, float]:
             labels.pop("run_id")
             samples[":".join([sample.name, *labels.values()])] = sample.value
     return samples
+
+
+def serve_finished_run(orchestrator: Any, settings: RunSettings) -> tuple[MetricsEndpoint, int]:
+    """The endpoint served on a finished run's own components (its orchestrator's follower,
+    lag probe and step metrics) on a free port, and the port."""
+    port = free_port_pair()
+    endpoint = serve_metrics(
+        settings.with_changes(metrics_port=port),
+        orchestrator.follower,
+        orchestrator.probe,
+        orchestrator.step_metrics,
+    )
+    return endpoint, port

@@ -20,16 +20,22 @@ return found
 """
 
 
-def run_command(run_id: str, steps: int, output_dir, port: int, own_queues: bool = False) -> list[str]:
-    """A small `rlship run`, on the session's queues, or with `own_queues` on the run's own."""
+def run_arguments(run_id: str, steps: int, output_dir, port: int, own_queues: bool = False) -> list[str]:
+    """A small `rlship run`'s arguments, on the session's queues, or with `own_queues` on the
+    run's own."""
     queues = [] if own_queues else [
         "--cpu-queue", session_queue(f"cpu-{run_id}"), "--ship-queue", session_queue(f"ship-{run_id}"),
     ]  # fmt: skip
     return [
-        *python_command(), "run", "--steps", str(steps), "--run-id", run_id,
+        "run", "--steps", str(steps), "--run-id", run_id,
         "--batch-size", "16", "--group-size", "4", "--seq-len", "512", "--zmq-port", str(port),
         "--output-dir", str(output_dir), *queues,
     ]  # fmt: skip
+
+
+def run_command(run_id: str, steps: int, output_dir, port: int, own_queues: bool = False) -> list[str]:
+    """A small `rlship run` (`run_arguments`) as a command line."""
+    return python_command(*run_arguments(run_id, steps, output_dir, port, own_queues))
 
 
 def processes_of(run_id: str) -> list[str]:

@@ -4,15 +4,15 @@ ranks, the producer and the orchestrator, and ends with a summary."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import uuid
 
 import pytest
 
-from tests.support.processes import REPO, python_command, session_queue
+from tests.support.processes import REPO, python_command, rlship
 from tests.support.reference import compare, reference_records
+from tests.support.runs import run_arguments
 from transport.zmq_sockets import free_port_pair
 
 
@@ -20,22 +20,11 @@ from transport.zmq_sockets import free_port_pair
 def test_rlship_run_ships_every_step_to_every_rank(redis_url, tmp_path):
     run_id = f"cli-{uuid.uuid4().hex[:8]}"
     summary_path = tmp_path / "summary.json"
-    command = [
-        *python_command(), "run", "--steps", "3", "--ranks", "2",
-        "--batch-size", "16", "--group-size", "4", "--seq-len", "512", "--run-id", run_id,
-        "--zmq-port", str(free_port_pair()), "--output-dir", str(tmp_path),
-        "--cpu-queue", session_queue(f"cpu-{run_id}"), "--ship-queue", session_queue(f"ship-{run_id}"),
+    done = rlship(
+        *run_arguments(run_id, 3, tmp_path, free_port_pair()), "--ranks", "2",
         "--summary-json", str(summary_path), "--record-rollouts", str(tmp_path / "rollouts.jsonl"),
-        "--log-json",
-    ]  # fmt: skip
-    done = subprocess.run(
-        command,
-        env={**os.environ, "REDIS_URL": redis_url},
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+        "--log-json", env={"REDIS_URL": redis_url}, timeout=240,
+    )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert [line for line in done.stdout.splitlines() if line.startswith("step ")][2].startswith("step 2 |")
     assert f"rlship run {run_id}: 3 steps shipped" in done.stdout

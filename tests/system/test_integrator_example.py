@@ -10,16 +10,28 @@ import os
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 
-from orchestrator.commands.processes import delete_queues
 from orchestrator.settings import run_queue
 from tests.support.processes import REPO, left_running
+from tests.support.runs import forget_run
 from transport.keys import RunKeys
 from transport.zmq_sockets import free_port_pair
 
 STEPS = 3
+
+
+def run_example(
+    script: str, run_id: str, redis_url: str, tmp_path: Path, *options: str
+) -> subprocess.CompletedProcess:
+    """examples/`script` run to its end as docs/integrators.md says: `STEPS` steps of run `run_id`."""
+    example = [sys.executable, str(REPO / "examples" / script), "--steps", str(STEPS), *options,
+               "--run-id", run_id, "--zmq-port", str(free_port_pair()),
+               "--output-dir", str(tmp_path / "run")]  # fmt: skip
+    env = {**os.environ, "REDIS_URL": redis_url}
+    return subprocess.run(example, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
 
 
 @pytest.mark.timeout(300)
@@ -28,11 +40,7 @@ def test_the_guides_example_delivers_every_step_to_every_rank(receivers, client,
     run_id = f"guide-{receivers}-{uuid.uuid4().hex[:6]}"
     keys = RunKeys(run_id)
     try:
-        example = [sys.executable, str(REPO / "examples" / "own_loop.py"), "--steps", str(STEPS),
-                   "--receivers", receivers, "--run-id", run_id, "--zmq-port", str(free_port_pair()),
-                   "--output-dir", str(tmp_path / "run")]  # fmt: skip
-        env = {**os.environ, "REDIS_URL": redis_url}
-        done = subprocess.run(example, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+        done = run_example("own_loop.py", run_id, redis_url, tmp_path, "--receivers", receivers)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         for rank in (0, 1):
             assert f"rank {rank}: received steps [1, 2, 3]" in done.stdout
@@ -48,10 +56,7 @@ def test_the_guides_example_delivers_every_step_to_every_rank(receivers, client,
         queues = [run_queue(run_id, kind) for kind in ("cpu", "ship")]
         assert client.exists(*queues, *(f"_kombu.binding.{queue}" for queue in queues)) == 0, "no queue left"
     finally:
-        stale = list(client.scan_iter(match=f"{keys.prefix}*"))
-        if stale:
-            client.unlink(*stale)
-        delete_queues(client, [run_queue(run_id, "cpu"), run_queue(run_id, "ship")])
+        forget_run(client, run_id)
 
 
 @pytest.mark.timeout(300)
@@ -62,11 +67,7 @@ def test_the_verifiers_episodes_example_delivers_every_step(client, redis_url, t
     run_id = f"episodes-{uuid.uuid4().hex[:6]}"
     keys = RunKeys(run_id)
     try:
-        example = [sys.executable, str(REPO / "examples" / "verifiers_episodes.py"), "--steps", str(STEPS),
-                   "--run-id", run_id, "--zmq-port", str(free_port_pair()),
-                   "--output-dir", str(tmp_path / "run")]  # fmt: skip
-        env = {**os.environ, "REDIS_URL": redis_url}
-        done = subprocess.run(example, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+        done = run_example("verifiers_episodes.py", run_id, redis_url, tmp_path)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         for rank in (0, 1):
             assert f"rank {rank}: received steps [1, 2, 3]" in done.stdout
@@ -74,7 +75,4 @@ def test_the_verifiers_episodes_example_delivers_every_step(client, redis_url, t
         assert client.hlen(keys.published) == STEPS
         assert left_running(run_id) == []
     finally:
-        stale = list(client.scan_iter(match=f"{keys.prefix}*"))
-        if stale:
-            client.unlink(*stale)
-        delete_queues(client, [run_queue(run_id, "cpu"), run_queue(run_id, "ship")])
+        forget_run(client, run_id)

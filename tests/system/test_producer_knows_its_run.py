@@ -19,18 +19,16 @@ import pytest
 import redis.asyncio as aioredis
 
 from orchestrator.admission import AdmissionRefused
-from orchestrator.exporter import serve_metrics
 from orchestrator.producer import AsyncRolloutProducer, RolloutProducer, RolloutRejected
 from orchestrator.settings import RunSettings
 from orchestrator.stored_settings import RunNotStarted, SettingsDisagree
 from tests.support.factories import group
-from tests.support.prometheus import scrape
+from tests.support.prometheus import scrape, serve_finished_run
 from tests.support.shiprun import metrics_lines, ship, ship_settings
 from transport.arrays_blob import pack_arrays
 from transport.keys import RunKeys
 from transport.outcomes import cut_into, dropped_at, record_outcomes
 from transport.store import PayloadStore
-from transport.zmq_sockets import free_port_pair
 
 GROUP = 4
 
@@ -150,14 +148,7 @@ def test_a_producer_knows_its_run_and_learns_what_became_of_its_rollouts(
     records = metrics_lines(settings)
     dropped = sum(r.get("progress/dropped_by_workers/input_ids", 0.0) for r in records)
     assert dropped == 4.0
-    orchestrator = shipping[0].orchestrator
-    port = free_port_pair()
-    endpoint = serve_metrics(
-        settings.with_changes(metrics_port=port),
-        orchestrator.follower,
-        orchestrator.probe,
-        orchestrator.step_metrics,
-    )
+    endpoint, port = serve_finished_run(shipping[0].orchestrator, settings)
     try:
         samples = scrape(port, run_id)
     finally:

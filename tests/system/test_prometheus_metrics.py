@@ -16,14 +16,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from orchestrator.exporter import serve_metrics
 from orchestrator.run_gauges import RunGauges
 from orchestrator.settings import RunSettings
 from tasks.faults import arm
 from tasks.graph import STAGE_NAMES
 from tests.support.celery_events import TaskStarts
 from tests.support.processes import Workers, running_workers, wait_for
-from tests.support.prometheus import exposition, run_samples
+from tests.support.prometheus import exposition, run_samples, serve_finished_run
 from tests.support.shiprun import ShipResult, metrics_lines, ship, ship_settings, start_trainers, stop
 from transport.keys import RunKeys
 from transport.zmq_sockets import free_port_pair
@@ -68,14 +67,7 @@ def held(client: redis.Redis, keys: RunKeys) -> bool:
 def finished_endpoint_samples(result: ShipResult, settings, openmetrics: bool = False):
     """The endpoint served on the finished run's own components, scraped once the workers
     have been asked who consumes the run's queues."""
-    orchestrator = result.orchestrator
-    port = free_port_pair()
-    endpoint = serve_metrics(
-        settings.with_changes(metrics_port=port),
-        orchestrator.follower,
-        orchestrator.probe,
-        orchestrator.step_metrics,
-    )
+    endpoint, port = serve_finished_run(result.orchestrator, settings)
     try:
         wait_for("the workers' answer", lambda: endpoint.liveness.counts, timeout=30)
         return run_samples(port, settings.run_id, openmetrics), port, endpoint

@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
-import subprocess
 import threading
 import uuid
 from pathlib import Path
@@ -39,7 +37,8 @@ from tests.support.prime_559b447_samples import (  # noqa: E402
     prune_zero_advantages,
     routed_rows,
 )
-from tests.support.processes import REPO, python_command, rlship, session_queue  # noqa: E402
+from tests.support.processes import rlship  # noqa: E402
+from tests.support.runs import run_arguments  # noqa: E402
 from tests.support.shiprun import open_policy_gate, ship, ship_settings  # noqa: E402
 from tests.support.stock_peers import WIRE_0F59B24, read_record, start_stock_ranks  # noqa: E402
 from tests.system.test_side_arrays_by_handle import ship_to_0f59b24_ranks  # noqa: E402
@@ -327,20 +326,10 @@ def test_rlship_run_with_the_episodes_workload_ships_every_step(redis_url, tmp_p
     """`rlship run --workload episodes`: the synthetic producer writes groups of verifiers
     episodes; every step reaches every rank."""
     run_id = f"episodes-{uuid.uuid4().hex[:8]}"
-    command = [
-        *python_command(), "run", "--workload", "episodes", "--steps", "3", "--ranks", "2",
-        "--batch-size", "16", "--group-size", "4", "--seq-len", "512", "--run-id", run_id,
-        "--zmq-port", str(free_port_pair()), "--output-dir", str(tmp_path),
-        "--cpu-queue", session_queue(f"cpu-{run_id}"), "--ship-queue", session_queue(f"ship-{run_id}"),
-    ]  # fmt: skip
-    done = subprocess.run(
-        command,
-        env={**os.environ, "REDIS_URL": redis_url},
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    done = rlship(
+        *run_arguments(run_id, 3, tmp_path, free_port_pair()), "--workload", "episodes", "--ranks", "2",
+        env={"REDIS_URL": redis_url}, timeout=240,
+    )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"rlship run {run_id}: 3 steps shipped" in done.stdout
     for rank in (0, 1):

@@ -71,18 +71,17 @@ def inference_figures(raw: dict[str, Any], windows: list[tuple[float, float]]) -
     baseline = phase_figures(raw, [tuple(raw["baseline"])])
     shipping = phase_figures(raw, windows)
     period = phase_figures(raw, [(windows[0][0], windows[-1][1])] if windows else [])
+    kept = _ratio(shipping["requests_per_second"], baseline["requests_per_second"])
     return {
         "concurrency": raw["spec"]["concurrency"],
         "baseline": baseline,
         "shipping": shipping,
         "shipping_period": period,
-        "throughput_kept": _ratio(shipping["requests_per_second"], baseline["requests_per_second"]),
+        "throughput_kept": kept,
         "period_throughput_kept": _ratio(period["requests_per_second"], baseline["requests_per_second"]),
         # One standard deviation of `throughput_kept` from counting alone (completions taken as
         # Poisson): the windows of a few steps hold a few hundred requests, +-5% or so.
-        "throughput_kept_counting_error": _ratio(
-            shipping["requests_per_second"], baseline["requests_per_second"]
-        )
+        "throughput_kept_counting_error": kept
         * _counting_error(shipping["requests_completed"], baseline["requests_completed"]),
         "token_throughput_kept": _ratio(shipping["tokens_per_second"], baseline["tokens_per_second"]),
         "latency_p50_inflation": _ratio(shipping["latency_ms"]["p50"], baseline["latency_ms"]["p50"]),

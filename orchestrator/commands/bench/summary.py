@@ -284,10 +284,14 @@ def durability_cost(results: dict[str, dict[str, Any]]) -> dict[str, float]:
     plain, replicated = results.get("celery"), results.get("celery-replicated")
     if plain is None or replicated is None:
         return {}
+    return ship_and_cpu_ratios(replicated, plain)
+
+
+def ship_and_cpu_ratios(result: dict[str, Any], plain: dict[str, Any]) -> dict[str, float]:
+    """A placement's median ship seconds and CPU per step (ship kinds) over the plain one's."""
     return {
-        "ship_seconds_ratio": statistics.median(replicated["ship_seconds"])
-        / statistics.median(plain["ship_seconds"]),
-        "cpu_seconds_per_step_ratio": replicated["cpu_seconds_per_step"]["ship"]
+        "ship_seconds_ratio": _median_ship(result) / _median_ship(plain),
+        "cpu_seconds_per_step_ratio": result["cpu_seconds_per_step"]["ship"]
         / max(plain["cpu_seconds_per_step"]["ship"], 1e-9),
     }
 
@@ -302,18 +306,16 @@ def tracing_cost(results: dict[str, dict[str, Any]]) -> dict[str, float]:
     plain, traced = results.get("celery"), results.get("celery-traced")
     if plain is None or traced is None:
         return {}
-    ratio = traced["cpu_seconds_per_step"]["ship"] / max(plain["cpu_seconds_per_step"]["ship"], 1e-9)
+    ratios = ship_and_cpu_ratios(traced, plain)
 
     def mean_ship(result: dict[str, Any]) -> float:
         return statistics.fmean(step["ship"] for step in result["cpu_seconds"])
 
     return {
-        "cpu_seconds_per_step_ratio": ratio,
+        **ratios,
         "cpu_seconds_mean_ratio": mean_ship(traced) / max(mean_ship(plain), 1e-9),
         "cpu_goal": TRACING_CPU_GOAL,
-        "cpu_goal_met": ratio <= TRACING_CPU_GOAL,
-        "ship_seconds_ratio": statistics.median(traced["ship_seconds"])
-        / statistics.median(plain["ship_seconds"]),
+        "cpu_goal_met": ratios["cpu_seconds_per_step_ratio"] <= TRACING_CPU_GOAL,
         "otlp_requests": traced.get("otlp_received", {}).get("requests", 0),
         "otlp_bytes": traced.get("otlp_received", {}).get("bytes", 0),
     }
