@@ -68,16 +68,19 @@ class RankWatch:
             for rank, why in sorted(waits.items()):
                 since = max(heard[rank][1], waiting_since.setdefault(rank, now))
                 if now - since >= self.settings.rank_timeout:
-                    culprit = self._longest_silent(rank, heard)
+                    culprit = self._longest_silent(rank, {r: heard[r] for r in waits})
                     waiting = f"on it ({why})" if culprit == rank else f"(rank {rank}: {why})"
                     self.on_fatal(self._silent(culprit, waiting, now - since, heard))
                     return
 
     def _longest_silent(self, rank: int, heard: dict[int, tuple[RankContact, float]]) -> int:
-        """The rank to name when `rank` is found silent: the one whose last contact is oldest
-        (by the contact's own time: this watch looks once a second, too coarse to order
-        them). The one ship worker sends to the ranks in turn, so a send stuck on a dead rank
-        leaves the live ones unsent too; the dead one is the one silent longest."""
+        """The rank to name when `rank` is found silent: of the ranks the run waits on, the one
+        whose last contact is oldest (by the contact's own time: this watch looks once a
+        second, too coarse to order them). The one ship worker sends to the ranks in turn, so
+        a send stuck on a dead rank leaves the live ones unsent too; the dead one is the one
+        silent longest. A rank the run does not wait on is never named, however long ago its
+        last contact: over files a live rank that decoded every step it was given is silent
+        while the gate waits for a dead one's acknowledgement."""
         return min(heard, key=lambda r: (heard[r][0].at or float("-inf"), r != rank))
 
     def _silent(

@@ -25,12 +25,14 @@ BOUND_SECONDS = 30.0  # what the test asserts: the goal with room for a loaded m
 
 
 @pytest.mark.timeout(240)
-def test_a_killed_rank_stops_the_run_naming_it(client, redis_url, tmp_path):
+@pytest.mark.parametrize("transport", ["zmq", "fs"])
+def test_a_killed_rank_stops_the_run_naming_it(client, redis_url, tmp_path, transport):
     run_id = f"ranks-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "REDIS_URL": redis_url}
     common = [
         "--run-id", run_id, "--zmq-port", str(free_port_pair()), "--trainers", "external",
-        "--policy-source", "redis", "--output-dir", str(tmp_path),
+        "--transport", transport, "--external-ranks", "rlship", "--policy-source", "redis",
+        "--output-dir", str(tmp_path),
     ]  # fmt: skip
     run = subprocess.Popen(
         [*python_command(), "run", "--steps", "200", "--batch-size", "16", "--group-size", "4",
