@@ -62,6 +62,10 @@ def test_a_killed_rank_stops_the_run_naming_it(client, redis_url, tmp_path, tran
             [*python_command(), "status", run_id],
             env=env, cwd=REPO, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
+        # Evidence should another rank be named (seen once in CI over files): each rank's
+        # state and the payload files the run wrote.
+        evidence = [f"rank {r}: exit {p.poll()}" for r, p in enumerate(ranks)]
+        evidence += sorted(str(f.relative_to(tmp_path)) for f in tmp_path.glob("rollouts/step_*/*.bin"))
     finally:
         for process in (run, *ranks):
             if process.poll() is None:
@@ -74,7 +78,7 @@ def test_a_killed_rank_stops_the_run_naming_it(client, redis_url, tmp_path, tran
     assert run.returncode == 1, stdout[-3000:]
     stopped = next(line for line in stdout.splitlines() if line.startswith("  stopped: "))
     assert "the orchestrator exited with 1: run" in stopped, stopped
-    assert f"trainer rank 1 silent for {RANK_TIMEOUT:.0f} s" in stopped, stopped
+    assert f"trainer rank 1 silent for {RANK_TIMEOUT:.0f} s" in stopped, (stopped, evidence)
     assert "last step decoded " in stopped and "last seen at " in stopped, stopped
     assert "last step decoded none" not in stopped, stopped
     assert "Traceback" not in stdout

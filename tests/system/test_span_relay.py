@@ -106,6 +106,8 @@ def test_spans_wait_in_redis_while_the_collector_is_down_and_reach_it_once_it_is
         receiver.start()
         wait_for("every task's spans", lambda: spans_of(receiver, run_id) == expected(pid), timeout=30)
         wait_for("the list emptied", lambda: client.llen(key) == 0, timeout=10)
+        # Counted once the collector's answer is in: after the spans arrived, not with them.
+        wait_for("the relay's count", lambda: running.relayed >= TASKS, timeout=10)
         assert running.relayed == TASKS
     finally:
         running.stop()

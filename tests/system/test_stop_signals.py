@@ -104,7 +104,8 @@ def test_a_stopped_run_leaves_every_key_expiring_and_says_where_it_was(client, r
             time.sleep(0.5)
             send(run, stop)
         if stop.target == "cpu-worker":  # restarted: the run goes on, then is stopped
-            wait_for("a step after the restart", lambda: steps_published(client.hlen(published) + 1), 90)
+            before = client.hlen(published)
+            wait_for("a step after the restart", lambda: steps_published(before + 1), 90)
             os.killpg(run.pid, signal.SIGTERM)
         stdout, _ = run.communicate(timeout=90)
     finally:
