@@ -6,11 +6,18 @@ most one release is pending: the next waits for it, and its message is enqueued 
 it is not done after `stall_seconds` (a Redis that dies can lose it; release is
 idempotent). At the end of the run the retained payloads and every rollout still held go,
 with the run's directory of rows files.
+
+A rank may acknowledge a step only after the step's release task ran (a MoE rank by handle
+reads its rows files first): its payloads would then wait in Redis for the next step's
+release, two steps' payloads held at once. Where ranks acknowledge to Redis, the
+orchestrator follows each released step until every rank has acknowledged it and releases
+its payloads then.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -26,6 +33,8 @@ from transport.numbering import version_after
 from transport.store import AsyncPayloadStore
 
 log = logging.getLogger("rlship.orchestrator")
+
+FOLLOW_SECONDS = 0.05  # how often a released step's acknowledgements are looked at
 
 
 class Releases:
@@ -46,6 +55,10 @@ class Releases:
         self.stopping = stopping
         self.on_released = on_released  # a step's release task is done
         self.pending: asyncio.Task[None] | None = None
+        # Ranks that acknowledge to Redis: a released step is followed until they all have.
+        self.acknowledged = settings.policy_source in ("redis", "both")
+        self.following: asyncio.Task[None] | None = None
+        self._superseded = asyncio.Event()
         # The run's files that go with its steps: rows files, and retained payloads if in files.
         self.rows = settings.run_rows()
         self.directory = settings.payload_directory()
@@ -77,11 +90,37 @@ class Releases:
                 resend_at = loop.time() + self.settings.stall_seconds
             await asyncio.sleep(POLL_SECONDS)
         await self.on_released(step)
+        if self.acknowledged:
+            self.following = asyncio.create_task(self._release_when_acknowledged(step))
+
+    async def _release_when_acknowledged(self, step: int) -> None:
+        """Release the retained payloads of steps <= `step` as each is acknowledged by every
+        rank; until none is left, the run stops, or the next step's release takes over."""
+        while not self.stopping.is_set() and not self._superseded.is_set():
+            waiting = [s for s in await self.store.unacknowledged_steps() if s <= step]
+            if not waiting:
+                return
+            pipe = self.client.pipeline(transaction=False)
+            for waited in waiting:
+                pipe.scard(self.keys.trained(waited))
+            if any(count >= self.settings.ranks for count in await pipe.execute()):
+                await self.store.release_payloads(
+                    self.settings.ranks, step, evict_through=-1, rows=self.rows, directory=self.directory
+                )
+                continue
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._superseded.wait(), FOLLOW_SECONDS)
 
     async def drain(self) -> None:
+        """Wait for the pending release, and end the follow of the step before it."""
         if self.pending is not None:
             await self.pending
             self.pending = None
+        if self.following is not None:
+            self._superseded.set()
+            await self.following
+            self.following = None
+            self._superseded.clear()
 
     async def acknowledged_payloads(self, last_published: int, policy: PolicyVersion) -> list[int]:
         """At the end of the run, give the ranks `ack_timeout` seconds to acknowledge the
