@@ -261,19 +261,30 @@ def test_memory_watch_stops_the_placement_s_processes() -> None:
         victim.wait()
 
 
-def test_celery_traced_beside_celery_reports_what_tracing_costs(tmp_path: Path) -> None:
+def test_traced_and_curve_placements_beside_celery_report_what_they_cost(tmp_path: Path) -> None:
     """The traced placement's processes export to the bench's sink (requests counted, so a
-    placement that did not trace shows 0), and the report divides its CPU per step by the
-    plain placement's (issue 37's goal, no timing asserted at this size)."""
+    placement that did not trace shows 0); the CURVE placement runs with `zmq_curve` and its
+    run's keys; the report divides each one's CPU per step by the plain placement's (issues
+    37's and 38's goals, no timing asserted at this size)."""
     out = tmp_path / "loop.json"
-    argv = ["--placements", "celery,celery-traced", "--rollouts", "32", "--seq-len", "512", "--ranks", "2"]
-    done = main(["bench", "loop", "--json", str(out), *argv, "--steps", "2", "--warmup-steps", "0"])
+    argv = [
+        "--placements", "celery,celery-traced,celery-curve", "--rollouts", "32", "--seq-len", "512",
+        "--ranks", "2", "--steps", "2", "--warmup-steps", "0",
+    ]  # fmt: skip
+    done = main(["bench", "loop", "--json", str(out), *argv])
     report = json.loads(out.read_text())
     assert done == 0 and report["steps_identical"]
     cost = report["tracing_cost"]
     assert cost["otlp_requests"] > 0 and cost["otlp_bytes"] > 0, "the traced placement's processes exported"
     assert cost["cpu_seconds_per_step_ratio"] > 0 and cost["cpu_goal"] == 1.03
     assert "otlp_received" not in report["placements"]["celery"]
+    curve = report["curve_cost"]
+    assert curve["cpu_seconds_per_step_ratio"] > 0 and curve["cpu_goal"] == 1.1
+    spec_files = tmp_path.glob("logs/*/spec.json")
+    specs = {path.parent.name: json.loads(path.read_text())["settings"] for path in spec_files}
+    assert specs["celery-curve"]["zmq_curve"] and not specs["celery"]["zmq_curve"]
+    keys = Path(specs["celery-curve"]["zmq_keys_dir"])
+    assert {path.name for path in keys.iterdir()} >= {"server.key_secret", "rank-0.key", "rank-1.key"}, keys
 
 
 def test_bench_tracing_reports_cpu_a_task_in_each_mode(capsys: pytest.CaptureFixture[str]) -> None:

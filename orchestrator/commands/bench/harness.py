@@ -47,6 +47,7 @@ from orchestrator.settings import RunSettings, settings_to_env
 from transport.connection import connect_redis
 from transport.keys import RunKeys
 from transport.numbering import step_reaching, version_after
+from transport.zmq_curve import make_keys
 from transport.zmq_sockets import free_port_pair
 
 TRAINER_IDLE_SECONDS = 300
@@ -172,6 +173,9 @@ def run_placement(
         port = free_port_pair()
         server = start_redis_server(log_dir / "redis", port)
         settings = settings.model_copy(update={"redis_url": f"redis://127.0.0.1:{port}/0"})
+    if placement == "celery-curve":  # the run's key pairs, as `rlship run --zmq-curve` makes them
+        make_keys(log_dir / "keys", settings.ranks)
+        settings = settings.model_copy(update={"zmq_curve": True, "zmq_keys_dir": log_dir / "keys"})
     # Chosen once the servers listen: a pair is free only until someone binds it.
     settings = settings.model_copy(update={"zmq_port": free_port_pair()})
     try:

@@ -14,7 +14,8 @@ process's peak RSS, tokens shipped, and whether every rank received byte-identic
 payloads (by checksum, against a reference computed here with a plain call of the
 stages). `--placements celery,celery-traced` runs the celery placement beside itself with
 tracing on (every process exporting to a local OTLP receiver that discards) and reports the
-ratio of CPU per step (issue 37's goal: at most 1.03). The first `--warmup-steps` steps
+ratio of CPU per step (issue 37's goal: at most 1.03); `celery,celery-curve` the same with
+`--zmq-curve` (issue 38's goal: at most 1.1). The first `--warmup-steps` steps
 bind sockets and warm the workers; they are shipped and checked but not measured. A PNG
 of lag over time is written beside the JSON.
 
@@ -73,6 +74,7 @@ from orchestrator.commands.bench.placements import (
 )
 from orchestrator.commands.bench.plot import plot_lag
 from orchestrator.commands.bench.summary import (
+    curve_cost,
     durability_cost,
     goals,
     moe_goals,
@@ -309,6 +311,7 @@ def main(args: argparse.Namespace) -> int:
         **({"ratios": moe_ratios(results), "stopped_for_memory": stopped} if args.workload == "moe" else {}),
         "durability_cost": durability_cost(results),
         "tracing_cost": tracing_cost(results),
+        "curve_cost": curve_cost(results),
         "wall_seconds": time.time() - started,
     }
     args.json.write_text(json.dumps(report, indent=1))

@@ -65,12 +65,15 @@ from transport.payload_segments import PAYLOAD_FIELD, digests_checksum
 from transport.schema import WireProfile
 from transport.zmq_sender import ZMQSender
 
-PLACEMENTS: tuple[str, ...] = ("inline", "thread", "celery", "celery-replicated", "celery-traced")
+PLACEMENTS: tuple[str, ...] = (
+    "inline", "thread", "celery", "celery-replicated", "celery-traced", "celery-curve"
+)  # fmt: skip
 DEFAULT_PLACEMENTS: tuple[str, ...] = ("inline", "thread", "celery")
 # celery-replicated: the celery placement on a primary, a replica and three Sentinels of its
 # own, every write the run depends on waiting for the replica (redis_wait_replicas=1).
 # celery-traced: the celery placement with tracing on in every process (OTEL_EXPORTER_OTLP_ENDPOINT
 # at a local receiver that discards: `orchestrator.commands.bench.otlp_sink`).
+# celery-curve: the celery placement with `--zmq-curve` (keys made in its log directory).
 HEARTBEAT_SECONDS = 0.05
 READY_TIMEOUT_SECONDS = 120.0
 SEND_TIMEOUT_SECONDS = 30.0

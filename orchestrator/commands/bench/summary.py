@@ -321,6 +321,20 @@ def tracing_cost(results: dict[str, dict[str, Any]]) -> dict[str, float]:
     }
 
 
+CURVE_CPU_GOAL = 1.1
+
+
+def curve_cost(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What `--zmq-curve` costs (issue 38: at most 1.1x the CPU per step without): the
+    CURVE placement over the plain one, CPU per step of the ship kinds and median ship seconds."""
+    plain, curve = results.get("celery"), results.get("celery-curve")
+    if plain is None or curve is None:
+        return {}
+    ratios = ship_and_cpu_ratios(curve, plain)
+    met = ratios["cpu_seconds_per_step_ratio"] <= CURVE_CPU_GOAL
+    return {**ratios, "cpu_goal": CURVE_CPU_GOAL, "cpu_goal_met": met}
+
+
 def summary_line(placement: str, result: dict[str, Any]) -> str:
     lag = result["lag_ms"]
     memory = ""
@@ -388,6 +402,13 @@ def print_report(report: dict[str, Any]) -> None:
             "  waiting for a replica (celery-replicated / celery): "
             f"ship time x{cost['ship_seconds_ratio']:.2f}, "
             f"CPU per step (ship kinds) x{cost['cpu_seconds_per_step_ratio']:.2f}"
+        )
+    curve = report.get("curve_cost") or {}
+    if curve:
+        print(
+            f"  {'PASS' if curve['cpu_goal_met'] else 'MISS'}  CURVE on (celery-curve / celery): CPU per "
+            f"step (ship kinds) x{curve['cpu_seconds_per_step_ratio']:.3f} (goal <= {CURVE_CPU_GOAL}), "
+            f"ship time x{curve['ship_seconds_ratio']:.2f}"
         )
     traced = report.get("tracing_cost") or {}
     if traced:
