@@ -332,7 +332,8 @@ def _untrained_rollout(
 
 
 def _trace_fields(episode: vf.Episode, trace: vf.Trace, conversion: Conversion) -> dict[str, Any]:
-    """The record fields every rollout of a trace shares."""
+    """The record fields every rollout of a trace shares, with the episode and the whole
+    trace's counts, so the record counts traces and episodes as prime-rl does."""
     return {
         "group_id": identifier(episode.group.id),  # type: ignore[union-attr]  # checked
         "task_id": identifier(_task_key(trace)),
@@ -345,6 +346,14 @@ def _trace_fields(episode: vf.Episode, trace: vf.Trace, conversion: Conversion) 
         "stop_condition": identifier(trace.stop_condition) if trace.stop_condition else None,
         "metrics": {identifier(k): float(v) for k, v in trace.metrics.items() if v is not None},
         "agent": identifier(trace.agent.name),
+        "episode_id": identifier(episode.id),
+        "trace": {
+            "id": identifier(trace.id),
+            "num_input_tokens": trace.num_input_tokens,
+            "num_output_tokens": trace.num_output_tokens,
+            "num_total_tokens": trace.num_total_tokens,
+            "num_branches": trace.num_branches,
+        },
     }
 
 
