@@ -66,10 +66,12 @@ def traces(cohort: Cohort) -> Cohort:
     rollout of no trace is a trace of its own of one branch. A trace has an error, was
     cancelled, is trainable if any of its rollouts is."""
     labels = cohort.labels
-    rows = zip(labels["episode_id"], labels["trace_id"], labels["rollout_id"], strict=True)
-    key = _numbered((episode, trace, "" if trace else rollout) for episode, trace, rollout in rows)
-    first = np.unique(key, return_index=True)[1]
-    folded = cohort.take(first)
+    if any(labels["trace_id"]):
+        rows = zip(labels["episode_id"], labels["trace_id"], labels["rollout_id"], strict=True)
+        key = _numbered((episode, trace, "" if trace else rollout) for episode, trace, rollout in rows)
+        folded = cohort.take(np.unique(key, return_index=True)[1])
+    else:  # every rollout a trace of its own (a run's rollout ids are unique)
+        key, folded = np.arange(len(cohort)), cohort
     own = {
         "num_input_tokens": folded.numeric["num_input_tokens"],
         "num_output_tokens": folded.numeric["num_output_tokens"],
@@ -90,10 +92,11 @@ def episode_sums(trace_rows: Cohort) -> dict[str, np.ndarray]:
     own): the sums of its traces' tokens, turns and branches, and whether any of its traces
     has an error or was cancelled (prime-rl's `EpisodeMetrics`)."""
     labels = trace_rows.labels
-    key = _numbered(
-        (episode, "" if episode else rollout)
-        for episode, rollout in zip(labels["episode_id"], labels["rollout_id"], strict=True)
-    )
+    rows = zip(labels["episode_id"], labels["rollout_id"], strict=True)
+    if any(labels["episode_id"]):
+        key = _numbered((episode, "" if episode else rollout) for episode, rollout in rows)
+    else:  # every trace an episode of its own
+        key = np.arange(len(trace_rows))
     count = int(key.max()) + 1 if len(key) else 0
     out = {name: np.bincount(key, weights=trace_rows.numeric[name], minlength=count) for name in EPISODE_SUMS}
     for flag in ("has_error", "cancelled"):
@@ -172,11 +175,11 @@ def subset_metrics(cohort: Cohort, prefix: str, subset: str) -> dict[str, float]
 
 
 def train_metrics(window: Cohort, shipped: Cohort) -> dict[str, float]:
-    """`train/{agg,<env>}/{all,effective}/...`: `all` is the window (every rollout finalized
-    since the previous cut), `effective` the shipped rollouts; an env per subset where it
-    has rollouts. Both are counted by trace (`traces`)."""
+    """`train/{agg,<env>}/{all,effective}/...` over `traces`' rows: `all` is the window's
+    (every rollout finalized since the previous cut), `effective` the shipped rollouts'; an
+    env per subset where it has rollouts."""
     out: dict[str, float] = {}
-    for subset, cohort in (("all", traces(window)), ("effective", traces(shipped))):
+    for subset, cohort in (("all", window), ("effective", shipped)):
         out |= subset_metrics(cohort, f"train/agg/{subset}", subset)
         for env in sorted(set(cohort.labels["env"])):
             out |= subset_metrics(cohort.where("env", env), f"train/{env}/{subset}", subset)
@@ -212,4 +215,5 @@ def event_loop_lag(loop_lag_ms: np.ndarray) -> dict[str, float]:
 
 def from_step(window: Cohort, shipped: Cohort, loop_lag_ms: np.ndarray) -> dict[str, float]:
     """Everything of the 559b447 record the metrics stage computes from the cohorts."""
-    return train_metrics(window, shipped) | step_counts(traces(window)) | event_loop_lag(loop_lag_ms)
+    window = traces(window)
+    return train_metrics(window, traces(shipped)) | step_counts(window) | event_loop_lag(loop_lag_ms)

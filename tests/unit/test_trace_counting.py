@@ -56,3 +56,16 @@ def test_no_rollouts_no_traces() -> None:
     folded = traces(CohortBuilder().build())
     assert len(folded) == 0
     assert episode_sums(folded)["num_branches"].tolist() == []
+
+
+def test_plain_rollouts_are_episodes_of_one_trace_of_one_branch() -> None:
+    cohort = CohortBuilder()
+    row(cohort, "a", (3, 4), turns=2, has_error=1.0)
+    row(cohort, "b", (5, 1))
+    folded = traces(cohort.build())
+    assert folded.labels["rollout_id"] == ["a", "b"]
+    assert folded.numeric["num_total_tokens"].tolist() == [7, 6]
+    assert folded.numeric["num_branches"].tolist() == [1, 1]
+    episodes = episode_sums(folded)
+    assert episodes["num_turns"].tolist() == [2, 1]
+    assert episodes["has_error"].tolist() == [1, 0]
