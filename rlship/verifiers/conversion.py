@@ -44,6 +44,7 @@ import verifiers.v1 as vf
 from orchestrator.records import IDENTIFIER, InvalidRecord, RolloutRecord
 from orchestrator.rollout_checks import RolloutRejected
 from rlship.verifiers.layout import LOSS_STREAMS, ActionLoss, TraceLayout, branch_arrays, trainable_mask
+from rlship.verifiers.trace_counts import trace_counts
 
 Rollout = tuple[RolloutRecord, dict[str, Any]]
 Made = tuple[dict[str, Any], dict[str, Any], vf.Episode, vf.Trace]  # a rollout's fields, arrays, whose
@@ -347,13 +348,7 @@ def _trace_fields(episode: vf.Episode, trace: vf.Trace, conversion: Conversion) 
         "metrics": {identifier(k): float(v) for k, v in trace.metrics.items() if v is not None},
         "agent": identifier(trace.agent.name),
         "episode_id": identifier(episode.id),
-        "trace": {
-            "id": identifier(trace.id),
-            "num_input_tokens": trace.num_input_tokens,
-            "num_output_tokens": trace.num_output_tokens,
-            "num_total_tokens": trace.num_total_tokens,
-            "num_branches": trace.num_branches,
-        },
+        "trace": trace_counts(trace, identifier(trace.id)),
     }
 
 

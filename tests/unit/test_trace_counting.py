@@ -1,9 +1,13 @@
 """The 559b447 record's counting units by hand: `traces` folds a verifiers trace's branches
 (rollouts of one `episode_id` and `trace_id`) into one trace with the trace's own counts, a
 rollout of no trace is a trace of one branch; `episode_sums` sums traces by `episode_id`, a
-rollout of no episode is an episode of its own."""
+rollout of no episode is an episode of its own; `rlship.verifiers`' trace counts are
+verifiers' own."""
 
 from __future__ import annotations
+
+import numpy as np
+import pytest
 
 from tasks.cohort import NUMERIC_COLUMNS, TRACE_PREFIX, CohortBuilder
 from tasks.stages.names_559b447 import episode_sums, traces
@@ -69,3 +73,21 @@ def test_plain_rollouts_are_episodes_of_one_trace_of_one_branch() -> None:
     episodes = episode_sums(folded)
     assert episodes["num_turns"].tolist() == [2, 1]
     assert episodes["has_error"].tolist() == [1, 0]
+
+
+def test_a_trace_counts_as_verifiers_counts_it() -> None:
+    """`rlship.verifiers`' one-pass counts are verifiers 0.4.0's `Trace` properties, for every
+    kind of trace: forked (a shared call once in input and total, output per branch),
+    multi-turn, multimodal, errored, a judge's, and one with no node at all."""
+    vf = pytest.importorskip("verifiers.v1")
+    from rlship.verifiers.trace_counts import trace_counts
+    from tests.support import episodes as build
+
+    rng = np.random.default_rng(3)
+    kinds = [build.forked(rng, 1.0), build.multi_turn_tools(rng, 0.0), build.multimodal(rng, 1.0)]
+    kinds += [build.errored(rng), *build.judged(rng, 1.0), build.single_turn(rng, 0.5)]
+    kinds.append(vf.Trace(task=kinds[0].task, agent=kinds[0].agent))
+    for trace in kinds:
+        names = ("num_input_tokens", "num_output_tokens", "num_total_tokens", "num_branches")
+        assert trace_counts(trace, "t") == {"id": "t", **{name: getattr(trace, name) for name in names}}
+    assert kinds[0].num_branches == 2 and kinds[0].num_output_tokens > kinds[0].usage.completion_tokens
