@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.groups import TRAINABLE, Outcome
-from orchestrator.records import RolloutRecord
+from orchestrator.records import RolloutRecord, TraceCounts
+from tasks.cohort import TRACE_PREFIX
 from tasks.stages.credit import GivenCredit
 from tasks.stages.finalize import PayloadFacts
 
@@ -35,6 +36,7 @@ def outcome_row(
         "cancelled": float(r.cancelled),
         **(facts.columns() if facts is not None else {}),
         **(credit.columns() if credit is not None else {}),
+        **(trace_columns(r.trace) if r.trace is not None else {}),
     }
     labels = {
         "rollout_id": r.rollout_id,
@@ -44,9 +46,16 @@ def outcome_row(
         "error": r.error or "",
         "stop_condition": r.stop_condition or "",
         "agent": r.agent or "",
+        "episode_id": r.episode_id or "",
+        "trace_id": r.trace.id if r.trace is not None else "",
         **(facts.labels() if facts is not None else {}),
     }
     return numeric, labels, r.metrics
+
+
+def trace_columns(trace: TraceCounts) -> dict[str, float]:
+    """The counts of the trace a rollout is a branch of, as optional numeric columns."""
+    return {TRACE_PREFIX + name: float(value) for name, value in trace.model_dump(exclude={"id"}).items()}
 
 
 @dataclass

@@ -7,12 +7,26 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 IDENTIFIER_PATTERN = r"^[A-Za-z0-9_.\-/]{1,200}$"
 IDENTIFIER = re.compile(IDENTIFIER_PATTERN)
 Identifier = Annotated[str, Field(pattern=IDENTIFIER_PATTERN)]
 PLAIN_NAME = re.compile(r"[\w\[\]]+")  # a field, or pydantic's `[key]` of a mapping's key
+
+
+class TraceCounts(BaseModel):
+    """The whole trace a rollout is one branch of, as prime-rl counts a trace: a branch
+    cannot give these (a forked trace's branches share tokens, verifiers counts a shared
+    call once in a trace's input and total, its output once per branch)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: Identifier  # unique within its episode
+    num_input_tokens: int = Field(ge=0)
+    num_output_tokens: int = Field(ge=0)
+    num_total_tokens: int = Field(ge=0)
+    num_branches: int = Field(ge=0)  # a trace that failed before its first message has none
 
 
 class RecordFields(BaseModel):
@@ -42,6 +56,17 @@ class RecordFields(BaseModel):
     # How many rollouts the group has when not the run's group_size: a group of episodes
     # gives one rollout per trainable branch (rlship.verifiers), however many that is.
     group_rollouts: int | None = Field(default=None, ge=1)
+    # The episode the rollout is of, and the trace it is a branch of (rlship.verifiers): the
+    # record's statistics count traces and episodes as prime-rl 559b447 does. Unset: the
+    # rollout is an episode of its own; no trace: a trace of its own of one branch.
+    episode_id: Identifier | None = None
+    trace: TraceCounts | None = None
+
+    @model_validator(mode="after")
+    def _trace_of_an_episode(self) -> RecordFields:
+        if self.trace is not None and self.episode_id is None:
+            raise ValueError("trace: given without episode_id (a trace is one of an episode)")
+        return self
 
     @property
     def num_tokens(self) -> int:

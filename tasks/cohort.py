@@ -35,8 +35,12 @@ NUMERIC_COLUMNS: tuple[str, ...] = (
 LABEL_COLUMNS: tuple[str, ...] = (
     "rollout_id", "env", "group_id", "task_id", "error", "stop_condition", "agent",
     "rows_field", "rows_file",  # a producer's facts of side arrays by handle ("" without)
+    "episode_id", "trace_id",  # the episode and trace a verifiers branch is of ("" without)
 )  # fmt: skip
 CUSTOM_PREFIX = "metric/"
+# The whole trace's counts of a rollout that is one branch of it (`RolloutRecord.trace`):
+# `trace/{name}`, NaN in the rows of rollouts that are not.
+TRACE_PREFIX = "trace/"
 
 
 @dataclass

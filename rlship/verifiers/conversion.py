@@ -44,6 +44,7 @@ import verifiers.v1 as vf
 from orchestrator.records import IDENTIFIER, InvalidRecord, RolloutRecord
 from orchestrator.rollout_checks import RolloutRejected
 from rlship.verifiers.layout import LOSS_STREAMS, ActionLoss, TraceLayout, branch_arrays, trainable_mask
+from rlship.verifiers.trace_counts import trace_counts
 
 Rollout = tuple[RolloutRecord, dict[str, Any]]
 Made = tuple[dict[str, Any], dict[str, Any], vf.Episode, vf.Trace]  # a rollout's fields, arrays, whose
@@ -332,7 +333,8 @@ def _untrained_rollout(
 
 
 def _trace_fields(episode: vf.Episode, trace: vf.Trace, conversion: Conversion) -> dict[str, Any]:
-    """The record fields every rollout of a trace shares."""
+    """The record fields every rollout of a trace shares, with the episode and the whole
+    trace's counts, so the record counts traces and episodes as prime-rl does."""
     return {
         "group_id": identifier(episode.group.id),  # type: ignore[union-attr]  # checked
         "task_id": identifier(_task_key(trace)),
@@ -345,6 +347,8 @@ def _trace_fields(episode: vf.Episode, trace: vf.Trace, conversion: Conversion) 
         "stop_condition": identifier(trace.stop_condition) if trace.stop_condition else None,
         "metrics": {identifier(k): float(v) for k, v in trace.metrics.items() if v is not None},
         "agent": identifier(trace.agent.name),
+        "episode_id": identifier(episode.id),
+        "trace": trace_counts(trace, identifier(trace.id)),
     }
 
 

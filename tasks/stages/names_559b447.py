@@ -4,10 +4,11 @@ matrix, and the `progress/*`, `off_policy/*`, `batch/{env}` keys of `orchestrato
 computed from rlship's cohorts for the record named `prime-rl-559b447`
 (tasks.stages.record_names). docs/record.md maps each name to its rlship source.
 
-rlship's unit is the rollout: a plain rollout is one episode of one trace of one branch,
-and a rollout of a verifiers episode (rlship.verifiers) is one trainable branch, so each
-rollout counts as one episode and one trace here (`num_branches` 1). Its agent is the
-record's `agent` (a verifiers trace's agent name), else verifiers' default name `agent`.
+prime-rl counts traces and episodes, rlship ships rollouts: `traces` folds a cohort's
+rollouts into its traces (the branches of one verifiers trace, `episode_id` and `trace_id`,
+into one, with the whole trace's counts its records carry) and `episode_sums` its traces
+into episodes. A plain rollout is one episode of one trace of one branch. A trace's agent is
+the record's `agent` (a verifiers trace's agent name), else verifiers' default name `agent`.
 Distributions follow prime-rl's `Stat.to_dict`: mean, max, min, p10, p90 (linear
 interpolation between closest ranks), nothing for an empty set; an empty subset or an env
 absent from it has no keys at all, as prime-rl's `to_wandb` of no episodes.
@@ -16,10 +17,11 @@ absent from it has no keys at all, as prime-rl's `to_wandb` of no episodes.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 
 import numpy as np
 
-from tasks.cohort import CUSTOM_PREFIX, Cohort
+from tasks.cohort import CUSTOM_PREFIX, TRACE_PREFIX, Cohort
 
 DEFAULT_AGENT = "agent"  # verifiers' AgentInfo.name when an env does not name its agent
 STATS: tuple[str, ...] = ("mean", "max", "min", "p10", "p90")
@@ -31,6 +33,7 @@ EPISODE_SUMS: tuple[str, ...] = (
     "num_branches",
 )
 TRACE_DISTRIBUTIONS: tuple[str, ...] = ("reward", *EPISODE_SUMS)
+TRACE_COUNTS: tuple[str, ...] = ("num_input_tokens", "num_output_tokens", "num_total_tokens", "num_branches")
 PROMPT_TOO_LONG = "prompt_too_long"  # the stop condition prime-rl does not count as generation-truncated
 SOLVED_REWARD = 1.0
 
@@ -44,12 +47,61 @@ def distribution(prefix: str, values: np.ndarray) -> dict[str, float]:
     return {f"{prefix}/{stat}": float(value) for stat, value in zip(STATS, figures, strict=True)}
 
 
-def _column(cohort: Cohort, name: str) -> np.ndarray:
-    if name == "num_total_tokens":
-        return cohort.total_tokens()
-    if name == "num_branches":
-        return np.ones(len(cohort))
-    return cohort.numeric[name]
+def _numbered(keys: Iterable[tuple[str, ...]]) -> np.ndarray:
+    """Each key's number among the distinct keys, as first seen."""
+    seen: dict[tuple[str, ...], int] = {}
+    return np.array([seen.setdefault(key, len(seen)) for key in keys], dtype=np.int64)
+
+
+def _any(flags: np.ndarray, key: np.ndarray, count: int) -> np.ndarray:
+    """1.0 for each key with any row flagged."""
+    out = np.zeros(count)
+    np.maximum.at(out, key, flags)
+    return out
+
+
+def traces(cohort: Cohort) -> Cohort:
+    """One row per trace: a verifiers trace's rollouts (its branches, by `episode_id` and
+    `trace_id`) folded into their first, with the trace's own token and branch counts; a
+    rollout of no trace is a trace of its own of one branch. A trace has an error, was
+    cancelled, is trainable if any of its rollouts is."""
+    labels = cohort.labels
+    if any(labels["trace_id"]):
+        rows = zip(labels["episode_id"], labels["trace_id"], labels["rollout_id"], strict=True)
+        key = _numbered((episode, trace, "" if trace else rollout) for episode, trace, rollout in rows)
+        folded = cohort.take(np.unique(key, return_index=True)[1])
+    else:  # every rollout a trace of its own (a run's rollout ids are unique)
+        key, folded = np.arange(len(cohort)), cohort
+    own = {
+        "num_input_tokens": folded.numeric["num_input_tokens"],
+        "num_output_tokens": folded.numeric["num_output_tokens"],
+        "num_total_tokens": folded.total_tokens(),
+        "num_branches": np.ones(len(folded)),
+    }
+    columns = {}
+    for name, value in own.items():
+        given = folded.numeric.get(TRACE_PREFIX + name)
+        columns[name] = value if given is None else np.where(np.isnan(given), value, given)
+    for flag in ("has_error", "cancelled", "is_trainable"):
+        columns[flag] = _any(cohort.numeric[flag], key, len(folded))
+    return folded.with_numeric(**columns)
+
+
+def episode_sums(trace_rows: Cohort) -> dict[str, np.ndarray]:
+    """Per episode of `traces`' rows (`episode_id`; a rollout of none is an episode of its
+    own): the sums of its traces' tokens, turns and branches, and whether any of its traces
+    has an error or was cancelled (prime-rl's `EpisodeMetrics`)."""
+    labels = trace_rows.labels
+    rows = zip(labels["episode_id"], labels["rollout_id"], strict=True)
+    if any(labels["episode_id"]):
+        key = _numbered((episode, "" if episode else rollout) for episode, rollout in rows)
+    else:  # every trace an episode of its own
+        key = np.arange(len(trace_rows))
+    count = int(key.max()) + 1 if len(key) else 0
+    out = {name: np.bincount(key, weights=trace_rows.numeric[name], minlength=count) for name in EPISODE_SUMS}
+    for flag in ("has_error", "cancelled"):
+        out[flag] = _any(trace_rows.numeric[flag], key, count)
+    return out
 
 
 def _agents(cohort: Cohort) -> list[str]:
@@ -70,8 +122,8 @@ def _solve_rates(cohort: Cohort) -> dict[str, float]:
 
 
 def _stop_conditions(cohort: Cohort) -> dict[str, float]:
-    """`generation_truncated` (truncated, not for a too long prompt) over every rollout; each
-    stop condition's share among the rollouts that have one."""
+    """`generation_truncated` (truncated, not for a too long prompt) over every trace; each
+    stop condition's share among the traces that have one."""
     conditions = cohort.labels["stop_condition"]
     truncated = cohort.numeric["is_truncated"].astype(bool)
     generation = sum(bool(t) and c != PROMPT_TOO_LONG for t, c in zip(truncated, conditions, strict=True))
@@ -82,10 +134,11 @@ def _stop_conditions(cohort: Cohort) -> dict[str, float]:
 
 
 def agent_metrics(cohort: Cohort, prefix: str, subset: str) -> dict[str, float]:
-    """One agent's statistics (prime-rl's `TraceMetrics.to_dict` and `TrainMetrics`' rates)."""
+    """One agent's statistics over its traces (`traces`' rows): prime-rl's
+    `TraceMetrics.to_dict` and `TrainMetrics`' rates."""
     out: dict[str, float] = {}
     for name in TRACE_DISTRIBUTIONS:
-        out |= distribution(f"{prefix}/{name}", _column(cohort, name))
+        out |= distribution(f"{prefix}/{name}", cohort.numeric[name])
     out[f"{prefix}/is_truncated/mean"] = float(cohort.numeric["is_truncated"].mean())
     out[f"{prefix}/is_completed/mean"] = 1.0  # every finalized rollout finished its run
     for name in cohort.custom_metric_names:
@@ -104,15 +157,17 @@ def agent_metrics(cohort: Cohort, prefix: str, subset: str) -> dict[str, float]:
 
 
 def subset_metrics(cohort: Cohort, prefix: str, subset: str) -> dict[str, float]:
-    """`{prefix}/...` of one scope and subset (prime-rl's `TrainMetrics.to_wandb`)."""
+    """`{prefix}/...` of one scope and subset over its traces (`traces`' rows): prime-rl's
+    `TrainMetrics.to_wandb`, its episode keys over `episode_sums`."""
     if not len(cohort):
         return {}
     out: dict[str, float] = {}
+    episodes = episode_sums(cohort)
     for name in EPISODE_SUMS:
-        out |= distribution(f"{prefix}/{name}", _column(cohort, name))
+        out |= distribution(f"{prefix}/{name}", episodes[name])
     if subset == "all":
-        out[f"{prefix}/has_error/mean"] = float(cohort.numeric["has_error"].mean())
-        out[f"{prefix}/cancelled/mean"] = float(cohort.numeric["cancelled"].mean())
+        out[f"{prefix}/has_error/mean"] = float(episodes["has_error"].mean())
+        out[f"{prefix}/cancelled/mean"] = float(episodes["cancelled"].mean())
     agents = np.asarray(_agents(cohort))
     for agent in sorted(set(agents.tolist())):
         out |= agent_metrics(cohort.take(agents == agent), f"{prefix}/{agent}", subset)
@@ -120,9 +175,9 @@ def subset_metrics(cohort: Cohort, prefix: str, subset: str) -> dict[str, float]
 
 
 def train_metrics(window: Cohort, shipped: Cohort) -> dict[str, float]:
-    """`train/{agg,<env>}/{all,effective}/...`: `all` is the window (every rollout finalized
-    since the previous cut), `effective` the shipped rollouts; an env per subset where it
-    has rollouts."""
+    """`train/{agg,<env>}/{all,effective}/...` over `traces`' rows: `all` is the window's
+    (every rollout finalized since the previous cut), `effective` the shipped rollouts'; an
+    env per subset where it has rollouts."""
     out: dict[str, float] = {}
     for subset, cohort in (("all", window), ("effective", shipped)):
         out |= subset_metrics(cohort, f"train/agg/{subset}", subset)
@@ -132,12 +187,11 @@ def train_metrics(window: Cohort, shipped: Cohort) -> dict[str, float]:
 
 
 def step_counts(window: Cohort) -> dict[str, float]:
-    """This step's `progress/*` that 559b447 counts over the window (tokens, rollouts, tasks;
-    its input and output tokens are the shipped rollouts', rlship's own keys) and `batch/{env}`
-    (each env's share of the window)."""
-    tokens = window.total_tokens().sum()
+    """This step's `progress/*` that 559b447 counts over the window's traces (`traces`' rows:
+    tokens, traces, tasks; its input and output tokens are the shipped rollouts', rlship's
+    own keys) and `batch/{env}` (each env's share of the window's traces)."""
     out = {
-        "progress/tokens": float(tokens),
+        "progress/tokens": float(window.numeric["num_total_tokens"].sum()),
         "progress/rollouts": float(len(window)),
         "progress/tasks": float(len(set(zip(window.labels["env"], window.labels["group_id"], strict=True)))),
     }
@@ -161,4 +215,5 @@ def event_loop_lag(loop_lag_ms: np.ndarray) -> dict[str, float]:
 
 def from_step(window: Cohort, shipped: Cohort, loop_lag_ms: np.ndarray) -> dict[str, float]:
     """Everything of the 559b447 record the metrics stage computes from the cohorts."""
-    return train_metrics(window, shipped) | step_counts(window) | event_loop_lag(loop_lag_ms)
+    window = traces(window)
+    return train_metrics(window, traces(shipped)) | step_counts(window) | event_loop_lag(loop_lag_ms)

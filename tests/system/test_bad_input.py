@@ -25,6 +25,8 @@ from tests.support.factories import group, rollout
 from transport.keys import RunKeys
 
 GOOD = rollout("good", "g", 1.0)[0].model_dump()
+TRACE = {"id": "t1", "num_input_tokens": 9, "num_output_tokens": 8, "num_total_tokens": 13, "num_branches": 2}
+BRANCH = GOOD | {"episode_id": "e1", "trace": TRACE}  # a verifiers trace's branch
 FIELDS = sorted(GOOD)
 NASTY_VALUES = st.one_of(
     st.none(),
@@ -39,10 +41,11 @@ NASTY_VALUES = st.one_of(
 
 @st.composite
 def bad_records(draw) -> bytes:
-    """A valid record with fields removed, replaced by nasty values, or added; or garbage."""
+    """A valid record (plain, or a trace's branch) with fields removed, replaced by nasty
+    values, or added; or garbage."""
     if draw(st.integers(0, 9)) == 0:
         return draw(st.binary(max_size=60))
-    record = dict(GOOD, rollout_id=f"fz{draw(st.integers(0, 10**9))}")
+    record = dict(draw(st.sampled_from([GOOD, BRANCH])), rollout_id=f"fz{draw(st.integers(0, 10**9))}")
     for name in draw(st.lists(st.sampled_from(FIELDS), min_size=1, max_size=3, unique=True)):
         if draw(st.booleans()):
             del record[name]
@@ -97,7 +100,20 @@ CONTRACT = {
         lambda v: isinstance(v, dict) and all(_is_identifier(k) and _is_number(x) for k, x in v.items()),
     ),
     "group_rollouts": (False, lambda v: v is None or (_is_count(v) and v >= 1)),
+    "episode_id": (False, lambda v: v is None or _is_identifier(v)),
+    "trace": (False, lambda v: v is None or _is_trace(v)),
 }
+TRACE_COUNTS = ("num_input_tokens", "num_output_tokens", "num_total_tokens", "num_branches")
+
+
+def _is_trace(value: object) -> bool:
+    """The trace a rollout is a branch of: its id and its counts, nothing else."""
+    return (
+        isinstance(value, dict)
+        and set(value) == {"id", *TRACE_COUNTS}
+        and _is_identifier(value["id"])
+        and all(_is_count(value[name]) for name in TRACE_COUNTS)
+    )
 
 
 def acceptable(raw: bytes) -> bool:
@@ -114,6 +130,8 @@ def acceptable(raw: bytes) -> bool:
                 return False
         elif not check(record[name]):
             return False
+    if record.get("trace") is not None and record.get("episode_id") is None:
+        return False  # a trace is one of an episode
     return record["env"] == "math"
 
 
@@ -122,8 +140,12 @@ def test_the_contract_oracle_on_cases_written_out():
     for change in ({"reward": True}, {"reward": "1"}, {"policy_version": 1.0}, {"is_truncated": 1},
                    {"temperature": 0}, {"metrics": {"t": True}}, {"error": ""}, {"env": "code"},
                    {"extra": 1}, {"rollout_id": "a b"}, {"reward": float("nan")}, {"group_rollouts": 0},
-                   {"group_rollouts": True}, {"group_rollouts": 2.0}):  # fmt: skip
+                   {"group_rollouts": True}, {"group_rollouts": 2.0}, {"trace": TRACE},
+                   {"episode_id": "e", "trace": TRACE | {"num_branches": -1}},
+                   {"episode_id": "e", "trace": TRACE | {"extra": 1}},
+                   {"episode_id": "e", "trace": "t1"}):  # fmt: skip
         assert not acceptable(json.dumps({**GOOD, **change}).encode()), change
+    assert acceptable(json.dumps({**GOOD, "episode_id": "e", "trace": TRACE}).encode())
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

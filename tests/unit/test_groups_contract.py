@@ -11,7 +11,7 @@ import pytest
 
 from orchestrator.accounting import Accounting, outcome_row
 from orchestrator.groups import TRAINABLE, GroupBuffer, Outcome, RecentSet, decide_group, group_advantages
-from orchestrator.records import RecordRejected, RolloutRecord
+from orchestrator.records import InvalidRecord, RecordRejected, RolloutRecord, parse_record
 
 
 def record(rollout_id: str, reward: float = 0.0, **fields) -> RolloutRecord:
@@ -111,8 +111,46 @@ def test_outcome_row_by_hand() -> None:
         "cancelled": 0.0,
     }  # fmt: skip
     assert labels == {"rollout_id": "r", "env": "code", "group_id": "g2", "task_id": "t7", "error": "",
-                      "stop_condition": "length", "agent": ""}  # fmt: skip
+                      "stop_condition": "length", "agent": "", "episode_id": "", "trace_id": ""}  # fmt: skip
     assert custom == {"len": 2.0}
+    trace = {
+        "id": "t1",
+        "num_input_tokens": 9,
+        "num_output_tokens": 8,
+        "num_total_tokens": 13,
+        "num_branches": 2,
+    }
+    numeric, labels, _ = outcome_row(Outcome(record("b", episode_id="e1", trace=trace), 0.0, TRAINABLE))
+    assert (labels["episode_id"], labels["trace_id"]) == ("e1", "t1"), "a branch names its episode and trace"
+    assert {name: numeric[name] for name in numeric if name.startswith("trace/")} == {
+        "trace/num_input_tokens": 9.0, "trace/num_output_tokens": 8.0, "trace/num_total_tokens": 13.0,
+        "trace/num_branches": 2.0,
+    }  # fmt: skip
+
+
+def test_a_trace_is_of_an_episode() -> None:
+    trace = {
+        "id": "t1",
+        "num_input_tokens": 1,
+        "num_output_tokens": 1,
+        "num_total_tokens": 2,
+        "num_branches": 1,
+    }
+    with pytest.raises(InvalidRecord, match="trace: given without episode_id"):
+        record("b", trace=trace)
+    with pytest.raises(
+        InvalidRecord, match=r"trace.num_total_tokens: Input should be greater than or equal to 0"
+    ):
+        record("b", episode_id="e", trace=trace | {"num_total_tokens": -1})
+    with pytest.raises(RecordRejected, match=r"trace.num_branches: Input should be a valid integer"):
+        parse_record(
+            record("b", episode_id="e", trace=trace)
+            .model_dump_json()
+            .replace('"num_branches":1', '"num_branches":"1"')
+        )
+    assert (
+        parse_record(record("b", episode_id="e", trace=trace).model_dump_json()).trace.num_total_tokens == 2
+    )
     errored = record("e", error="timeout", cancelled=True)
     numeric, labels, _ = outcome_row(Outcome(errored, 0.0, "error"))
     assert (numeric["is_trainable"], numeric["has_error"], numeric["cancelled"], numeric["is_truncated"]) == (
