@@ -17,13 +17,18 @@ def role_auth(run_id: str) -> dict[str, str]:
     return {f"RLSHIP_REDIS_{role.upper()}_AUTH": f"{role}-{run_id}:pw-{role}-{run_id}" for role in ROLES}
 
 
-def make_users(admin: redis.Redis, run_id: str, *flags: str) -> None:
-    """The run's users, made from `rlship acl --run`'s lines as an operator would."""
+def acl_lines(run_id: str, *flags: str) -> list[list[str]]:
+    """`rlship acl --run`'s lines for the run, each split into a command's words."""
     done = subprocess.run(
         python_command("acl", "--run", run_id, *flags),
         env={**os.environ, **role_auth(run_id), "PYTHONPATH": str(REPO)},
         cwd=REPO, capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     assert f"pw-producer-{run_id}" not in done.stdout  # passwords only by hash
-    for line in done.stdout.splitlines():
-        assert admin.execute_command(*line.split()) in (b"OK", "OK")
+    return [line.split() for line in done.stdout.splitlines()]
+
+
+def make_users(admin: redis.Redis, run_id: str, *flags: str) -> None:
+    """The run's users, made from `rlship acl --run`'s lines as an operator would."""
+    for line in acl_lines(run_id, *flags):
+        assert admin.execute_command(*line) in (b"OK", "OK")

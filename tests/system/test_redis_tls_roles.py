@@ -4,6 +4,7 @@ as an operator makes them; a user of one run is refused another run's keys there
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -94,3 +95,33 @@ def test_a_user_of_one_run_over_tls_is_refused_another_runs_keys_in_one_line(ser
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert done.stderr.startswith("rlship produce: Redis refused it (NOPERM)"), done.stderr
     assert f"pw-producer-{run_a}" not in done.stderr and ADMIN not in done.stderr
+
+
+@pytest.mark.timeout(300)
+def test_chaos_over_tls_with_the_roles_users_delivers_every_step_once_in_order(server, tmp_path) -> None:
+    """`rlship chaos` given a TLS administrator's REDIS_URL and every role's USER:PASSWORD:
+    it makes each of its two runs' users, its processes connect as them over TLS while they
+    are killed, and the steps arrive as in the fault-free run; the users go with the runs."""
+    url, admin = server
+    auth = role_auth("chaos")
+    report = tmp_path / "chaos.json"
+    arguments = [
+        "chaos", "--steps", "6", "--kill-every", "1", "--batch-size", "16", "--seq-len", "256",
+        "--timeout", "100", "--json", str(report),
+    ]  # fmt: skip
+    process = subprocess.Popen(
+        python_command(*arguments),
+        env={**os.environ, **auth, "REDIS_URL": url(), "PYTHONPATH": str(REPO)},
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    seen = users_connected_while(process, admin)
+    done = subprocess.CompletedProcess(process.args, process.returncode, *process.communicate(timeout=250))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert {value.partition(":")[0] for value in auth.values()} <= seen, seen
+    result = json.loads(report.read_text())
+    assert result["goal_met"] and result["steps_delivered_per_rank"] == {"0": 6, "1": 6}
+    assert result["duplicates_delivered"] == result["out_of_order"] == result["payload_mismatches"] == 0
+    assert result["records_published"] == 6 and result["keys_left"] == 0
+    assert {"orchestrator", "ship-worker"} <= set(result["kills_by_target"])
+    assert admin.acl_log() == [], "no process was refused anything"
+    assert admin.acl_users() == ["default"], "the runs' users are deleted with them"

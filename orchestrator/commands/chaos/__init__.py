@@ -37,6 +37,7 @@ import signal
 import sys
 from pathlib import Path
 
+from orchestrator.acl import roles_with_users
 from orchestrator.commands.chaos.kills import STOCK_STAGES, KillPlan
 from orchestrator.commands.chaos.report import compare, print_report
 from orchestrator.commands.chaos.system import RunFailed, run_system
@@ -127,6 +128,13 @@ def _chaos(args: argparse.Namespace, token: str, cluster: LocalSentinelCluster |
         )
 
     reference, chaos = settings_for("reference"), settings_for("chaos")
+    roles = roles_with_users(reference)
+    if roles:
+        print(
+            f"rlship chaos: the {', '.join(roles)} processes connect as their roles' users "
+            "(redis_*_auth), given each run's rules and deleted after it",
+            flush=True,
+        )
     print(f"rlship chaos: fault-free run of {args.steps} steps ({reference.run_id})", flush=True)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that every child is stopped
     stages = STOCK_STAGES if args.receivers == "stock" else STAGE_NAMES
