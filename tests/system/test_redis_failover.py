@@ -189,15 +189,15 @@ def test_a_user_run_on_sentinels_shows_the_topology_and_refuses_too_few_replicas
         delete_run_keys(RunSettings(redis_url=cluster.url, run_id="on-sentinels"))
 
 
-def test_a_run_over_tls_sentinels_as_the_roles_users_rides_out_a_primary_kill(tmp_path):
+def test_a_run_over_tls_sentinels_as_the_roles_users_rides_out_two_primary_kills(tmp_path):
     """`rlship run` on a primary, a replica and three Sentinels that all listen with TLS only
     (and ask each client for a certificate), each process connected as its role's user, the
     users given to every server (ACL users are not replicated) and again to the killed one
-    when it is started again; the primary is SIGKILLed mid-run: every step reaches every rank
-    once, and no process was refused anything."""
+    when it is started again; the primary is SIGKILLed twice mid-run: every step reaches
+    every rank once, and no process was refused anything."""
     certificates = make_certificates(tmp_path / "certs")
     tls = ClusterTLS(certificates.ca, certificates.server_cert, certificates.server_key)
-    run_id, port, steps = f"tls-failover-{uuid.uuid4().hex[:6]}", free_port_pair(), 6
+    run_id, port, steps = f"tls-failover-{uuid.uuid4().hex[:6]}", free_port_pair(), 8
     with LocalSentinelCluster(tmp_path / "redis", tls=tls) as cluster:
         cluster.give_acl(acl_lines(run_id, "--zmq-port", str(port)))
         client = connect_redis(cluster.url)
@@ -212,19 +212,22 @@ def test_a_run_over_tls_sentinels_as_the_roles_users_rides_out_a_primary_kill(tm
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         users: set[str] = set()
-        killed_after = None
+        killed_after: list[int] = []  # steps published at each kill
         deadline = time.monotonic() + 150
         while process.poll() is None and time.monotonic() < deadline:
             for server in cluster.clients():
                 with contextlib.suppress(redis.RedisError):
                     users |= {entry["user"] for entry in server.client_list()}
-            if killed_after is None and client.hlen(RunKeys(run_id).published) >= 2:
-                killed_after = client.hlen(RunKeys(run_id).published)
+            published = client.hlen(RunKeys(run_id).published)
+            # The second kill promotes the server killed first: its users are those given
+            # to it again when it was started again.
+            if len(killed_after) < 2 and published >= 2 + 3 * len(killed_after):
+                killed_after.append(published)
                 cluster.fail_over()
             time.sleep(0.1)
         stdout, stderr = process.communicate(timeout=30)
         assert process.returncode == 0, stdout[-3000:] + stderr[-3000:]
-        assert killed_after is not None and killed_after < steps, "the primary died mid-run"
+        assert len(killed_after) == 2 and killed_after[-1] < steps, f"killed mid-run: {killed_after}"
         shipped = str(list(range(steps)))
         assert f"rank 0: received steps {shipped}" in stdout and f"rank 1: received steps {shipped}" in stdout
         assert client.hlen(RunKeys(run_id).published) == steps, "every record on the last primary"
