@@ -25,6 +25,11 @@ predecessor died mid-send (`interrupted_sends`: each is a duplicate only if that
 died in the window between the message leaving it and its `last_sent` mark, tasks/ship.py).
 The `send` stage fault fires inside that window by construction, so this mode leaves it
 out of the rotation; the ship worker is killed `--ship-kills` times at random moments.
+
+Redis is REDIS_URL's (TLS included) and every process connects as its role's user when the
+run's settings give one (`redis_{role}_auth`, as `rlship run`): the command, as REDIS_URL's
+user, gives each run's users that run's rules (`rlship acl`'s) before the run and deletes
+them after it.
 """
 
 from __future__ import annotations
