@@ -106,7 +106,7 @@ def test_chaos_over_tls_with_the_roles_users_delivers_every_step_once_in_order(s
     auth = role_auth("chaos")
     report = tmp_path / "chaos.json"
     arguments = [
-        "chaos", "--steps", "6", "--kill-every", "1", "--batch-size", "16", "--seq-len", "256",
+        "chaos", "--steps", "6", "--kill-every", "0.4", "--batch-size", "16", "--seq-len", "256",
         "--timeout", "100", "--json", str(report),
     ]  # fmt: skip
     process = subprocess.Popen(
