@@ -114,6 +114,10 @@ def role_keys(settings: RunSettings, role: str) -> tuple[list[str], list[str]]:
     elif role == "orchestrator":
         ports = (settings.zmq_port, settings.zmq_port + 1)
         keys += [*queues, *_CONTROL_KEYS, *(ship_port_claim(settings.zmq_host, port) for port in ports)]
+        # Its lease renews the expiry of the run's own queues (`RunKeys.own_queue_traces`,
+        # named by the run's id alone) whatever queues the run was given: without them, a run
+        # on named queues (`cpu_queue`, `ship_queue`) was refused its first renewal and stopped.
+        keys += [key for key in run.own_queue_traces if key not in queues]
         channels += fanout
     return keys, channels
 
@@ -123,6 +127,11 @@ def _database(url: str) -> int:
     return address.db if address.is_sentinel else int(redis.connection.parse_url(url).get("db") or 0)
 
 
-def acl_rules(settings: RunSettings) -> list[str]:
-    """One `ACL SETUSER` line per role of the run."""
-    return [role_user(settings, role).rule(*role_keys(settings, role), _COMMANDS[role]) for role in ROLES]
+def acl_rules(settings: RunSettings, roles: tuple[str, ...] = ROLES) -> list[str]:
+    """One `ACL SETUSER` line per role of the run (of `roles`)."""
+    return [role_user(settings, role).rule(*role_keys(settings, role), _COMMANDS[role]) for role in roles]
+
+
+def roles_with_users(settings: RunSettings) -> tuple[str, ...]:
+    """The roles whose processes connect as a user of their own (`redis_{role}_auth` set)."""
+    return tuple(role for role in ROLES if getattr(settings, f"redis_{role}_auth"))

@@ -13,11 +13,17 @@ from transport.connection import celery_redis_options
 
 
 def _control_app(name: str, redis_url: str) -> Any:
-    """A Celery app of its own on the broker at `redis_url` (Sentinels included)."""
+    """A Celery app of its own on the broker at `redis_url` (Sentinels included). It only
+    reads replies, unacknowledged, so kombu's emulation of acknowledgements is off: with it,
+    consuming the replies made kombu restore the server's unacknowledged messages (its
+    `unacked_mutex`, a key only the workers' ACL user may touch), and the orchestrator's
+    user was refused its stall diagnosis (NOPERM, logged as "Redis does not answer")."""
     from celery import Celery
 
+    options = celery_redis_options(redis_url)
+    transport = {**options.get("broker_transport_options", {}), "ack_emulation": False}
     app = Celery(name)
-    app.conf.update(celery_redis_options(redis_url), accept_content=["msgpack", "json"])
+    app.conf.update(options, broker_transport_options=transport, accept_content=["msgpack", "json"])
     return app
 
 

@@ -5,6 +5,11 @@ its own directory, none keeping anything on disk, all ended by PID.
 `fail_over` is the fault: SIGKILL the current primary, wait until the Sentinels have
 promoted a replica, then start the killed server again as a replica of the new primary (as
 an operator's supervisor would), and say how long the Sentinels took.
+
+With `tls` (`ClusterTLS`) every server and Sentinel listens with TLS only and asks each
+client for a certificate signed by the CA; replicas and Sentinels reach the servers over
+TLS with the same certificate. ACL users are not replicated: `give_acl` gives its rules to
+every server, and to a killed one again when it is started again.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlencode
 
 import redis
 
@@ -34,6 +40,33 @@ class ClusterFailed(RuntimeError):
     """The servers did not come up, or the Sentinels did not fail over, in time."""
 
 
+@dataclass(frozen=True)
+class ClusterTLS:
+    """The files of TLS for every server and Sentinel: a CA, and a certificate (with its key)
+    that the CA signed for 127.0.0.1, which servers present to clients and replicas and
+    Sentinels present to servers. A client is given the same (`client_options`)."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+    def server_options(self, port: int) -> list[str]:
+        return [
+            "--port", "0", "--tls-port", str(port), "--tls-cert-file", str(self.cert),
+            "--tls-key-file", str(self.key), "--tls-ca-cert-file", str(self.ca),
+            "--tls-auth-clients", "yes", "--tls-replication", "yes",
+        ]  # fmt: skip
+
+    def config(self, port: int) -> str:
+        """`server_options` as lines of a configuration file (a Sentinel's)."""
+        options = iter(self.server_options(port))
+        return "".join(f"{name[2:]} {value}\n" for name, value in zip(options, options, strict=True))
+
+    def client_options(self) -> dict[str, str]:
+        """As redis-py takes them in a URL's query."""
+        return {"ssl_ca_certs": str(self.ca), "ssl_certfile": str(self.cert), "ssl_keyfile": str(self.key)}
+
+
 @dataclass
 class _Server:
     port: int
@@ -47,14 +80,33 @@ class LocalSentinelCluster:
 
     root: Path
     replicas: int = 1
+    tls: ClusterTLS | None = None
     servers: list[_Server] = field(default_factory=list)
     sentinels: list[_Server] = field(default_factory=list)
+    acl: list[list[str]] = field(default_factory=list)  # ACL SETUSER lines every server is given
 
     @property
     def url(self) -> str:
-        """The run's `redis_url`: kombu's Sentinel form, the master's name in the query."""
+        """The run's `redis_url`: kombu's Sentinel form, the master's name in the query (and,
+        with TLS, the client's CA, certificate and key)."""
         chunks = ";".join(f"sentinel://127.0.0.1:{s.port}" for s in self.sentinels)
-        return f"{chunks}/0?master_name={MASTER_NAME}"
+        query = {"master_name": MASTER_NAME, **(self.tls.client_options() if self.tls else {})}
+        return f"{chunks}/0?{urlencode(query)}"
+
+    def clients(self) -> list[redis.Redis]:
+        """A client of each running server (not the Sentinels)."""
+        return [self._client(s.port) for s in self.servers if s.process and s.process.poll() is None]
+
+    def give_acl(self, rules: list[list[str]]) -> None:
+        """`rules` (`ACL SETUSER` lines, split) given to every server now, and to a server
+        started again after a kill; replaces what was given before."""
+        self.acl = rules
+        for client in self.clients():
+            for rule in rules:
+                client.execute_command(*rule)
+
+    def _client(self, port: int) -> redis.Redis:
+        return _client(port, self.tls)
 
     def start(self) -> LocalSentinelCluster:
         for index in range(1 + self.replicas):
@@ -68,8 +120,9 @@ class LocalSentinelCluster:
             sentinel = _Server(free_port_pair(), self.root / f"sentinel-{index}")
             sentinel.directory.mkdir(parents=True, exist_ok=True)
             config = sentinel.directory / "sentinel.conf"
+            listen = f"port {sentinel.port}\n" if self.tls is None else self.tls.config(sentinel.port)
             config.write_text(
-                f"port {sentinel.port}\nbind 127.0.0.1\ndir {sentinel.directory}\n"
+                f"{listen}bind 127.0.0.1\ndir {sentinel.directory}\n"
                 f"sentinel monitor {MASTER_NAME} 127.0.0.1 {primary} 2\n"
                 f"sentinel down-after-milliseconds {MASTER_NAME} {DOWN_AFTER_MS}\n"
                 f"sentinel failover-timeout {MASTER_NAME} {FAILOVER_TIMEOUT_MS}\n"
@@ -85,7 +138,7 @@ class LocalSentinelCluster:
         """The primary's port: the one most Sentinels name, if it says it is the primary."""
         named = [port for port in self._named_ports() if port is not None]
         for port in sorted(set(named), key=named.count, reverse=True):
-            role = _client(port).info("replication").get("role")
+            role = self._client(port).info("replication").get("role")
             if 2 * named.count(port) > SENTINELS and role == "master":
                 return port
         raise ClusterFailed(f"no primary named by most Sentinels (they name {named})")
@@ -95,7 +148,7 @@ class LocalSentinelCluster:
         named: list[int | None] = []
         for sentinel in self.sentinels:
             try:
-                host_port = _client(sentinel.port).sentinel_get_master_addr_by_name(MASTER_NAME)
+                host_port = self._client(sentinel.port).sentinel_get_master_addr_by_name(MASTER_NAME)
             except redis.RedisError:
                 host_port = None
             named.append(int(host_port[1]) if host_port else None)
@@ -139,11 +192,14 @@ class LocalSentinelCluster:
         self.stop()
 
     def _start_server(self, server: _Server, replica_of: int | None) -> None:
-        server.process = start_redis_server(server.directory, server.port, replica_of)
+        server.process = start_redis_server(server.directory, server.port, replica_of, self.tls)
+        client = self._client(server.port)
+        for rule in self.acl:
+            client.execute_command(*rule)
 
     def _ready(self) -> bool:
         for sentinel in self.sentinels:
-            state = _client(sentinel.port).sentinel_master(MASTER_NAME)
+            state = self._client(sentinel.port).sentinel_master(MASTER_NAME)
             if int(state.get("num-other-sentinels", 0)) + 1 < SENTINELS:
                 return False
             if int(state.get("num-slaves", 0)) < self.replicas:
@@ -160,24 +216,32 @@ class LocalSentinelCluster:
 
     def _replica_offsets(self) -> tuple[int, list[int]]:
         """The primary's replication offset and each online replica's acknowledged one."""
-        info = _client(self.primary_port()).info("replication")
+        info = self._client(self.primary_port()).info("replication")
         return int(info["master_repl_offset"]), [
             int(s["offset"]) for s in replica_states(info) if s.get("state") == "online"
         ]
 
 
-def start_redis_server(directory: Path, port: int, replica_of: int | None = None) -> subprocess.Popen:
+def start_redis_server(
+    directory: Path, port: int, replica_of: int | None = None, tls: ClusterTLS | None = None
+) -> subprocess.Popen:
     """A redis-server on loopback that keeps nothing on disk (a replica of `replica_of`, if
-    given), logging in `directory`; returns once it answers."""
+    given; with `tls`, listening with TLS only), logging in `directory`; returns once it answers."""
     directory.mkdir(parents=True, exist_ok=True)
+    listen = tls.server_options(port) if tls is not None else ["--port", str(port)]
     command = [
-        "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory),
+        "redis-server", *listen, "--bind", "127.0.0.1", "--dir", str(directory),
         "--save", "", "--appendonly", "no", "--repl-diskless-sync-delay", "0",
     ]  # fmt: skip
     if replica_of is not None:
         command += ["--replicaof", "127.0.0.1", str(replica_of)]
     server = _popen(command, directory)
-    _wait(lambda: redis_answers(f"redis://127.0.0.1:{port}/0"), START_SECONDS, f"redis-server on {port}")
+    url = (
+        f"rediss://127.0.0.1:{port}/0?{urlencode(tls.client_options())}"
+        if tls is not None
+        else f"redis://127.0.0.1:{port}/0"
+    )
+    _wait(lambda: redis_answers(url), START_SECONDS, f"redis-server on {port}")
     return server
 
 
@@ -199,5 +263,6 @@ def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def _client(port: int) -> redis.Redis:
-    return redis.Redis(port=port, socket_connect_timeout=1, socket_timeout=2)
+def _client(port: int, tls: ClusterTLS | None = None) -> redis.Redis:
+    secure = {"ssl": True, **tls.client_options()} if tls is not None else {}
+    return redis.Redis(port=port, socket_connect_timeout=1, socket_timeout=2, **secure)

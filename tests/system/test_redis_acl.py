@@ -12,28 +12,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from orchestrator.settings import ROLES
+from tests.support.acl import make_users, role_auth
 from tests.support.processes import REPO, python_command
 from transport.keys import RunKeys, run_queue
 from transport.zmq_sockets import free_port_pair
 
 ADMIN = "admin-password"
-
-
-def role_auth(run_id: str) -> dict[str, str]:
-    return {f"RLSHIP_REDIS_{role.upper()}_AUTH": f"{role}-{run_id}:pw-{role}-{run_id}" for role in ROLES}
-
-
-def make_users(admin: redis.Redis, run_id: str, *flags: str) -> None:
-    """The run's users, made from `rlship acl --run`'s lines as an operator would."""
-    done = subprocess.run(
-        python_command("acl", "--run", run_id, *flags),
-        env={**os.environ, **role_auth(run_id), "PYTHONPATH": str(REPO)},
-        cwd=REPO, capture_output=True, text=True, timeout=60, check=True,
-    )  # fmt: skip
-    assert f"pw-producer-{run_id}" not in done.stdout  # passwords only by hash
-    for line in done.stdout.splitlines():
-        assert admin.execute_command(*line.split()) in (b"OK", "OK")
 
 
 @pytest.fixture

@@ -12,26 +12,31 @@ back from the last primary, and what this test's producer was told was written.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import subprocess
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 import redis
 
 from orchestrator.commands.processes import delete_run_keys
-from orchestrator.commands.sentinel_cluster import LocalSentinelCluster
+from orchestrator.commands.sentinel_cluster import ClusterTLS, LocalSentinelCluster
 from orchestrator.producer import RolloutProducer
 from orchestrator.settings import RunSettings
+from tests.support.acl import acl_lines, role_auth
 from tests.support.factories import group
 from tests.support.processes import REPO, python_command, refused, running_workers
 from tests.support.shiprun import deterministic_run, metrics_lines, start_orchestrator
 from tests.support.stock_peers import await_every_step, read_record, start_stock_ranks
+from tests.support.tls import make_certificates
 from transport.connection import connect_redis
 from transport.keys import RunKeys
+from transport.zmq_sockets import free_port_pair
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -182,3 +187,53 @@ def test_a_user_run_on_sentinels_shows_the_topology_and_refuses_too_few_replicas
         assert status.returncode == 0, status.stderr
         assert status.stdout.startswith(f"redis: {primary} (master_name 'rlship'); replicas: 127.0.0.1:")
         delete_run_keys(RunSettings(redis_url=cluster.url, run_id="on-sentinels"))
+
+
+def test_a_run_over_tls_sentinels_as_the_roles_users_rides_out_two_primary_kills(tmp_path):
+    """`rlship run` on a primary, a replica and three Sentinels that all listen with TLS only
+    (and ask each client for a certificate), each process connected as its role's user, the
+    users given to every server (ACL users are not replicated) and again to the killed one
+    when it is started again; the primary is SIGKILLed twice mid-run: every step reaches
+    every rank once, and no process was refused anything."""
+    certificates = make_certificates(tmp_path / "certs")
+    tls = ClusterTLS(certificates.ca, certificates.server_cert, certificates.server_key)
+    run_id, port, steps = f"tls-failover-{uuid.uuid4().hex[:6]}", free_port_pair(), 8
+    with LocalSentinelCluster(tmp_path / "redis", tls=tls) as cluster:
+        cluster.give_acl(acl_lines(run_id, "--zmq-port", str(port)))
+        client = connect_redis(cluster.url)
+        arguments = [
+            "run", "--steps", str(steps), "--ranks", "2", "--batch-size", "16", "--group-size", "4",
+            "--seq-len", "256", "--run-id", run_id, "--zmq-port", str(port),
+            "--output-dir", str(tmp_path / "run"),
+        ]  # fmt: skip
+        process = subprocess.Popen(
+            python_command(*arguments),
+            env={**os.environ, **role_auth(run_id), "REDIS_URL": cluster.url, "PYTHONPATH": str(REPO)},
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        users: set[str] = set()
+        killed_after: list[int] = []  # steps published at each kill
+        deadline = time.monotonic() + 150
+        while process.poll() is None and time.monotonic() < deadline:
+            for server in cluster.clients():
+                with contextlib.suppress(redis.RedisError):
+                    users |= {entry["user"] for entry in server.client_list()}
+            published = client.hlen(RunKeys(run_id).published)
+            # The second kill promotes the server killed first: its users are those given
+            # to it again when it was started again.
+            if len(killed_after) < 2 and published >= 2 + 3 * len(killed_after):
+                killed_after.append(published)
+                cluster.fail_over()
+            time.sleep(0.1)
+        stdout, stderr = process.communicate(timeout=30)
+        assert process.returncode == 0, stdout[-3000:] + stderr[-3000:]
+        assert len(killed_after) == 2 and killed_after[-1] < steps, f"killed mid-run: {killed_after}"
+        shipped = str(list(range(steps)))
+        assert f"rank 0: received steps {shipped}" in stdout and f"rank 1: received steps {shipped}" in stdout
+        assert client.hlen(RunKeys(run_id).published) == steps, "every record on the last primary"
+        assert {auth.partition(":")[0] for auth in role_auth(run_id).values()} <= users, users
+        said = (tmp_path / "run" / "logs" / "orchestrator.log").read_text()
+        assert "Redis primary is 127.0.0.1:" in said, "the orchestrator reached the new primary over TLS"
+        for server in cluster.clients():
+            assert server.acl_log() == [], "no process was refused anything, before the kill or after"
+        delete_run_keys(RunSettings(redis_url=cluster.url, run_id=run_id))

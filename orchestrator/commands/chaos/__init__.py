@@ -25,6 +25,11 @@ predecessor died mid-send (`interrupted_sends`: each is a duplicate only if that
 died in the window between the message leaving it and its `last_sent` mark, tasks/ship.py).
 The `send` stage fault fires inside that window by construction, so this mode leaves it
 out of the rotation; the ship worker is killed `--ship-kills` times at random moments.
+
+Redis is REDIS_URL's (TLS included) and every process connects as its role's user when the
+run's settings give one (`redis_{role}_auth`, as `rlship run`): the command, as REDIS_URL's
+user, gives each run's users that run's rules (`rlship acl`'s) before the run and deletes
+them after it.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import signal
 import sys
 from pathlib import Path
 
+from orchestrator.acl import roles_with_users
 from orchestrator.commands.chaos.kills import STOCK_STAGES, KillPlan
 from orchestrator.commands.chaos.report import compare, print_report
 from orchestrator.commands.chaos.system import RunFailed, run_system
@@ -127,6 +133,13 @@ def _chaos(args: argparse.Namespace, token: str, cluster: LocalSentinelCluster |
         )
 
     reference, chaos = settings_for("reference"), settings_for("chaos")
+    roles = roles_with_users(reference)
+    if roles:
+        print(
+            f"rlship chaos: the {', '.join(roles)} processes connect as their roles' users "
+            "(redis_*_auth), given each run's rules and deleted after it",
+            flush=True,
+        )
     print(f"rlship chaos: fault-free run of {args.steps} steps ({reference.run_id})", flush=True)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that every child is stopped
     stages = STOCK_STAGES if args.receivers == "stock" else STAGE_NAMES

@@ -17,6 +17,7 @@ from typing import Any
 
 import redis
 
+from orchestrator.acl import acl_rules, role_user, roles_with_users
 from orchestrator.commands.chaos.kills import Kill, KillPlan, kill_one
 from orchestrator.commands.processes import (
     SOURCE_ROOT,
@@ -47,7 +48,7 @@ class RunFailed(RuntimeError):
 def write_workload(settings: RunSettings) -> int:
     """Write whole groups until they hold enough trainable rollouts for every step (plus
     one batch); the fates are decided here exactly as the orchestrator will decide them."""
-    client = connect_redis(settings.redis_url)
+    client = connect_redis(settings.for_role("producer").redis_url)  # as its user, if it has one
     producer = RolloutProducer.for_run(client, settings, admitted=False)  # written up front
     workload = SyntheticWorkload.for_run(settings)
     needed = (settings.steps + 1) * settings.batch_size
@@ -64,6 +65,38 @@ def write_workload(settings: RunSettings) -> int:
         trainable += sum(outcome.fate == TRAINABLE for outcome in outcomes)
         written += len(group)
     return written
+
+
+def give_role_users(settings: RunSettings, plan: KillPlan) -> list[str]:
+    """The run's users of the roles given one (`redis_{role}_auth`), made as `rlship acl`
+    prints them for this run (its id, queues and ports: a chaos run's own), on every server
+    of the run's Redis (ACL users are not replicated; a killed primary started again is given
+    them too); their names. The command connects as REDIS_URL's user, who must be allowed
+    ACL SETUSER."""
+    roles = roles_with_users(settings)
+    rules = [rule.split() for rule in acl_rules(settings, roles)]
+    try:
+        if plan.cluster is not None:
+            plan.cluster.give_acl(rules)
+        else:
+            client = connect_redis(settings.redis_url)
+            for rule in rules:
+                client.execute_command(*rule)
+    except redis.exceptions.NoPermissionError as exc:
+        raise RunFailed(
+            f"{settings.run_id}: REDIS_URL's user may not make the roles' users (ACL SETUSER): {exc}"
+        ) from None
+    return [role_user(settings, role).name for role in roles]
+
+
+def take_role_users(settings: RunSettings, plan: KillPlan, users: list[str]) -> None:
+    """The run's role users deleted from every server, once its processes have stopped."""
+    if not users:
+        return
+    if plan.cluster is not None:
+        plan.cluster.give_acl([])
+    for client in plan.cluster.clients() if plan.cluster is not None else [connect_redis(settings.redis_url)]:
+        client.acl_deluser(*users)
 
 
 def trainer_command(settings: RunSettings, rank: int, receivers: str) -> list[str]:
@@ -92,7 +125,12 @@ def run_system(
     plan: KillPlan,
 ) -> dict[str, Any]:
     """One run of the whole system on this machine, with kills when `kill_every` is set."""
-    rollouts = write_workload(settings)
+    users = give_role_users(settings, plan)
+    try:
+        rollouts = write_workload(settings)
+    except BaseException:
+        take_role_users(settings, plan, users)
+        raise
     group = ProcessGroup(
         env={**settings_to_env(settings), "RLSHIP_FAULTS": "1"}, log_dir=settings.output_dir / "logs"
     )
@@ -141,6 +179,7 @@ def run_system(
             hung = wait_for_stock_ranks(settings, HANG_SECONDS)
     finally:
         group.stop_all()
+        take_role_users(settings, plan, users)
     fired = {f.decode() for f in client.hkeys(RunKeys(settings.run_id).faults)}
     for kill in kills:
         if kill.target == "stage-fault":
