@@ -15,7 +15,7 @@ What is kept of each trace and branch:
 - per token: the node logprobs and reference logprobs spread onto their sampled positions,
   the `rl`/`ce`/`ref_kl` loss-weight streams (a shared node weighted once per stream), the
   advantages (the episode's own, else `grpo_advantages` of its group), routed experts and
-  modality markers (made by rlship.verifiers.layout, each trace's nodes converted once).
+  modality markers (made by rlship.verifiers.layout, a group's nodes converted together, each once).
 
 Where verifiers 0.4.0 differs from the verifiers prime-rl 559b447 pinned, this follows the
 meaning (docs/integrators.md, "From prime-rl's environment servers"): 0.4.0's `Branch` has no
@@ -43,7 +43,7 @@ import verifiers.v1 as vf
 
 from orchestrator.records import IDENTIFIER, InvalidRecord, RolloutRecord
 from orchestrator.rollout_checks import RolloutRejected
-from rlship.verifiers.layout import LOSS_STREAMS, ActionLoss, TraceLayout, branch_arrays, trainable_mask
+from rlship.verifiers.layout import LOSS_STREAMS, ActionLoss, GroupLayout
 
 Rollout = tuple[RolloutRecord, dict[str, Any]]
 Made = tuple[dict[str, Any], dict[str, Any], vf.Episode, vf.Trace]  # a rollout's fields, arrays, whose
@@ -87,7 +87,11 @@ def trainable_traces(episodes: Iterable[vf.Episode]) -> list[tuple[vf.Episode, v
 def grpo_advantages(episodes: Sequence[vf.Episode]) -> dict[str, float]:
     """prime-rl's plain GRPO over a group: each trainable trace's reward minus the mean of
     theirs, by trace id (what `GRPOAlgorithm.score_group` assigns, without length shaping)."""
-    traces = [trace for _, trace in trainable_traces(episodes)]
+    return _grpo([trace for _, trace in trainable_traces(episodes)])
+
+
+def _grpo(traces: Sequence[vf.Trace]) -> dict[str, float]:
+    """`grpo_advantages` over a group's trainable traces, in episode order."""
     if not traces:
         return {}
     rewards = np.array([trace.reward for trace in traces], dtype=np.float32)
@@ -96,8 +100,16 @@ def grpo_advantages(episodes: Sequence[vf.Episode]) -> dict[str, float]:
 
 
 def has_advantages(episodes: Iterable[vf.Episode]) -> bool:
-    """Whether the user's algorithm assigned credit to any trainable trace of the group."""
-    return any(node.advantages is not None for _, trace in trainable_traces(episodes) for node in trace.nodes)
+    """Whether the user's algorithm assigned credit to any trainable trace of the group (a
+    trace's nodes are looked at for credit first: most groups have none)."""
+    return any(
+        not trace.has_error
+        and trace.agent.trainable
+        and any(node.advantages is not None for node in trace.nodes)
+        and any(True in node.mask for node in trace.nodes)
+        for episode in episodes
+        for trace in episode.traces
+    )
 
 
 @dataclass(frozen=True)
@@ -157,16 +169,31 @@ def convert_group(
     episodes: Sequence[vf.Episode],
     conversion: Conversion,
     trace_advantages: Mapping[str, float] | None = None,
+    *,
+    grpo: bool = False,
 ) -> GroupRollouts:
     """Every rollout of a group's episodes and what was left out; `RolloutRejected` if any
-    episode, trace or branch is bad (all of them named)."""
+    episode, trace or branch is bad (all of them named). With `grpo`, the group's credit is
+    prime-rl's plain GRPO over it (`grpo_advantages`, found here with the group's layout)
+    unless a trace carries its algorithm's own (`trace_advantages` is then not taken)."""
+    if grpo and trace_advantages is not None:
+        raise ValueError("convert_group: trace_advantages or grpo, not both")
     result = GroupRollouts()
     problems: dict[str, str] = {}
-    trained: list[Made] = []  # record fields and arrays, and whose they are
-    untrained: list[Made] = []
-    given = has_advantages(episodes) and conversion.action_loss == "rl"
-    for episode in episodes:
-        problem = _episode_problem(episode, conversion)
+    given = has_advantages(episodes)
+    refused = [_episode_problem(episode, conversion) for episode in episodes]
+    candidates = [
+        trace
+        for episode, problem in zip(episodes, refused, strict=True)
+        if problem is None
+        for trace in episode.traces
+        if not trace.has_error and trace.agent.trainable
+    ]
+    layout = GroupLayout(candidates)
+    aligned = layout.aligned()
+    plan: list[tuple[vf.Episode, vf.Trace, int | None]] = []  # in order; the trace's place in `trains`
+    trains: list[vf.Trace] = []
+    for episode, problem in zip(episodes, refused, strict=True):
         if problem is not None:
             problems[episode.id] = f"episode {episode.id!r}: {problem}"
             continue
@@ -175,11 +202,16 @@ def convert_group(
         for trace in episode.traces:
             if trace.has_error or not trace.agent.trainable:
                 result.not_trainable_traces += int(not trace.has_error)
-                untrained.append((*_untrained_rollout(episode, trace, conversion), episode, trace))
+                plan.append((episode, trace, None))
                 continue
             where = f"{episode.id}/{trace.id}"
-            found = _trace_problems(trace, conversion, where)
-            if given and not found and all(node.advantages is None for node in trace.nodes):
+            found = {} if aligned else _trace_problems(trace, conversion, where)
+            if (
+                given
+                and conversion.action_loss == "rl"
+                and not found
+                and all(node.advantages is None for node in trace.nodes)
+            ):
                 found = {
                     where: f"trace {where}: advantages: none on any node, while other traces of the "
                     "group carry the algorithm's (an rl token without credit: prime-rl's trainer refuses it)"
@@ -187,11 +219,24 @@ def convert_group(
             if found:
                 problems |= found
                 continue
-            rollouts = _trace_rollouts(episode, trace, conversion, (trace_advantages or {}).get(trace.id))
-            if not rollouts:
-                result.untrained_traces += 1
-                untrained.append((*_untrained_rollout(episode, trace, conversion), episode, trace))
-            trained.extend((fields, arrays, episode, trace) for fields, arrays in rollouts)
+            plan.append((episode, trace, len(trains)))
+            trains.append(trace)
+    if len(trains) < len(candidates):  # bad traces left out: the rest laid out again
+        layout = GroupLayout(trains)
+    if grpo and not given:
+        trace_advantages = _grpo(
+            [trace for place, trace in enumerate(trains) if layout.traces_sampled[place]]
+        )
+    layout.fill([(trace_advantages or {}).get(trace.id) for trace in trains])
+    trained: list[Made] = []  # record fields and arrays, and whose they are
+    untrained: list[Made] = []
+    for episode, trace, place in plan:
+        rollouts = [] if place is None else _trace_rollouts(episode, trace, place, layout, conversion)
+        if place is not None and not rollouts:
+            result.untrained_traces += 1
+        if not rollouts:
+            untrained.append((*_untrained_rollout(episode, trace, conversion), episode, trace))
+        trained.extend((fields, arrays, episode, trace) for fields, arrays in rollouts)
     size = (
         {"group_rollouts": len(trained) + len(untrained)}
         if conversion.whole_group and trained + untrained
@@ -278,34 +323,26 @@ def _trace_problems(trace: vf.Trace, conversion: Conversion, where: str) -> dict
 
 
 def _trace_rollouts(
-    episode: vf.Episode, trace: vf.Trace, conversion: Conversion, advantage: float | None
+    episode: vf.Episode, trace: vf.Trace, place: int, layout: GroupLayout, conversion: Conversion
 ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """A checked trace's rollouts: record fields and arrays, one per trainable branch."""
-    layout = TraceLayout(trace)
-    trained: set[int] = set()  # nodes trained in an earlier branch (by place)
-    weighted: dict[str, set[int]] = {stream: set() for stream in LOSS_STREAMS}
-    rollouts = []
+    """A checked trace's rollouts (at `place` in the group's layout): record fields and
+    arrays, one per trainable branch."""
+    made = layout.rollouts(place, conversion.action_loss, conversion.mm_token_type_ids_mapping)
+    if not made:
+        return []
     fields = _trace_fields(episode, trace, conversion)
-    for index, places, trainable in layout.branches():
-        if not trainable:
-            continue
-        take = layout.take(places)
-        sampled = layout.sampled[take]
-        mask = trainable_mask(layout, places, sampled, trained)
-        if not mask.any():
-            continue
-        arrays = branch_arrays(
-            trace, layout, places, take, mask, weighted,
-            conversion.action_loss, conversion.mm_token_type_ids_mapping, advantage,
-        )  # fmt: skip
-        output_tokens = sum(layout.counts[place] for place in places)
-        record = fields | {
-            "rollout_id": identifier(f"{episode.id}/{trace.id}/{index}"),
-            "num_input_tokens": len(mask) - output_tokens,
-            "num_output_tokens": output_tokens,
-        }
-        rollouts.append((record, arrays))
-    return rollouts
+    return [
+        (
+            fields
+            | {
+                "rollout_id": identifier(f"{episode.id}/{trace.id}/{index}"),
+                "num_input_tokens": len(arrays["loss_mask"]) - output_tokens,
+                "num_output_tokens": output_tokens,
+            },
+            arrays,
+        )
+        for index, arrays, output_tokens in made
+    ]
 
 
 def _untrained_rollout(
