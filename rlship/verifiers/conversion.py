@@ -191,18 +191,20 @@ def convert_group(
     ]
     layout = GroupLayout(candidates)
     aligned = layout.aligned()
-    plan: list[tuple[vf.Episode, vf.Trace, int | None]] = []  # in order; the trace's place in `trains`
+    # every trace of the episodes taken, in order: its episode's record fields, its place in `trains`
+    plan: list[tuple[vf.Episode, vf.Trace, dict[str, Any], int | None]] = []
     trains: list[vf.Trace] = []
     for episode, problem in zip(episodes, refused, strict=True):
         if problem is not None:
             problems[episode.id] = f"episode {episode.id!r}: {problem}"
             continue
+        shared = _episode_fields(episode, conversion)
         result.errored_traces += sum(trace.has_error for trace in episode.traces)
         result.errored_traces += int(not episode.traces and not episode.ok)
         for trace in episode.traces:
             if trace.has_error or not trace.agent.trainable:
                 result.not_trainable_traces += int(not trace.has_error)
-                plan.append((episode, trace, None))
+                plan.append((episode, trace, shared, None))
                 continue
             where = f"{episode.id}/{trace.id}"
             found = {} if aligned else _trace_problems(trace, conversion, where)
@@ -219,7 +221,7 @@ def convert_group(
             if found:
                 problems |= found
                 continue
-            plan.append((episode, trace, len(trains)))
+            plan.append((episode, trace, shared, len(trains)))
             trains.append(trace)
     if len(trains) < len(candidates):  # bad traces left out: the rest laid out again
         layout = GroupLayout(trains)
@@ -230,12 +232,12 @@ def convert_group(
     layout.fill([(trace_advantages or {}).get(trace.id) for trace in trains])
     trained: list[Made] = []  # record fields and arrays, and whose they are
     untrained: list[Made] = []
-    for episode, trace, place in plan:
-        rollouts = [] if place is None else _trace_rollouts(episode, trace, place, layout, conversion)
+    for episode, trace, shared, place in plan:
+        rollouts = [] if place is None else _trace_rollouts(episode, trace, shared, place, layout, conversion)
         if place is not None and not rollouts:
             result.untrained_traces += 1
         if not rollouts:
-            untrained.append((*_untrained_rollout(episode, trace, conversion), episode, trace))
+            untrained.append((*_untrained_rollout(episode, trace, shared), episode, trace))
         trained.extend((fields, arrays, episode, trace) for fields, arrays in rollouts)
     size = (
         {"group_rollouts": len(trained) + len(untrained)}
@@ -323,14 +325,19 @@ def _trace_problems(trace: vf.Trace, conversion: Conversion, where: str) -> dict
 
 
 def _trace_rollouts(
-    episode: vf.Episode, trace: vf.Trace, place: int, layout: GroupLayout, conversion: Conversion
+    episode: vf.Episode,
+    trace: vf.Trace,
+    shared: dict[str, Any],
+    place: int,
+    layout: GroupLayout,
+    conversion: Conversion,
 ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """A checked trace's rollouts (at `place` in the group's layout): record fields and
-    arrays, one per trainable branch."""
+    """A checked trace's rollouts (at `place` in the group's layout; `shared`: its episode's
+    record fields): record fields and arrays, one per trainable branch."""
     made = layout.rollouts(place, conversion.action_loss, conversion.mm_token_type_ids_mapping)
     if not made:
         return []
-    fields = _trace_fields(episode, trace, conversion)
+    fields = _trace_fields(shared, trace)
     return [
         (
             fields
@@ -346,12 +353,12 @@ def _trace_rollouts(
 
 
 def _untrained_rollout(
-    episode: vf.Episode, trace: vf.Trace, conversion: Conversion
+    episode: vf.Episode, trace: vf.Trace, shared: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A trace that trains nothing as one record of no tokens: its error's type as the
     record's `error` (an error verifiers gave no type: `error`), and credit of no token, so
     it takes no part in its group's baseline and its fate is not trainable."""
-    record = _trace_fields(episode, trace, conversion) | {
+    record = _trace_fields(shared, trace) | {
         "rollout_id": identifier(f"{episode.id}/{trace.id}"),
         "num_input_tokens": 0,
         "num_output_tokens": 0,
@@ -368,16 +375,22 @@ def _untrained_rollout(
     return record, arrays
 
 
-def _trace_fields(episode: vf.Episode, trace: vf.Trace, conversion: Conversion) -> dict[str, Any]:
-    """The record fields every rollout of a trace shares."""
+def _episode_fields(episode: vf.Episode, conversion: Conversion) -> dict[str, Any]:
+    """The record fields every rollout of an episode shares."""
     return {
         "group_id": identifier(episode.group.id),  # type: ignore[union-attr]  # checked
-        "task_id": identifier(_task_key(trace)),
         "env": identifier(episode.env.name or ""),
         "policy_version": _policy_version(episode, conversion),
+        "temperature": conversion.temperature,
+    }
+
+
+def _trace_fields(shared: dict[str, Any], trace: vf.Trace) -> dict[str, Any]:
+    """The record fields every rollout of a trace shares: its episode's (`shared`), and its own."""
+    return shared | {
+        "task_id": identifier(_task_key(trace)),
         "reward": trace.reward,
         "num_turns": trace.num_turns,
-        "temperature": conversion.temperature,
         "is_truncated": trace.is_truncated,
         "stop_condition": identifier(trace.stop_condition) if trace.stop_condition else None,
         "metrics": {identifier(k): float(v) for k, v in trace.metrics.items() if v is not None},
