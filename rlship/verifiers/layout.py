@@ -14,7 +14,7 @@ in that stream instead (rlship.verifiers.conversion says what prime-rl does each
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import accumulate, chain, pairwise, repeat
 from typing import Any, Literal
 
@@ -80,20 +80,27 @@ class GroupLayout:
         """Lay out the token ids and the per-node streams of aligned nodes; `credit` is each
         trace's advantage to broadcast over its sampled tokens (None: none), which a trace
         carrying its algorithm's own per-node advantages takes instead."""
-        nodes, traces = self.nodes, self.traces
+        nodes = self.nodes
         self.token_ids = np.fromiter(
             chain.from_iterable(node.token_ids for node in nodes), np.int64, self.starts[-1]
         )
         self.positions = np.flatnonzero(self.sampled)
         self.logprobs = self._spread(node.logprobs for node in nodes)
-        self.refs = [any(node.reference_logprobs is not None for node in trace.nodes) for trace in traces]
+        self.refs = self._traces_with(lambda node: node.reference_logprobs is not None)
         references = (node.reference_logprobs for node in nodes)
         self.reference_logprobs = self._spread(references) if any(self.refs) else None
-        given = [any(node.advantages is not None for node in trace.nodes) for trace in traces]
+        given = self._traces_with(lambda node: node.advantages is not None)
         self.credited = [own or value is not None for own, value in zip(given, credit, strict=True)]
         self.advantages = self._credit(given, credit) if any(self.credited) else None
-        self.streams = [any(node.loss_weights for node in trace.nodes) for trace in traces]
-        self.routed = [any(node.routed_experts is not None for node in trace.nodes) for trace in traces]
+        self.streams = self._traces_with(lambda node: bool(node.loss_weights))
+        self.routed = self._traces_with(lambda node: node.routed_experts is not None)
+
+    def _traces_with(self, has: Callable[[vf.MessageNode], bool]) -> list[bool]:
+        """Whether each trace has a node that `has` it (the group's nodes looked at first: in
+        most groups none has)."""
+        if not any(map(has, self.nodes)):
+            return [False] * len(self.traces)
+        return [any(map(has, trace.nodes)) for trace in self.traces]
 
     def _credit(self, given: list[bool], credit: Sequence[float | None]) -> np.ndarray:
         """The advantages over the group: a trace's own per node, else its advantage on each
