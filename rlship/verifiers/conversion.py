@@ -99,9 +99,13 @@ def _grpo(traces: Sequence[vf.Trace]) -> dict[str, float]:
     return {trace.id: float(value) for trace, value in zip(traces, advantages.tolist(), strict=True)}
 
 
-def has_advantages(episodes: Iterable[vf.Episode]) -> bool:
-    """Whether the user's algorithm assigned credit to any trainable trace of the group (a
-    trace's nodes are looked at for credit first: most groups have none)."""
+def has_advantages(episodes: Sequence[vf.Episode]) -> bool:
+    """Whether the user's algorithm assigned credit to any trainable trace of the group (the
+    nodes are looked at for credit first: most groups have none)."""
+    if all(
+        node.advantages is None for episode in episodes for trace in episode.traces for node in trace.nodes
+    ):
+        return False
     return any(
         not trace.has_error
         and trace.agent.trainable

@@ -65,7 +65,7 @@ class GroupLayout:
         ):
             if any(v is not None and c and len(v) != c for v, c in zip(values, counts, strict=True)):
                 return False
-        for node in nodes:
+        for node in (node for node in nodes if node.loss_weights or node.routed_experts is not None):
             streams, experts = node.loss_weights, node.routed_experts
             if streams and any(
                 name not in LOSS_STREAMS or len(weights) != len(node.token_ids)
