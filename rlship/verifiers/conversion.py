@@ -15,7 +15,7 @@ What is kept of each trace and branch:
 - per token: the node logprobs and reference logprobs spread onto their sampled positions,
   the `rl`/`ce`/`ref_kl` loss-weight streams (a shared node weighted once per stream), the
   advantages (the episode's own, else `grpo_advantages` of its group), routed experts and
-  modality markers (made by rlship.verifiers.layout, each trace's nodes converted once).
+  modality markers (made by rlship.verifiers.layout, a group's nodes converted together, each once).
 
 Where verifiers 0.4.0 differs from the verifiers prime-rl 559b447 pinned, this follows the
 meaning (docs/integrators.md, "From prime-rl's environment servers"): 0.4.0's `Branch` has no
@@ -43,7 +43,7 @@ import verifiers.v1 as vf
 
 from orchestrator.records import IDENTIFIER, InvalidRecord, RolloutRecord
 from orchestrator.rollout_checks import RolloutRejected
-from rlship.verifiers.layout import LOSS_STREAMS, ActionLoss, TraceLayout, branch_arrays, trainable_mask
+from rlship.verifiers.layout import LOSS_STREAMS, ActionLoss, GroupLayout
 from rlship.verifiers.trace_counts import trace_counts
 
 Rollout = tuple[RolloutRecord, dict[str, Any]]
@@ -88,7 +88,11 @@ def trainable_traces(episodes: Iterable[vf.Episode]) -> list[tuple[vf.Episode, v
 def grpo_advantages(episodes: Sequence[vf.Episode]) -> dict[str, float]:
     """prime-rl's plain GRPO over a group: each trainable trace's reward minus the mean of
     theirs, by trace id (what `GRPOAlgorithm.score_group` assigns, without length shaping)."""
-    traces = [trace for _, trace in trainable_traces(episodes)]
+    return _grpo([trace for _, trace in trainable_traces(episodes)])
+
+
+def _grpo(traces: Sequence[vf.Trace]) -> dict[str, float]:
+    """`grpo_advantages` over a group's trainable traces, in episode order."""
     if not traces:
         return {}
     rewards = np.array([trace.reward for trace in traces], dtype=np.float32)
@@ -96,9 +100,21 @@ def grpo_advantages(episodes: Sequence[vf.Episode]) -> dict[str, float]:
     return {trace.id: float(value) for trace, value in zip(traces, advantages.tolist(), strict=True)}
 
 
-def has_advantages(episodes: Iterable[vf.Episode]) -> bool:
-    """Whether the user's algorithm assigned credit to any trainable trace of the group."""
-    return any(node.advantages is not None for _, trace in trainable_traces(episodes) for node in trace.nodes)
+def has_advantages(episodes: Sequence[vf.Episode]) -> bool:
+    """Whether the user's algorithm assigned credit to any trainable trace of the group (the
+    nodes are looked at for credit first: most groups have none)."""
+    if all(
+        node.advantages is None for episode in episodes for trace in episode.traces for node in trace.nodes
+    ):
+        return False
+    return any(
+        not trace.has_error
+        and trace.agent.trainable
+        and any(node.advantages is not None for node in trace.nodes)
+        and any(True in node.mask for node in trace.nodes)
+        for episode in episodes
+        for trace in episode.traces
+    )
 
 
 @dataclass(frozen=True)
@@ -158,29 +174,51 @@ def convert_group(
     episodes: Sequence[vf.Episode],
     conversion: Conversion,
     trace_advantages: Mapping[str, float] | None = None,
+    *,
+    grpo: bool = False,
 ) -> GroupRollouts:
     """Every rollout of a group's episodes and what was left out; `RolloutRejected` if any
-    episode, trace or branch is bad (all of them named)."""
+    episode, trace or branch is bad (all of them named). With `grpo`, the group's credit is
+    prime-rl's plain GRPO over it (`grpo_advantages`, found here with the group's layout)
+    unless a trace carries its algorithm's own (`trace_advantages` is then not taken)."""
+    if grpo and trace_advantages is not None:
+        raise ValueError("convert_group: trace_advantages or grpo, not both")
     result = GroupRollouts()
     problems: dict[str, str] = {}
-    trained: list[Made] = []  # record fields and arrays, and whose they are
-    untrained: list[Made] = []
-    given = has_advantages(episodes) and conversion.action_loss == "rl"
-    for episode in episodes:
-        problem = _episode_problem(episode, conversion)
+    given = has_advantages(episodes)
+    refused = [_episode_problem(episode, conversion) for episode in episodes]
+    candidates = [
+        trace
+        for episode, problem in zip(episodes, refused, strict=True)
+        if problem is None
+        for trace in episode.traces
+        if not trace.has_error and trace.agent.trainable
+    ]
+    layout = GroupLayout(candidates)
+    aligned = layout.aligned()
+    # every trace of the episodes taken, in order: its episode's record fields, its place in `trains`
+    plan: list[tuple[vf.Episode, vf.Trace, dict[str, Any], int | None]] = []
+    trains: list[vf.Trace] = []
+    for episode, problem in zip(episodes, refused, strict=True):
         if problem is not None:
             problems[episode.id] = f"episode {episode.id!r}: {problem}"
             continue
+        shared = _episode_fields(episode, conversion)
         result.errored_traces += sum(trace.has_error for trace in episode.traces)
         result.errored_traces += int(not episode.traces and not episode.ok)
         for trace in episode.traces:
             if trace.has_error or not trace.agent.trainable:
                 result.not_trainable_traces += int(not trace.has_error)
-                untrained.append((*_untrained_rollout(episode, trace, conversion), episode, trace))
+                plan.append((episode, trace, shared, None))
                 continue
             where = f"{episode.id}/{trace.id}"
-            found = _trace_problems(trace, conversion, where)
-            if given and not found and all(node.advantages is None for node in trace.nodes):
+            found = {} if aligned else _trace_problems(trace, conversion, where)
+            if (
+                given
+                and conversion.action_loss == "rl"
+                and not found
+                and all(node.advantages is None for node in trace.nodes)
+            ):
                 found = {
                     where: f"trace {where}: advantages: none on any node, while other traces of the "
                     "group carry the algorithm's (an rl token without credit: prime-rl's trainer refuses it)"
@@ -188,11 +226,24 @@ def convert_group(
             if found:
                 problems |= found
                 continue
-            rollouts = _trace_rollouts(episode, trace, conversion, (trace_advantages or {}).get(trace.id))
-            if not rollouts:
-                result.untrained_traces += 1
-                untrained.append((*_untrained_rollout(episode, trace, conversion), episode, trace))
-            trained.extend((fields, arrays, episode, trace) for fields, arrays in rollouts)
+            plan.append((episode, trace, shared, len(trains)))
+            trains.append(trace)
+    if len(trains) < len(candidates):  # bad traces left out: the rest laid out again
+        layout = GroupLayout(trains)
+    if grpo and not given:
+        trace_advantages = _grpo(
+            [trace for place, trace in enumerate(trains) if layout.traces_sampled[place]]
+        )
+    layout.fill([(trace_advantages or {}).get(trace.id) for trace in trains])
+    trained: list[Made] = []  # record fields and arrays, and whose they are
+    untrained: list[Made] = []
+    for episode, trace, shared, place in plan:
+        rollouts = [] if place is None else _trace_rollouts(episode, trace, shared, place, layout, conversion)
+        if place is not None and not rollouts:
+            result.untrained_traces += 1
+        if not rollouts:
+            untrained.append((*_untrained_rollout(episode, trace, shared), episode, trace))
+        trained.extend((fields, arrays, episode, trace) for fields, arrays in rollouts)
     size = (
         {"group_rollouts": len(trained) + len(untrained)}
         if conversion.whole_group and trained + untrained
@@ -279,43 +330,40 @@ def _trace_problems(trace: vf.Trace, conversion: Conversion, where: str) -> dict
 
 
 def _trace_rollouts(
-    episode: vf.Episode, trace: vf.Trace, conversion: Conversion, advantage: float | None
+    episode: vf.Episode,
+    trace: vf.Trace,
+    shared: dict[str, Any],
+    place: int,
+    layout: GroupLayout,
+    conversion: Conversion,
 ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """A checked trace's rollouts: record fields and arrays, one per trainable branch."""
-    layout = TraceLayout(trace)
-    trained: set[int] = set()  # nodes trained in an earlier branch (by place)
-    weighted: dict[str, set[int]] = {stream: set() for stream in LOSS_STREAMS}
-    rollouts = []
-    fields = _trace_fields(episode, trace, conversion)
-    for index, places, trainable in layout.branches():
-        if not trainable:
-            continue
-        take = layout.take(places)
-        sampled = layout.sampled[take]
-        mask = trainable_mask(layout, places, sampled, trained)
-        if not mask.any():
-            continue
-        arrays = branch_arrays(
-            trace, layout, places, take, mask, weighted,
-            conversion.action_loss, conversion.mm_token_type_ids_mapping, advantage,
-        )  # fmt: skip
-        output_tokens = sum(layout.counts[place] for place in places)
-        record = fields | {
-            "rollout_id": identifier(f"{episode.id}/{trace.id}/{index}"),
-            "num_input_tokens": len(mask) - output_tokens,
-            "num_output_tokens": output_tokens,
-        }
-        rollouts.append((record, arrays))
-    return rollouts
+    """A checked trace's rollouts (at `place` in the group's layout; `shared`: its episode's
+    record fields): record fields and arrays, one per trainable branch."""
+    made = layout.rollouts(place, conversion.action_loss, conversion.mm_token_type_ids_mapping)
+    if not made:
+        return []
+    fields = _trace_fields(shared, trace)
+    return [
+        (
+            fields
+            | {
+                "rollout_id": identifier(f"{episode.id}/{trace.id}/{index}"),
+                "num_input_tokens": len(arrays["loss_mask"]) - output_tokens,
+                "num_output_tokens": output_tokens,
+            },
+            arrays,
+        )
+        for index, arrays, output_tokens in made
+    ]
 
 
 def _untrained_rollout(
-    episode: vf.Episode, trace: vf.Trace, conversion: Conversion
+    episode: vf.Episode, trace: vf.Trace, shared: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A trace that trains nothing as one record of no tokens: its error's type as the
     record's `error` (an error verifiers gave no type: `error`), and credit of no token, so
     it takes no part in its group's baseline and its fate is not trainable."""
-    record = _trace_fields(episode, trace, conversion) | {
+    record = _trace_fields(shared, trace) | {
         "rollout_id": identifier(f"{episode.id}/{trace.id}"),
         "num_input_tokens": 0,
         "num_output_tokens": 0,
@@ -332,23 +380,29 @@ def _untrained_rollout(
     return record, arrays
 
 
-def _trace_fields(episode: vf.Episode, trace: vf.Trace, conversion: Conversion) -> dict[str, Any]:
-    """The record fields every rollout of a trace shares, with the episode and the whole
-    trace's counts, so the record counts traces and episodes as prime-rl does."""
+def _episode_fields(episode: vf.Episode, conversion: Conversion) -> dict[str, Any]:
+    """The record fields every rollout of an episode shares (its id: the record counts
+    traces and episodes as prime-rl does)."""
     return {
         "group_id": identifier(episode.group.id),  # type: ignore[union-attr]  # checked
-        "task_id": identifier(_task_key(trace)),
         "env": identifier(episode.env.name or ""),
         "policy_version": _policy_version(episode, conversion),
+        "temperature": conversion.temperature,
+        "episode_id": identifier(episode.id),
+    }
+
+
+def _trace_fields(shared: dict[str, Any], trace: vf.Trace) -> dict[str, Any]:
+    """The record fields every rollout of a trace shares: its episode's (`shared`), and its own."""
+    return shared | {
+        "task_id": identifier(_task_key(trace)),
         "reward": trace.reward,
         "num_turns": trace.num_turns,
-        "temperature": conversion.temperature,
         "is_truncated": trace.is_truncated,
         "stop_condition": identifier(trace.stop_condition) if trace.stop_condition else None,
         "metrics": {identifier(k): float(v) for k, v in trace.metrics.items() if v is not None},
         "agent": identifier(trace.agent.name),
-        "episode_id": identifier(episode.id),
-        "trace": trace_counts(trace, identifier(trace.id)),
+        "trace": trace_counts(trace, identifier(trace.id)),  # the whole trace's counts
     }
 
 

@@ -34,8 +34,6 @@ from rlship.verifiers.conversion import (
     GroupRollouts,
     convert_group,
     decode_episode,
-    grpo_advantages,
-    has_advantages,
 )
 from transport.payload_segments import PAYLOAD_FIELD, rollout_rows_path, write_segment_file
 
@@ -79,8 +77,7 @@ class _EpisodeConverter:
             self.mm_token_type_ids_mapping,
             whole_group=True,
         )
-        advantages = None if has_advantages(decoded) else grpo_advantages(decoded)
-        group = convert_group(decoded, conversion, advantages)
+        group = convert_group(decoded, conversion, grpo=True)
         self.errored_traces += group.errored_traces
         self.not_trainable_traces += group.not_trainable_traces
         self.untrained_traces += group.untrained_traces
