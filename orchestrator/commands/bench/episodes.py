@@ -1,10 +1,10 @@
 """`rlship bench episodes`: what taking verifiers episodes costs a producer (BENCHMARKS.md,
 "Episodes in"): the CPU of writing a step's worth of synthetic episode groups through an
 `EpisodeProducer` (conversion, checks, the Redis writes), against writing the very same
-rollouts through a `RolloutProducer` from the Python lists an inference server hands over
-(their arrays made, checked, written). Both into throwaway runs of the Redis at
-`--redis-url`, unadmitted; after a small warm-up round, the rounds' medians are compared. Needs the
-verifiers extra.
+rollouts through a `RolloutProducer` from the record fields and Python lists an inference
+server's client holds (their records and arrays made, checked, written). Both into throwaway
+runs of the Redis at `--redis-url`, unadmitted; after a small warm-up round, the rounds'
+medians are compared. Needs the verifiers extra.
 
     rlship bench episodes --branches 4096 --seq-len 4700 --rounds 3
 """
@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from orchestrator.records import RolloutRecord
 from orchestrator.settings import RunSettings
 from transport.connection import connect_redis
 from transport.keys import RunKeys
@@ -68,14 +69,19 @@ def one_round(client: Any, args: argparse.Namespace, seed: int) -> dict[str, flo
         start = cpu_seconds()
         results = [episodes.produce(group) for group in groups]
         episodes_cpu = cpu_seconds() - start
-        # The plain side writes the same records: the rollouts, and the records of no tokens
-        # of the traces that train nothing (rlship.verifiers.producers).
+        # The plain side writes the same rollouts, and the records of no tokens of the traces
+        # that train nothing (rlship.verifiers.producers), from what a plain producer holds:
+        # each record's fields (as a plain rollout has them: of no episode) and the lists an
+        # inference server gives; it builds its records and arrays, as the episodes side does.
         written = [result.written for result in results]
-        as_lists = [[(record, {k: v.tolist() for k, v in a.items()}) for record, a in g] for g in written]
+        as_lists = [
+            [(_plain_fields(record), {k: v.tolist() for k, v in a.items()}) for record, a in g]
+            for g in written
+        ]
         rollouts = RolloutProducer.for_run(client, settings[1], admitted=False)
         start = cpu_seconds()
         for group in as_lists:
-            rollouts.produce([(record, _arrays(lists)) for record, lists in group])
+            rollouts.produce([(RolloutRecord(**fields), _arrays(lists)) for fields, lists in group])
         rollouts_cpu = cpu_seconds() - start
     finally:
         for run in runs:
@@ -91,6 +97,11 @@ def one_round(client: Any, args: argparse.Namespace, seed: int) -> dict[str, flo
         "untrained": sum(len(result.untrained) for result in results),
         "tokens": tokens,
     }
+
+
+def _plain_fields(record: RolloutRecord) -> dict[str, Any]:
+    """A rollout's record fields as a plain producer has them: no episode, no trace."""
+    return record.model_dump(exclude_unset=True, exclude={"episode_id", "trace"})
 
 
 def _arrays(lists: dict[str, list]) -> dict[str, np.ndarray]:
