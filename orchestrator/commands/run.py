@@ -213,11 +213,12 @@ def run_local(
         client.delete(RunKeys(settings.run_id).orchestrator_lease)
         run_seconds = time.time() - started_at
         client.hset(status_key, "run_seconds", run_seconds)
-        # Every step published, however the run stopped (Ctrl-C too), and the run's time.
+        # The steps published so far, however the run stopped (Ctrl-C too), and the run's time.
         display.update(status=True, elapsed=run_seconds)
         _end_tasks(client, settings)
         for name in [n for n in reversed(list(group.processes)) if n != "redis"]:
             group.stop(name)
+        display.update(elapsed=run_seconds)  # a step a worker published as the run stopped
         delete_queues(client, own_queues(settings))
         summary = summarize(client, settings, orchestrator_summary, stopped, shipped_before)
         summary["run_seconds"] = run_seconds
