@@ -35,6 +35,7 @@ from transport.keys import DEFAULT_TTL_SECONDS, RunKeys
 from transport.numbering import staleness
 from transport.outcomes import Written, discarded, record_outcomes, rejected
 from transport.release_scripts import release_rollouts
+from transport.replication import Durability
 
 log = logging.getLogger("rlship.orchestrator")
 
@@ -61,6 +62,7 @@ class Ingest:
         self.ttl = DEFAULT_TTL_SECONDS
         self.rows = settings.run_rows()
         self.rollout_log = rollout_log
+        self.durability = Durability.of(settings, self.keys.replication_probe)
         self.stopping = stopping
         self.work = work  # set once there are rollouts enough for a cut
         self.next_step = next_step  # the step the next cut makes: staleness counts from it
@@ -94,10 +96,7 @@ class Ingest:
     async def run(self) -> None:
         """Read rollout records until stopped; complete groups; release what cannot train."""
         while not self.stopping.is_set():
-            response = await self.client.xread(
-                {self.keys.rollout_stream: self.stream_cursor}, count=READ_BATCH, block=READ_BLOCK_MS
-            )
-            entries = response[0][1] if response else []
+            entries = await self.read_replicated()
             release_ids: list[str] = []
             for entry_id, fields in entries:
                 if CANCEL_FIELD in fields:
@@ -134,6 +133,31 @@ class Ingest:
                     await self.prepare(completed)
             if len(self.pending) >= self.settings.batch_size:
                 self.work.set()
+
+    async def read_replicated(self) -> list[Any]:
+        """The stream's next records, once replicas hold them (`redis_wait_replicas`): a record
+        read on a primary that dies before a replica has it is written again by its producer,
+        which is still waiting for its own confirmation; taken twice, it would be counted
+        twice. Records found lost are read again, from the same cursor, on the new primary."""
+        while True:
+            response = await self.client.xread(
+                {self.keys.rollout_stream: self.stream_cursor}, count=READ_BATCH, block=READ_BLOCK_MS
+            )
+            entries = response[0][1] if response else []
+            if not entries or not self.durability.replicas:
+                return entries
+            last = entries[-1][0]
+            what = f"{len(entries)} rollout records read"
+            if await self.durability.held_async(
+                self.client,
+                lambda pipe, last=last: pipe.xrange(self.keys.rollout_stream, last, last),
+                what,
+                given_up=self.stopping.is_set,
+            ):
+                return entries
+            if self.stopping.is_set():
+                return []  # left in the stream, past the checkpoint's cursor, for a resume
+            log.warning("%s were lost in a failover before a replica had them; reading again", what)
 
     def take_record(
         self, entry_id: str, raw: bytes, facts: bytes | None = None, credit: bytes | None = None

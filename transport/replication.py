@@ -19,6 +19,10 @@ on the new primary (the clients' retries). Too few replicas (none has rejoined t
 primary yet): logged, and waited again; the run holds rather than act on a write it could
 lose. Redis's replication stream is ordered, so every write made before one that is safe
 is safe too.
+
+Reads are confirmed the same way (`held`): the orchestrator takes a rollout record only once
+replicas hold it, since its producer, still waiting on its own confirmation, writes a lost
+one again.
 """
 
 from __future__ import annotations
@@ -61,17 +65,10 @@ class Durability:
         the last time. `witness` adds reads to a pipeline; `holds` says, from their replies,
         whether the write is there (default: every reply truthy)."""
         result = write()
-        if self.replicas == 0:
-            return result
-        waiting = _Waiting(what, self.replicas)
-        while True:
-            pipe = client.pipeline(transaction=False)
-            self._confirm(pipe, witness)
-            verdict = waiting.verdict(holds, *pipe.execute())
-            if verdict == _REWRITE:
-                result = write()
-            elif verdict == _DONE:
-                return result
+        while self.replicas and not self.held(client, witness, what, holds):
+            log.warning("%s was lost in a failover before a replica had it; writing it again", what)
+            result = write()
+        return result
 
     async def replicate_async(
         self,
@@ -83,17 +80,45 @@ class Durability:
     ) -> Any:
         """`replicate` for an asyncio client."""
         result = await write()
-        if self.replicas == 0:
-            return result
+        while self.replicas and not await self.held_async(client, witness, what, holds):
+            log.warning("%s was lost in a failover before a replica had it; writing it again", what)
+            result = await write()
+        return result
+
+    def held(
+        self,
+        client: Any,
+        witness: Callable[[Any], None],
+        what: str,
+        holds: Callable[[list[Any]], bool] = all,
+    ) -> bool:
+        """Confirmation rounds until the replicas hold what `witness` finds (True), or it is
+        found missing (False: lost in a failover). Also for something read, not written: the
+        probe comes after it in the primary's replication stream all the same."""
+        waiting = _Waiting(what, self.replicas)
+        while True:
+            pipe = client.pipeline(transaction=False)
+            self._confirm(pipe, witness)
+            verdict = waiting.verdict(holds, *pipe.execute())
+            if verdict != _WAIT:
+                return verdict == _DONE
+
+    async def held_async(
+        self,
+        client: Any,
+        witness: Callable[[Any], None],
+        what: str,
+        holds: Callable[[list[Any]], bool] = all,
+        given_up: Callable[[], bool] = lambda: False,
+    ) -> bool:
+        """`held` for an asyncio client; waiting for replicas ends, False, once `given_up()`."""
         waiting = _Waiting(what, self.replicas)
         while True:
             pipe = client.pipeline(transaction=False)
             self._confirm(pipe, witness)
             verdict = waiting.verdict(holds, *await pipe.execute())
-            if verdict == _REWRITE:
-                result = await write()
-            elif verdict == _DONE:
-                return result
+            if verdict != _WAIT or given_up():
+                return verdict == _DONE
 
     def _confirm(self, pipe: Any, witness: Callable[[Any], None]) -> None:
         pipe.set(self.probe_key, time.time(), ex=PROBE_TTL_SECONDS)
@@ -101,7 +126,7 @@ class Durability:
         pipe.wait(self.replicas, self.timeout_ms)
 
 
-_REWRITE, _DONE, _WAIT = "rewrite", "done", "wait"
+_LOST, _DONE, _WAIT = "lost", "done", "wait"
 
 
 class _Waiting:
@@ -114,11 +139,10 @@ class _Waiting:
         self.logged = 0.0
 
     def verdict(self, holds: Callable[[list[Any]], bool], _probe: Any, *replies: Any) -> str:
-        """From a round's replies (probe, witness reads, WAIT): write again, done, or wait."""
+        """From a round's replies (probe, witness reads, WAIT): lost, done, or wait."""
         *found, acknowledged = replies
         if not holds(found):
-            log.warning("%s was lost in a failover before a replica had it; writing it again", self.what)
-            return _REWRITE
+            return _LOST
         if acknowledged >= self.replicas:
             self.done()
             return _DONE
