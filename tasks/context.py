@@ -24,10 +24,11 @@ import redis
 from celery import Task
 from celery.exceptions import Retry
 
+from tasks import tracing
 from tasks.app import app, redis_url
 from tasks.faults import crash_if_armed
-from tasks.graph import STAGE, Stage, predecessors, stage_ranks
-from tasks.manifest import StepManifest
+from tasks.graph import STAGE, Stage, predecessors, stage_ranks, task_stages
+from tasks.manifest import HEAD_BYTES, StepManifest
 from transport.connection import connect_redis
 from transport.keys import StepValue, stage_field
 from transport.replication import Durability
@@ -45,11 +46,27 @@ def redis_client() -> redis.Redis:
     return connect_redis(redis_url(), large_replies=True, socket_timeout=120, health_check_interval=30)
 
 
-@functools.lru_cache(maxsize=4)
-def _decoded_manifest(data: bytes) -> StepManifest:
-    """Every task of a step reads its manifest; a process decodes each one once. Keyed by
-    the stored bytes, so a step cut again under the same number is a new manifest."""
-    return StepManifest.from_bytes(data)
+# The step manifests this process has read, by (run, step): the bytes that open each (its
+# cut's id, `manifest.HEAD_BYTES`) and the manifest. Every task of a step needs it, and a
+# seed-sized one is over a megabyte: a process reads it whole once per cut, then only its
+# head to see it is still the step's. A few steps are in flight at once.
+_manifests: dict[tuple[str, int], tuple[bytes, StepManifest]] = {}
+MANIFESTS_KEPT = 8
+
+
+def read_manifest(client: redis.Redis, store: PayloadStore, step: int) -> StepManifest:
+    """Step `step`'s manifest, read whole only if this process does not hold its cut's."""
+    key = store.keys.step(step, StepValue.MANIFEST)
+    head = client.getrange(key, 0, HEAD_BYTES - 1)
+    held = _manifests.get((store.keys.run_id, step))
+    if held is not None and head and held[0] == head:
+        return held[1]
+    data = bytes(store.get_step_value(step, StepValue.MANIFEST))
+    manifest = StepManifest.from_bytes(data)
+    _manifests[(store.keys.run_id, step)] = (data[:HEAD_BYTES], manifest)
+    while len(_manifests) > MANIFESTS_KEPT:
+        del _manifests[next(iter(_manifests))]
+    return manifest
 
 
 class StepContext:
@@ -62,12 +79,15 @@ class StepContext:
         self.client = redis_client()
         self.store = PayloadStore(self.client, run_id)
         self.keys = self.store.keys
+        # What this delivery stored (packed, by step value): a carried stage takes it from
+        # here rather than reading it back through Redis.
+        self.stored: dict[str, bytes] = {}
 
     @functools.cached_property
     def manifest(self) -> StepManifest:
         """The step's manifest. Every task reads it before it writes a file, so the process
         creates files with the run's `file_mode` from here (a worker may serve several runs)."""
-        manifest = _decoded_manifest(bytes(self.store.get_step_value(self.step, StepValue.MANIFEST)))
+        manifest = read_manifest(self.client, self.store, self.step)
         restrict(manifest.config.file_mode)
         return manifest
 
@@ -80,10 +100,15 @@ class StepContext:
         return bool(self.client.hexists(self.keys.published, self.step if step is None else step))
 
     def put(self, name: str, value: Any) -> None:
-        self.store.put_step_value(self.step, name, msgpack.packb(value, use_bin_type=True))
+        packed = msgpack.packb(value, use_bin_type=True)
+        self.store.put_step_value(self.step, name, packed)
+        self.stored[name] = packed
 
     def get(self, name: str) -> Any:
-        return msgpack.unpackb(self.store.get_step_value(self.step, name), raw=False)
+        packed = self.stored.get(name)
+        return msgpack.unpackb(
+            self.store.get_step_value(self.step, name) if packed is None else packed, raw=False
+        )
 
     def crash_if_armed(
         self, stage: str, rank: int | None = None, before: Callable[[], None] | None = None
@@ -117,7 +142,18 @@ class StepContext:
         if waited is not None:
             note_queue_wait(pipe, self.keys, STAGE[stage].queue, waited, self.store.ttl)
         if (request.delivery_info or {}).get("redelivered"):
-            note_failure(pipe, self.keys, stage, self.store.ttl)
+            note_failure(pipe, self.keys, self.stage_lost_in(stage), self.store.ttl)
+
+    def stage_lost_in(self, stage: str) -> str:
+        """The stage a lost delivery of `stage`'s task was in: of the stages the task runs
+        (`task_stages`: it and those it carries), the first not done, else the last."""
+        stages = task_stages(stage)
+        if len(stages) == 1:
+            return stage
+        pipe = self.client.pipeline(transaction=False)
+        for name in stages:
+            pipe.exists(self.keys.done(self.step, name))
+        return next((name for name, done in zip(stages, pipe.execute(), strict=True) if not done), stages[-1])
 
     def count_failure(self, stage: str) -> None:
         """Count a delivery of `stage` that raised (`rlship_task_failures_total`)."""
@@ -159,12 +195,9 @@ class StepContext:
             seconds = time.perf_counter() - started
             self.crash_if_armed(stage, rank)  # the worst moment: computed, not yet marked
             pipe.multi()
-            for output, value in outputs.items():
-                pipe.set(
-                    self.keys.step(self.step, output),
-                    msgpack.packb(value, use_bin_type=True),
-                    ex=self.store.ttl,
-                )
+            packed = {output: msgpack.packb(value, use_bin_type=True) for output, value in outputs.items()}
+            for output, value in packed.items():
+                pipe.set(self.keys.step(self.step, output), value, ex=self.store.ttl)
                 pipe.sadd(self.keys.step_keys(self.step), self.keys.step(self.step, output))
             pipe.hset(self.keys.times(self.step), name, seconds)
             pipe.expire(self.keys.times(self.step), self.store.ttl)
@@ -177,6 +210,7 @@ class StepContext:
                 pipe.execute()
             except redis.WatchError:
                 return False
+        self.stored.update(packed)
         return True
 
     def stop_run(self, problem: str) -> None:
@@ -233,13 +267,24 @@ class StepContext:
         return config.ship_queue if stage.queue == "ship" else config.cpu_queue
 
 
-def enqueue_successors(ctx: StepContext, stage: Stage, rank: int | None) -> None:
-    """Enqueue what follows `stage` in the graph: for the same rank after a per-rank stage,
-    for every rank after a per-step one; a fan-in (more than one predecessor, or a per-step
-    stage after a per-rank one) once all its predecessors are done. More than one task may
-    see a fan-in complete; the stage behind it runs once all the same."""
+def go_on(ctx: StepContext, stage: Stage, rank: int | None) -> None:
+    """What follows `stage` in the graph: a carried stage is run here and now (then what
+    follows it); any other is enqueued, for the same rank after a per-rank stage, for every
+    rank after a per-step one; a fan-in (more than one predecessor, or a per-step stage after
+    a per-rank one) once all its predecessors are done. More than one task may see a fan-in
+    complete; the stage behind it runs once all the same."""
     for successor in (STAGE[name] for name in stage.then):
         if successor.by_orchestrator:
+            continue
+        if successor.carried:
+            attributes = {
+                "rlship.run_id": ctx.run_id,
+                "rlship.stage": successor.name,
+                "rlship.step": ctx.step,
+            }
+            with tracing.span(successor.task_name, **attributes):
+                _run_body(ctx, successor, _CARRIED[successor.name], None, ())
+                go_on(ctx, successor, None)
             continue
         before = predecessors(successor.name)
         if (len(before) > 1 or (stage.per_rank and not successor.per_rank)) and not ctx.completed(before):
@@ -253,6 +298,25 @@ def enqueue_successors(ctx: StepContext, stage: Stage, rank: int | None) -> None
 
 
 Body = Callable[..., Any]
+# The bodies of carried stages (`Stage.carried`), run by `go_on` in their carrier's task.
+_CARRIED: dict[str, Body] = {}
+
+
+def _run_body(
+    ctx: StepContext, stage: Stage, body: Body, rank: int | None, args: tuple[int, ...], computes: bool = True
+) -> bool:
+    """One stage's body: through `run_stage` if it `computes`; False if the step goes no
+    further. A body that raises is counted as a failure of its own stage."""
+    try:
+        if computes:
+            ctx.run_stage(stage.name, functools.partial(body, ctx, *args), rank)
+            return True
+        return body(ctx, *args) is not False
+    except (DiskFull, Retry):
+        raise
+    except Exception:
+        ctx.count_failure(stage.name)
+        raise
 
 
 def stage_task(
@@ -261,20 +325,25 @@ def stage_task(
     computes: bool = True,
     skip: Callable[[StepContext, str], bool] = StepContext.skip,
     **options: Any,
-) -> Callable[[Body], Task]:
-    """Register `body` as stage `name`'s Celery task (`Stage.task_name`): the one seam.
+) -> Callable[[Body], Any]:
+    """Register `body` as stage `name`'s Celery task (`Stage.task_name`): the one seam; or,
+    for a carried stage, as the body its carrier's task runs (`go_on`), returned as is.
 
     Per delivery: the step's context; `skip` (by default: the step is published or the run
     has ended), which also counts the worker in the run's `served_by` (`count_served`: which
     workers took its tasks); the body (a write it makes that finds its disk full stops the
-    run: `StepContext.stop_run`); then the stage's successors in the graph. A body that
-    `computes` is the stage's computation, run once per step by `StepContext.run_stage`
+    run: `StepContext.stop_run`); then what follows the stage in the graph (`go_on`). A body
+    that `computes` is the stage's computation, run once per step by `StepContext.run_stage`
     (timed, marked, the fault hook before the mark); any other runs its stage itself and
     returns False when the step goes no further. The body gets the context and the task's
     arguments after (run_id, step)."""
     stage = STAGE[name]
 
-    def register(body: Body) -> Task:
+    def register(body: Body) -> Any:
+        if stage.carried:
+            _CARRIED[name] = body
+            return body
+
         @functools.wraps(body)
         def run(task: Task, run_id: str, step: int, *args: int) -> None:
             ctx = StepContext(run_id, step, task)
@@ -282,19 +351,10 @@ def stage_task(
                 return
             rank = args[0] if stage.per_rank else None
             try:
-                if computes:
-                    ctx.run_stage(name, functools.partial(body, ctx, *args), rank)
-                elif body(ctx, *args) is False:
-                    return
+                if _run_body(ctx, stage, body, rank, args, computes):
+                    go_on(ctx, stage, rank)
             except DiskFull as exc:
                 ctx.stop_run(str(exc))
-                return
-            except Retry:
-                raise
-            except Exception:
-                ctx.count_failure(name)
-                raise
-            enqueue_successors(ctx, stage, rank)
 
         # The task's own arguments, for what reads them by name (`tasks.logs.TaskContext`
         # puts run_id, step and rank on every log line), not the body's `ctx, ...`.

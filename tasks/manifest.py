@@ -1,9 +1,12 @@
 """The step manifest: everything the workers need to ship one step, written once by the
 orchestrator at the cut and read by every stage. Tasks carry only (run_id, step[, rank]);
-the manifest carries the keys and scalars."""
+the manifest carries the keys and scalars. Its stored form opens with its cut's id
+(`HEAD_BYTES`), so a process holding a step's manifest can tell from those bytes alone that
+it is still the step's (a step found empty is cut again under the same number)."""
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -17,6 +20,9 @@ from transport.keys import RunKeys
 from transport.payload_dir import PayloadDirectory, payload_directory
 from transport.payload_segments import PAYLOAD_FIELD, RunRows, SideArrays
 from transport.schema import WIRE_559B447, WIRE_PROFILES, WireProfile
+
+# The stored manifest's first bytes: the map's header and its first entry, the cut's id.
+HEAD_BYTES = 64
 
 # Elements of a long list packed in one call by `packb_in_pieces`: about a millisecond of labels.
 PIECE_ITEMS = 2048
@@ -124,6 +130,7 @@ class StepManifest:
     counters: dict[str, float] = field(default_factory=dict)
     loop_lag_ms: np.ndarray = field(default_factory=lambda: np.zeros(0))
     policy_wait: float = 0.0
+    cut_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # this cut's, whatever its step
 
     @property
     def keys(self) -> RunKeys:
@@ -132,6 +139,7 @@ class StepManifest:
     def to_bytes(self) -> bytes:
         return packb_in_pieces(
             {
+                "cut_id": self.cut_id,  # first: within `HEAD_BYTES`
                 "run_id": self.run_id,
                 "step": self.step,
                 "prev_step": self.prev_step,
@@ -159,4 +167,5 @@ class StepManifest:
             counters=raw["counters"],
             loop_lag_ms=np.frombuffer(raw["loop_lag_ms"], dtype=np.float64),
             policy_wait=raw["policy_wait"],
+            cut_id=raw["cut_id"],
         )

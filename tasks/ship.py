@@ -3,7 +3,8 @@ from Redis, calling a stage function (`tasks.stages`) and storing its output; `s
 `tasks.send`, `publish` and `release` in `tasks.publish`, and this module names them all, so
 the orchestrator and the Celery app know one module of task signatures. What every task
 does around its stage (context, skips, timing and marks, successors) is
-`tasks.context.stage_task`; which stage follows which is `tasks.graph`.
+`tasks.context.stage_task`; which stage follows which, and which run in the task before
+them (prune and pack, in finalize's), is `tasks.graph`.
 """
 
 from __future__ import annotations
@@ -184,4 +185,5 @@ def encode(ctx: StepContext, rank: int) -> None:
         ctx.put(f"{StepValue.SAMPLES}:{rank}", list(zip(held, lines, strict=True)))
 
 
-__all__ = ["encode", "finalize", "metrics", "pack", "prepare", "prune", "publish", "release", "send"]
+# The Celery tasks (prune and pack run in finalize's: `tasks.graph`, carried stages).
+__all__ = ["encode", "finalize", "metrics", "prepare", "publish", "release", "send"]

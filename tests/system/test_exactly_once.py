@@ -17,7 +17,7 @@ from celery.result import AsyncResult
 from orchestrator.orchestrator import Orchestrator
 from orchestrator.producer import RolloutProducer
 from orchestrator.settings import RunSettings
-from tasks.ship import encode, finalize, metrics, pack, prune, publish, release, send
+from tasks.ship import encode, finalize, metrics, publish, release, send
 from tests.support.factories import group
 from tests.support.shiprun import leftover_keys, open_policy_gate, ship_settings
 from tests.support.wire_trainer import WireTrainer
@@ -32,11 +32,10 @@ ALONE, CONCURRENT = 1, 4
 
 
 def enqueue_again(settings: RunSettings, step: int, copies: int, with_release: bool) -> list[AsyncResult]:
-    """Every stage task of `step`, `copies` times over, results kept to wait on."""
+    """Every stage task of `step` (prune and pack run in finalize's), `copies` times over,
+    results kept to wait on."""
     run, cpu, ship = settings.run_id, settings.cpu_queue, settings.ship_queue
-    calls: list[tuple[Any, tuple, str]] = [
-        (task, (run, step), cpu) for task in (finalize, prune, metrics, pack, publish)
-    ]
+    calls: list[tuple[Any, tuple, str]] = [(task, (run, step), cpu) for task in (finalize, metrics, publish)]
     for rank in range(settings.ranks):
         calls += [(encode, (run, step, rank), cpu), (send, (run, step, rank), ship)]
     if with_release:
@@ -136,7 +135,7 @@ def test_stage_tasks_enqueued_again_for_a_done_step_change_nothing(
     redundant.update({k.decode(): int(v) for k, v in client.hgetall(state.tasks_dropped).items()})
     after_release = ALONE + (len(ATTACKED) - 1) * CONCURRENT + STEPS * CONCURRENT
     enqueued = ALONE + (len(ATTACKED) - 1) * CONCURRENT + after_release
-    for stage in ("finalize", "prune", "metrics", "pack", "publish"):
+    for stage in ("finalize", "metrics", "publish"):
         assert redundant.get(stage, 0) >= enqueued, (stage, redundant)
     for stage in ("encode", "send"):
         assert redundant.get(stage, 0) >= enqueued * RANKS, (stage, redundant)

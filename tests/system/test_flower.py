@@ -27,7 +27,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.settings import RunSettings
-from tasks.ship import prune
+from tasks.ship import metrics
 from tests.support.processes import REPO, Workers, require
 from tests.support.shiprun import ship, ship_settings
 from transport.keys import RunKeys
@@ -39,7 +39,8 @@ RANKS = 2
 # Per step: one task per stage, one encode and one send per rank.
 PER_RANK = ("rlship.encode", "rlship.send")
 PREPARE = "rlship.prepare"
-ONCE = tuple(f"rlship.{stage}" for stage in ("finalize", "prune", "metrics", "pack", "publish"))
+# Prune and pack run in finalize's task: no task of their own (tasks/graph.py).
+ONCE = tuple(f"rlship.{stage}" for stage in ("finalize", "metrics", "publish"))
 # release also carries what it needs once the step's manifest is gone: ranks, replay_steps.
 REPLAY_STEPS = RunSettings.model_fields["replay_steps"].default
 
@@ -231,17 +232,17 @@ def test_flower_shows_stage_tasks(
     runtimes = {s.labels["task"] for s in metric_samples(flower, "flower_task_runtime_seconds_count")}
     assert runtimes >= {name for name, _ in expected}, runtimes
 
-    # A failing task (its step was never cut: nothing finalized) shows as failed, with its exception.
+    # A failing task (its step was never cut: nothing pruned) shows as failed, with its exception.
     absent = f"absent-{uuid.uuid4().hex[:8]}"
     redis.Redis.from_url(redis_url).set(RunKeys(absent).alive, 1, ex=60)  # a live run: not dropped
-    prune.apply_async((absent, 0), queue=workers.cpu_queue)
+    metrics.apply_async((absent, 0), queue=workers.cpu_queue)
     failed = wait_for(
         "Flower showing the failed task",
         lambda: [t for t in run_tasks(flower, absent) if t["state"] == "FAILURE"],
     )
-    assert failed[0]["name"] == "rlship.prune" and failed[0]["exception"], failed
+    assert failed[0]["name"] == "rlship.metrics" and failed[0]["exception"], failed
     assert any(
-        s.labels["task"] == "rlship.prune" and s.labels["type"] == "task-failed"
+        s.labels["task"] == "rlship.metrics" and s.labels["type"] == "task-failed"
         for s in metric_samples(flower, "flower_events_total")
     )
     stray = redis.Redis.from_url(redis_url)

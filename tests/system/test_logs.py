@@ -105,22 +105,22 @@ def test_command_logging_setup() -> None:
 
 @pytest.mark.timeout(120)
 def test_celery_worker_logs_json_with_the_task_context(redis_url: str, run_id: str, tmp_path: Path) -> None:
-    """A task that fails (its step was never cut: prune finds nothing finalized) is logged
+    """A task that fails (its step was never cut: metrics finds nothing pruned) is logged
     by the worker as one JSON line naming the task, its Celery id (as Flower and `celery
     inspect` know it), its run id and step."""
-    from tasks.ship import prune
+    from tasks.ship import metrics
     from transport.keys import RunKeys
 
     with running_workers(redis_url, tmp_path, env={LOG_JSON_ENV: "1"}) as workers:
         redis.Redis.from_url(redis_url).set(RunKeys(run_id).alive, 1, ex=60)  # a live run: not dropped
-        sent = prune.apply_async((run_id, 7), queue=workers.cpu_queue)
+        sent = metrics.apply_async((run_id, 7), queue=workers.cpu_queue)
         deadline = time.monotonic() + 60
         failures: list[dict] = []
         while not failures and time.monotonic() < deadline:
             time.sleep(0.2)
             text = "".join(path.read_text() for path in tmp_path.glob("cpu-*.log"))
             entries = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
-            failures = [e for e in entries if e.get("task") == "rlship.prune" and e["level"] == "ERROR"]
+            failures = [e for e in entries if e.get("task") == "rlship.metrics" and e["level"] == "ERROR"]
     assert failures, text
     assert (failures[0]["run_id"], failures[0]["step"]) == (run_id, 7)
     assert failures[0]["task_id"] == sent.id

@@ -17,7 +17,7 @@ import redis
 from tasks import faults, ship
 from tasks import send as sending
 from tasks.app import app
-from tasks.graph import STAGES
+from tasks.graph import STAGES, predecessors, task_stages
 from transport.keys import RunKeys
 from transport.replication import Durability
 
@@ -59,15 +59,21 @@ def test_run_state_key_names_are_the_documented_ones(run_id: str) -> None:
     assert state.run_id == run_id
 
 
-def test_every_stage_of_the_graph_is_a_task_under_its_fixed_name() -> None:
+def test_every_stage_of_the_graph_is_a_task_under_its_fixed_name_or_carried_by_one() -> None:
     # In every task message and in Flower: a renamed task strands the messages in flight.
-    names = {"rlship.finalize", "rlship.prune", "rlship.metrics", "rlship.pack", "rlship.encode",
-             "rlship.send", "rlship.publish", "rlship.release"}  # fmt: skip
+    names = {"rlship.finalize", "rlship.metrics", "rlship.encode", "rlship.send", "rlship.publish",
+             "rlship.release"}  # fmt: skip
     # And one task before any cut, outside the step's graph: a completed group's wire parts.
     assert {name for name in app.tasks if name.startswith("rlship.")} == names | {"rlship.prepare"}
-    assert {stage.task_name for stage in STAGES} == names
+    assert {stage.task_name for stage in STAGES if not stage.carried} == names
     assert {stage.name for stage in STAGES if stage.per_rank} == {"encode", "send"}
     assert [stage.name for stage in STAGES if stage.queue == "ship"] == ["send"]
+    # Prune and pack run in finalize's task, after it: each has one predecessor, per step, on
+    # the same queue, so the process running it has what it needs.
+    assert task_stages("finalize") == ("finalize", "prune", "pack") and task_stages("encode") == ("encode",)
+    for stage in (stage for stage in STAGES if stage.carried):
+        (before,) = predecessors(stage.name)
+        assert not stage.per_rank and not before.per_rank and stage.queue == before.queue
 
 
 def test_a_task_of_an_ended_run_is_dropped_counted_and_logged(
@@ -78,14 +84,14 @@ def test_a_task_of_an_ended_run_is_dropped_counted_and_logged(
     try:
         ship.finalize(run_id, 7)  # no `alive` mark: the run has ended; no manifest needed
         ship.finalize(run_id, 8)
-        ship.prune(run_id, 8)
+        ship.metrics(run_id, 8)
         dropped = f"rlship:{run_id}:tasks_dropped"
-        assert client.hgetall(dropped) == {b"finalize": b"2", b"prune": b"1"}
+        assert client.hgetall(dropped) == {b"finalize": b"2", b"metrics": b"1"}
         assert 0 < client.ttl(dropped) <= ship.StepContext(run_id, 7).store.ttl
         assert messages(caplog, logging.WARNING) == [
             f"run {run_id} has ended: finalize of step 7 dropped",
             f"run {run_id} has ended: finalize of step 8 dropped",
-            f"run {run_id} has ended: prune of step 8 dropped",
+            f"run {run_id} has ended: metrics of step 8 dropped",
         ]
         assert client.llen(queue) == 0, "nothing enqueued"
         assert not client.exists(f"rlship:{run_id}:redundant_deliveries")
@@ -99,13 +105,13 @@ def test_a_task_of_a_published_step_is_counted_as_redundant_and_logged(
     caplog.set_level(logging.INFO, logger=LOGGER)
     client.set(f"rlship:{run_id}:alive", 1, ex=60)
     client.hset(f"rlship:{run_id}:published", "3", "1")
-    ship.prune(run_id, 3)
-    ship.prune(run_id, 3)
+    ship.metrics(run_id, 3)
+    ship.metrics(run_id, 3)
     ship.finalize(run_id, 3)
-    assert client.hgetall(f"rlship:{run_id}:redundant_deliveries") == {b"prune": b"2", b"finalize": b"1"}
+    assert client.hgetall(f"rlship:{run_id}:redundant_deliveries") == {b"metrics": b"2", b"finalize": b"1"}
     assert messages(caplog, logging.INFO) == [
-        "step 3: prune arrived after the step was published; nothing to do",
-        "step 3: prune arrived after the step was published; nothing to do",
+        "step 3: metrics arrived after the step was published; nothing to do",
+        "step 3: metrics arrived after the step was published; nothing to do",
         "step 3: finalize arrived after the step was published; nothing to do",
     ]
     assert not client.exists(f"rlship:{run_id}:tasks_dropped")

@@ -6,8 +6,10 @@ successor messages land on this test's own queues, where the test reads them."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import hashlib
 import json
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,12 +19,12 @@ import pytest
 import redis
 
 from orchestrator.commands.processes import delete_queues
-from tasks import ship
+from tasks import faults, ship
 from tasks.cohort import NUMERIC_COLUMNS, CohortBuilder
 from tasks.manifest import ShipConfig, StepManifest
 from tests.support.factories import store_rollout_arrays
 from transport.keys import RunKeys
-from transport.store import PayloadStore
+from transport.store import PayloadMissingError, PayloadStore
 
 # rollout id: (input_ids, number of prompt tokens, advantage, env); "flat" has zero advantage.
 ROLLOUTS = {
@@ -74,17 +76,25 @@ def _enqueued(client: redis.Redis, queue: str) -> list[tuple[str, list]]:
     return [(m["headers"]["task"], list(ast.literal_eval(m["headers"]["argsrepr"]))) for m in messages]
 
 
-def test_one_step_through_every_task(client: redis.Redis, run_id: str, shipped_step) -> None:
+def test_one_step_through_every_task(
+    client: redis.Redis, run_id: str, shipped_step, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store, config = shipped_step
     cpu, ship_queue = config.cpu_queue, config.ship_queue
-    ship.finalize(run_id, 0)
-    assert _enqueued(client, cpu) == [("rlship.prune", [run_id, 0])]
-    ship.prune(run_id, 0)
-    assert _enqueued(client, cpu) == [("rlship.metrics", [run_id, 0]), ("rlship.pack", [run_id, 0])]
+    read = []
+    real_read = PayloadStore.get_step_value
+
+    def reading(self: PayloadStore, step: int, name: str) -> bytes:
+        read.append(name)
+        return real_read(self, step, name)
+
+    monkeypatch.setattr(PayloadStore, "get_step_value", reading)
+    ship.finalize(run_id, 0)  # and prune and pack, in its task
+    assert read == ["manifest"], "prune and pack took finalize's and prune's outputs from memory"
+    encodes = [("rlship.encode", [run_id, 0, r]) for r in range(RANKS)]
+    assert _enqueued(client, cpu) == [("rlship.metrics", [run_id, 0]), *encodes]
     ship.metrics(run_id, 0)
     assert _enqueued(client, cpu) == [], "publish waits for every rank's send"
-    ship.pack(run_id, 0)
-    assert _enqueued(client, cpu) == [("rlship.encode", [run_id, 0, r]) for r in range(RANKS)]
     for rank in range(RANKS):
         ship.encode(run_id, 0, rank)
     assert _enqueued(client, ship_queue) == [("rlship.send", [run_id, 0, r]) for r in range(RANKS)]
@@ -135,8 +145,8 @@ def test_one_step_through_every_task(client: redis.Redis, run_id: str, shipped_s
     assert client.hexists(RunKeys(run_id).published, 0)
 
     # Every task again, after the step is published: nothing computed, enqueued or recorded twice.
-    for task, args in [(ship.finalize, ()), (ship.prune, ()), (ship.metrics, ()), (ship.pack, ()),
-                       (ship.encode, (0,)), (ship.send, (1,)), (ship.publish, ())]:  # fmt: skip
+    for task, args in [(ship.finalize, ()), (ship.metrics, ()), (ship.encode, (0,)), (ship.send, (1,)),
+                       (ship.publish, ())]:  # fmt: skip
         task(run_id, 0, *args)
     assert _enqueued(client, cpu) == [] and _enqueued(client, ship_queue) == []
     assert client.xlen(store.keys.metrics_stream) == 1
@@ -151,12 +161,76 @@ def test_a_stage_already_done_is_not_computed_again(client: redis.Redis, run_id:
     _, config = shipped_step
     ship.finalize(run_id, 0)
     ship.finalize(run_id, 0)
-    assert _enqueued(client, config.cpu_queue) == [("rlship.prune", [run_id, 0])] * 2, "successors again"
+    successors = [("rlship.metrics", [run_id, 0]), *(("rlship.encode", [run_id, 0, r]) for r in range(RANKS))]
+    assert _enqueued(client, config.cpu_queue) == successors * 2, "successors again"
     calls = client.hgetall(RunKeys(run_id).stage_calls)
-    assert [int(v) for v in calls.values()] == [1], "computed once"
+    assert [int(v) for v in calls.values()] == [1, 1, 1], "finalize, prune and pack computed once"
     ctx = ship.StepContext(run_id, 0)
     assert not ctx.is_published() and not ctx.is_published(0)
     client.hset(ctx.keys.published, 0, 1.0)
     assert ctx.is_published() and not ctx.is_published(1)
     ctx.put("x", {"k": [1, 2]})
     assert ctx.get("x") == {"k": [1, 2]}
+
+
+class Killed(Exception):
+    pass
+
+
+def test_a_finalize_redelivered_after_a_kill_in_a_carried_stage_runs_it_from_what_redis_holds(
+    client: redis.Redis, run_id: str, shipped_step, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prune runs in finalize's task: a worker killed after prune computed and before its mark
+    leaves finalize marked and prune not; the delivery again (acks late) finds finalize done
+    and runs prune and pack from the finalized samples Redis holds, then enqueues what
+    follows. The oracle: the marks, the per-process call counts and the queue."""
+    _, config = shipped_step
+    monkeypatch.setattr(faults, "enabled", lambda: True)
+
+    def kill(pid: int, sig: int) -> None:
+        raise Killed(pid, sig)
+
+    monkeypatch.setattr(faults.os, "kill", kill)
+    client.hset(RunKeys(run_id).faults, "prune:0", 1)
+    with pytest.raises(Killed):
+        ship.finalize(run_id, 0)
+    keys = RunKeys(run_id)
+    assert client.exists(keys.done(0, "finalize")) and not client.exists(keys.done(0, "prune"))
+    assert _enqueued(client, config.cpu_queue) == [], "nothing follows a killed task"
+    ship.finalize(run_id, 0)  # the redelivery
+    assert client.exists(keys.done(0, "prune"), keys.done(0, "pack")) == 2
+    successors = [("rlship.metrics", [run_id, 0]), *(("rlship.encode", [run_id, 0, r]) for r in range(RANKS))]
+    assert _enqueued(client, config.cpu_queue) == successors
+    calls = {k.decode().rsplit(":", 1)[1]: int(v) for k, v in client.hgetall(keys.stage_calls).items()}
+    assert calls == {"finalize": 1, "prune": 1, "pack": 1}, "the killed prune left no count"
+    samples = msgpack.unpackb(client.get(keys.step(0, "pruned")), raw=False)["samples"]
+    assert sorted(samples["labels"]["rollout_id"]) == ["a", "b", "c"], "pruned from the stored samples"
+
+
+def test_a_process_reads_a_steps_manifest_whole_once_per_cut(
+    client: redis.Redis, run_id: str, shipped_step, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every task of a step needs its manifest: a process reads it whole once, then only its
+    opening bytes; a step cut again under the same number (found empty) is read whole again.
+    The oracle: the manifests' own cut ids and which step values were read whole."""
+    store, _ = shipped_step
+    read = []
+    real_read = PayloadStore.get_step_value
+
+    def reading(self: PayloadStore, step: int, name: str) -> bytes:
+        read.append(name)
+        return real_read(self, step, name)
+
+    monkeypatch.setattr(PayloadStore, "get_step_value", reading)
+    first = ship.StepContext(run_id, 0).manifest
+    assert ship.StepContext(run_id, 0).manifest is first and read == ["manifest"], "read whole once"
+    again = StepManifest.from_bytes(store.get_step_value(0, "manifest"))
+    recut = dataclasses.replace(again, cut_id=uuid.uuid4().hex, cut_time=again.cut_time + 1)
+    assert recut.to_bytes()[: len(first.cut_id) + 16] != first.to_bytes()[: len(first.cut_id) + 16]
+    read.clear()
+    store.put_step_value(0, "manifest", recut.to_bytes())
+    got = ship.StepContext(run_id, 0).manifest
+    assert (got.cut_id, got.cut_time, read) == (recut.cut_id, recut.cut_time, ["manifest"]), "the new cut's"
+    store.client.delete(store.keys.step(0, "manifest"))
+    with pytest.raises(PayloadMissingError):
+        ship.StepContext(run_id, 0).manifest  # noqa: B018  (released: not served from memory)

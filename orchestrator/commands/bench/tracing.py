@@ -14,8 +14,8 @@ alternating, against a redis-server of the bench's own (its CPU counted too):
 
 The process's CPU includes its threads (export, relay); Redis's is the server's
 `used_cpu_sys` + `used_cpu_user` over the round. Per step: the CPU a task times the stage
-tasks of a step at `--ranks` (4 + 2 x ranks + 2: finalize, prune, metrics, pack, encode and
-send per rank, publish, release).
+tasks of a step at `--ranks` (2 + 2 x ranks + 2: finalize, which carries prune and pack,
+metrics, encode and send per rank, publish, release).
 
     rlship bench tracing --tasks 2000 --rounds 3 --ranks 8
 """
@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tasks", type=int, default=2000, help="stage tasks a round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each mode, alternating")
     parser.add_argument(
-        "--ranks", type=int, default=8, help="for the per-step figure: 4 + 2 x ranks + 2 tasks"
+        "--ranks", type=int, default=8, help="for the per-step figure: 2 + 2 x ranks + 2 tasks"
     )
 
 
@@ -131,7 +131,7 @@ def main(args: argparse.Namespace) -> int:
         client.close()
         server.terminate()
         server.wait(30)
-    tasks_a_step = 4 + 2 * args.ranks + 2
+    tasks_a_step = 2 + 2 * args.ranks + 2
     report = {
         "command": f"rlship bench tracing --tasks {args.tasks} --rounds {args.rounds} --ranks {args.ranks}",
         "cpu_ms_per_task": {
