@@ -29,8 +29,8 @@ _COMMON = (
 _COMMANDS: dict[str, str] = {
     "producer": ("get mget set exists incr incrby hget hgetall hset hmget hincrby xadd ttl expire"),
     "worker": (
-        "get mget strlen set setnx getdel del unlink exists expire pexpire ttl time incr incrby decrby "
-        "incrbyfloat hget "
+        "get getrange mget strlen set setnx getdel del unlink exists expire pexpire ttl time incr incrby "
+        "decrby incrbyfloat hget "
         "hgetall hset hsetnx hdel hincrby hincrbyfloat hmget hkeys hlen hexists sadd srem smembers scard "
         "sismember zadd zrem zrange zrangebyscore zscore zcard xadd xrange xlen lpush rpush lpop rpop "
         "brpop llen lrange ltrim publish subscribe psubscribe unsubscribe punsubscribe scan"
