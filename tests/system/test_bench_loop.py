@@ -277,6 +277,8 @@ def test_traced_and_curve_placements_beside_celery_report_what_they_cost(tmp_pat
     cost = report["tracing_cost"]
     assert cost["otlp_requests"] > 0 and cost["otlp_bytes"] > 0, "the traced placement's processes exported"
     assert cost["cpu_seconds_per_step_ratio"] > 0 and cost["cpu_goal"] == 1.03
+    # Two steps: one cycle (the first cut to the second) for each placement, judged on it.
+    assert cost["cycles"] == [1, 1] and cost["cpu_seconds_per_cycle_ratio"] > 0
     assert "otlp_received" not in report["placements"]["celery"]
     curve = report["curve_cost"]
     assert curve["cpu_seconds_per_step_ratio"] > 0 and curve["cpu_goal"] == 1.1

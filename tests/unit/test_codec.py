@@ -99,9 +99,6 @@ def check_roundtrip(batches: list[MicroBatch]) -> bytes:
     return expected
 
 
-
-
-
 # --- hypothesis ------------------------------------------------------------------------------
 
 ints = st.one_of(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import secrets
 import signal
@@ -316,6 +317,11 @@ def _run_placement(
     origin = raw["origin"]
     windows = {step: (start + origin, end + origin) for step, (start, end) in raw["windows"].items()}
     cpu = dict(zip(windows, sampler.in_windows(list(windows.values())), strict=True))
+    # A step's cycle, from its cut to the next one's: every process's work for one step in
+    # steady state (the next step's prepare, this one's release), whatever a window holds.
+    order = sorted(windows, key=int)
+    cycles = [(windows[step][0], windows[after][0]) for step, after in itertools.pairwise(order)]
+    cpu_cycles = dict(zip(order, sampler.in_windows(cycles), strict=False))
     # The in-process placements note their steps' arrivals themselves (on their loop's clock).
     arrivals = arrivals or {int(step): at + origin for step, at in raw["arrivals"].items()}
     idle = {str(step): decoded.at[step] - arrived for step, arrived in arrivals.items() if step in decoded.at}
@@ -324,6 +330,7 @@ def _run_placement(
         "received": received,
         "records": records,
         "cpu": cpu,
+        "cpu_cycles": cpu_cycles,
         "idle_seconds": idle,
         **memory_figures,
         **({"otlp_received": otlp} if otlp is not None else {}),

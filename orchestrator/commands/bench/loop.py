@@ -14,8 +14,11 @@ process's peak RSS, tokens shipped, and whether every rank received byte-identic
 payloads (by checksum, against a reference computed here with a plain call of the
 stages). `--placements celery,celery-traced` runs the celery placement beside itself with
 tracing on (every process exporting to a local OTLP receiver that discards) and reports the
-ratio of CPU per step (issue 37's goal: at most 1.03); `celery,celery-curve` the same with
-`--zmq-curve` (issue 38's goal: at most 1.1). The first `--warmup-steps` steps
+ratio of CPU per step's cycle, a cut to the next: all one step costs every process (issue 37's
+goal: at most 1.03); `celery,celery-curve` the same with `--zmq-curve` (issue 38's goal: at
+most 1.1). A placement named again (`celery,celery-traced,celery,celery-traced`) runs again
+after the others and pools its cycles with its earlier rounds': alternating rounds cancel
+the machine's drift between them. The first `--warmup-steps` steps
 bind sockets and warm the workers; they are shipped and checked but not measured. A PNG
 of lag over time is written beside the JSON.
 
@@ -79,6 +82,7 @@ from orchestrator.commands.bench.summary import (
     goals,
     moe_goals,
     moe_ratios,
+    pool_rounds,
     print_report,
     summarize,
     summary_line,
@@ -281,7 +285,9 @@ def main(args: argparse.Namespace) -> int:
                 stopped[run.name] = str(exc)
                 print(f"  {exc}", flush=True)
                 continue
-            results[run.name] = summarize(raw, reference, args.warmup_steps)
+            summary = summarize(raw, reference, args.warmup_steps)
+            earlier = results.get(run.name)
+            results[run.name] = summary if earlier is None else pool_rounds(earlier, summary)
             if args.workload == "moe":
                 results[run.name]["variant"] = {**run.variant.describe(), "wire": run.settings.wire}
             print("  " + summary_line(run.name, results[run.name]), flush=True)
