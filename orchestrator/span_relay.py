@@ -32,7 +32,7 @@ from transport.keys import RunKeys
 log = logging.getLogger("rlship.span_relay")
 
 BATCH_ENTRIES = 256  # a task's spans each: a request of well under a MiB
-POLL_SECONDS = 0.5  # an empty list is looked at again after this
+POLL_SECONDS = 1.0  # a list emptied is looked at again after this
 RETRY_SECONDS = 2.0  # after a batch the collector did not take
 # At the run's end: the list is sent until it has stayed empty this long (the last tasks'
 # pushes, just after their step was released), or for at most `STOP_SECONDS`.
@@ -153,7 +153,7 @@ class SpanRelay:
                 sent = None
             if sent is None:
                 self._stopping.wait(RETRY_SECONDS)
-            elif sent == 0:
+            elif sent < BATCH_ENTRIES:  # the list emptied: let it fill for one request, not one a task
                 self._stopping.wait(POLL_SECONDS)
 
     def stop(self) -> None:

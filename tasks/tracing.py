@@ -175,16 +175,27 @@ def traceparent(span: Any) -> str:
     return f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
 
 
+_LOWER_HEX = frozenset("0123456789abcdef")
+
+
 def context_of(value: str | bytes | None) -> Context | None:
-    """The trace context a `traceparent` names (None: none, or malformed)."""
+    """The trace context a `traceparent` names (None: none, or malformed). Read here rather
+    than by the W3C propagator: every task starts with it, and the propagator's regular
+    expressions and carrier cost a task more than its span's parent is worth."""
     if not value:
         return None
     from opentelemetry import trace
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     text = value.decode() if isinstance(value, bytes) else value
-    context = TraceContextTextMapPropagator().extract({TRACEPARENT: text})
-    return context if trace.get_current_span(context).get_span_context().is_valid else None
+    parts = text.strip().split("-")
+    fields = parts[:4]
+    if [len(part) for part in fields] != [2, 32, 16, 2] or not _LOWER_HEX.issuperset("".join(fields)):
+        return None
+    if fields[0] == "ff" or (fields[0] == "00" and len(parts) != 4):
+        return None
+    trace_id, span_id, flags = (int(part, 16) for part in fields[1:])
+    parent = trace.SpanContext(trace_id, span_id, is_remote=True, trace_flags=trace.TraceFlags(flags))
+    return trace.set_span_in_context(trace.NonRecordingSpan(parent)) if parent.is_valid else None
 
 
 def trace_id_of(value: str | bytes | None) -> str | None:
@@ -232,13 +243,15 @@ def _task_attributes(task_name: str, args: Any, request: Any) -> dict[str, Any]:
     stage = STAGE.get(task_name.removeprefix("rlship."))
     args = list(args or ())
     attributes: dict[str, Any] = {
-        "rlship.task": task_name,
         "messaging.system": "celery",
         "messaging.message.id": request.id or "",
-        "rlship.retries": int(request.retries or 0),
-        "rlship.redelivered": bool((request.delivery_info or {}).get("redelivered")),
         "rlship.worker": request.hostname or "",
     }
+    # Set only when they say something: each attribute is a task's cost twice (made, encoded).
+    if request.retries:
+        attributes["rlship.retries"] = int(request.retries)
+    if (request.delivery_info or {}).get("redelivered"):
+        attributes["rlship.redelivered"] = True
     if args:
         attributes["rlship.run_id"] = str(args[0])
     if stage is not None and len(args) > 1:

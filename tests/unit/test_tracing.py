@@ -54,3 +54,72 @@ def test_a_stored_traceparent_gives_its_trace_id():
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
     assert tracing.trace_id_of(f"00-{trace_id}-00f067aa0ba902b7-01".encode()) == trace_id
     assert tracing.trace_id_of(None) is None and tracing.trace_id_of(b"garbage") is None
+
+
+TRACE, SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        f"00-{TRACE}-{SPAN}-01",
+        f"00-{TRACE}-{SPAN}-00",
+        f"00-{TRACE}-{SPAN}-09",
+        f" 00-{TRACE}-{SPAN}-01 ",
+        f"00-{TRACE.upper()}-{SPAN}-01",
+        f"01-{TRACE}-{SPAN}-01-later-fields",
+        f"00-{TRACE}-{SPAN}-01-more",
+        f"ff-{TRACE}-{SPAN}-01",
+        f"00-{'0' * 32}-{SPAN}-01",
+        f"00-{TRACE}-{'0' * 16}-01",
+        f"00-{TRACE[:-1]}-{SPAN}-01",
+        f"00-{TRACE}-{SPAN}",
+        f"00-{TRACE}-{SPAN}-0g",
+        f"00-{TRACE[:-1]}z-{SPAN}-01",
+        f"00_{TRACE}_{SPAN}_01",
+        "",
+        "-",
+        "garbage",
+    ],
+)
+def test_a_tasks_parent_is_read_as_the_w3c_propagator_reads_it(value):
+    """`context_of` parses the header itself (a task's start pays less); the SDK's W3C
+    propagator is the oracle: the same span context, or none where it finds none."""
+    from opentelemetry import trace
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    extracted = trace.get_current_span(TraceContextTextMapPropagator().extract({"traceparent": value}))
+    expected = extracted.get_span_context() if extracted.get_span_context().is_valid else None
+    found = tracing.context_of(value)
+    got = trace.get_current_span(found).get_span_context() if found is not None else None
+    assert got == expected, (value, got, expected)
+    assert got is None or got.is_remote
+
+
+def test_spans_encode_as_the_exporters_public_encoder_makes_them():
+    """A pool process encodes its resource and scope once (`SpansEncoder`); the exporter's
+    own `encode_spans` is the oracle, for spans of two resources and two scopes, twice over
+    (the second request from the encodings kept)."""
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tasks.tracing_sdk import SpansEncoder
+
+    ended = InMemorySpanExporter()
+    providers = [TracerProvider(resource=Resource.create({"rlship.role": role})) for role in ("a", "b")]
+    for provider in providers:
+        provider.add_span_processor(SimpleSpanProcessor(ended))
+    tracers = [p.get_tracer(scope, "1.0") for p in providers for scope in ("rlship", "other")]
+    encoder = SpansEncoder()
+    for round_ in range(2):
+        for index, tracer in enumerate([*tracers, tracers[0]]):
+            attributes = {"rlship.rank": index, "x": [1, 2]}
+            with tracer.start_as_current_span("rlship.encode", attributes=attributes):
+                tracer.start_span("rlship.zmq_send").end()
+        spans = list(ended.get_finished_spans())
+        ended.clear()
+        assert encoder.request(spans) == encode_spans(spans).SerializeToString(), round_
