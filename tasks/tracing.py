@@ -264,8 +264,8 @@ def _task_attributes(task_name: str, args: Any, request: Any) -> dict[str, Any]:
     return attributes
 
 
-# task id -> (span, the token that made it current)
-_open_spans: dict[str, tuple[Any, object]] = {}
+# task id -> (span, the token that made it current, the run a stage task's spans go to)
+_open_spans: dict[str, tuple[Any, object, str | None]] = {}
 
 
 def _inject(headers: dict[str, Any] | None = None, **_: Any) -> None:
@@ -292,7 +292,10 @@ def _start(task_id: str | None = None, task: Any = None, args: Any = None, **_: 
         task.name, context=parent, kind=trace.SpanKind.CONSUMER, attributes=attributes
     )
     token = otel_context.attach(trace.set_span_in_context(span_))
-    _open_spans[task_id or ""] = (span_, token)
+    # A stage task's spans leave at its end; a prepare span (its own trace, not a step's)
+    # goes with the next stage task's: one push (or request) less per prepare.
+    hand_on_to = attributes.get("rlship.run_id", "") if STAGE.get(task.name.removeprefix("rlship.")) else None
+    _open_spans[task_id or ""] = (span_, token, hand_on_to)
 
 
 def _end(task_id: str | None = None, state: str | None = None, retval: Any = None, **_: Any) -> None:
@@ -304,7 +307,7 @@ def _end(task_id: str | None = None, state: str | None = None, retval: Any = Non
     opened = _open_spans.pop(task_id or "", None)
     if opened is None:
         return
-    span_, token = opened
+    span_, token, hand_on_to = opened  # the span records nothing when its trace is not sampled
     try:
         span_.set_attribute("rlship.state", state or "")
         if state == "FAILURE":
@@ -313,10 +316,8 @@ def _end(task_id: str | None = None, state: str | None = None, retval: Any = Non
     finally:
         otel_context.detach(token)
     processor = tracing("worker").task_end
-    # A stage task's spans leave now; a prepare span (its own trace, not a step's) goes with
-    # the next stage task's: one push (or request) less per prepare.
-    if processor is not None and STAGE.get(span_.name.removeprefix("rlship.")) is not None:
-        processor.task_ended(str(span_.attributes.get("rlship.run_id", "")))
+    if processor is not None and hand_on_to is not None:
+        processor.task_ended(hand_on_to)
 
 
 def _set_up(**_: Any) -> None:

@@ -52,9 +52,10 @@ TASK_PROCESS = textwrap.dedent(
 )
 
 
-def run_tasks(redis_url: str, run_id: str, endpoint: str) -> int:
-    """Run the tasks in a process of their own (pointed at `endpoint`); its pid."""
-    env = {"PYTHONPATH": str(REPO), "REDIS_URL": redis_url, "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}
+def run_tasks(redis_url: str, run_id: str, endpoint: str, **otel: str) -> int:
+    """Run the tasks in a process of their own (pointed at `endpoint`, with `otel`'s other
+    variables); its pid. A handler that raises fails the process."""
+    env = {"PYTHONPATH": str(REPO), "REDIS_URL": redis_url, "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, **otel}
     done = subprocess.run(
         [sys.executable, "-c", TASK_PROCESS, run_id, str(TASKS)],
         env=env,
@@ -151,3 +152,11 @@ def test_past_the_cap_the_oldest_entries_go_and_are_counted(client, run_id):
     assert client.lrange(keys.spans, 0, 1) == [b"entry-4", b"entry-5"]
     assert int(client.get(keys.spans_dropped)) == 6
     assert 0 < client.ttl(keys.spans_dropped) <= 24 * 3600
+
+
+def test_tasks_of_traces_not_sampled_end_quietly_and_push_nothing(client, redis_url, run_id):
+    """A sampler that drops the traces (`OTEL_TRACES_SAMPLER`, as the SDK documents it): every
+    task still starts and ends through the handlers (no span recorded has no name to read),
+    and nothing reaches the run's span list."""
+    run_tasks(redis_url, run_id, f"http://127.0.0.1:{free_port()}", OTEL_TRACES_SAMPLER="always_off")
+    assert client.llen(RunKeys(run_id).spans) == 0
