@@ -80,8 +80,17 @@ class RankWatch:
         a send stuck on a dead rank leaves the live ones unsent too; the dead one is the one
         silent longest. A rank the run does not wait on is never named, however long ago its
         last contact: over files a live rank that decoded every step it was given is silent
-        while the gate waits for a dead one's acknowledgement."""
-        return min(heard, key=lambda r: (heard[r][0].at or float("-inf"), r != rank))
+        while the gate waits for a dead one's acknowledgement. With acknowledgements the
+        ranks are ordered by their own last word (`heard`): the one ship worker sends a step to
+        the ranks in turn, so a step sent to a dead rank right after a live one acknowledged
+        it would otherwise make the dead rank the one heard from last."""
+
+        def last(r: int) -> float:
+            contact = heard[r][0]
+            own = contact.heard if self.acknowledged else None
+            return own if own is not None else (contact.at or float("-inf"))
+
+        return min(heard, key=lambda r: (last(r), r != rank))
 
     def _silent(
         self, rank: int, why: str, waited: float, heard: dict[int, tuple[RankContact, float]]

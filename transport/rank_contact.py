@@ -6,7 +6,9 @@ Three things are contact, each written by whoever sees it: a READY heard by the 
 (with the address it came from), a step that left the ship worker for the rank, and a step
 the rank decoded and acknowledged (rlship's trainers, with their host and pid). Fields per
 rank: `{rank}:at` (unix time), `{rank}:how` (`ready`, `sent`, `acknowledged`),
-`{rank}:address`, `{rank}:sent` and `{rank}:decoded` (the last step of each).
+`{rank}:address`, `{rank}:sent` and `{rank}:decoded` (the last step of each), and
+`{rank}:heard` (unix time of the last contact that came from the rank itself, a READY or an
+acknowledgement: a step sent to a rank that has just died is contact too, but not its own).
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ READY, SENT, ACKNOWLEDGED = "ready", "sent", "acknowledged"
 
 def note_contact(pipe: Any, keys: RunKeys, rank: int, how: str, **fields: int | str) -> None:
     """Queue on `pipe` the rank's contact now: `how`, and `address`, `sent` or `decoded`."""
-    values = {f"{rank}:at": time.time(), f"{rank}:how": how} | {f"{rank}:{k}": v for k, v in fields.items()}
+    now = time.time()
+    values = {f"{rank}:at": now, f"{rank}:how": how} | {f"{rank}:{k}": v for k, v in fields.items()}
+    if how != SENT:
+        values[f"{rank}:heard"] = now
     pipe.hset(keys.rank_contact, mapping=values)
     pipe.expire(keys.rank_contact, DEFAULT_TTL_SECONDS)
 
@@ -37,6 +42,7 @@ class RankContact:
     address: str | None = None
     sent: int | None = None
     decoded: int | None = None
+    heard: float | None = None  # the last contact from the rank itself
 
     @classmethod
     def read(cls, raw: dict[bytes, bytes], ranks: int) -> list[RankContact]:
@@ -49,6 +55,7 @@ class RankContact:
         contacts = []
         for rank in range(ranks):
             at, sent, decoded = get(rank, "at"), get(rank, "sent"), get(rank, "decoded")
+            heard = get(rank, "heard")
             contacts.append(
                 cls(
                     rank,
@@ -57,6 +64,7 @@ class RankContact:
                     get(rank, "address"),
                     None if sent is None else int(sent),
                     None if decoded is None else int(decoded),
+                    None if heard is None else float(heard),
                 )
             )
         return contacts

@@ -44,8 +44,8 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
 redis.call('HINCRBY', KEYS[5], ARGV[1], 1)
 redis.call('RPUSH', KEYS[6], ARGV[1])
 redis.call('SADD', KEYS[2], ARGV[2])
-redis.call('HSET', KEYS[7], ARGV[2] .. ':at', ARGV[7], ARGV[2] .. ':how', 'acknowledged',
-           ARGV[2] .. ':address', ARGV[8], ARGV[2] .. ':decoded', ARGV[1])
+redis.call('HSET', KEYS[7], ARGV[2] .. ':at', ARGV[7], ARGV[2] .. ':heard', ARGV[7],
+           ARGV[2] .. ':how', 'acknowledged', ARGV[2] .. ':address', ARGV[8], ARGV[2] .. ':decoded', ARGV[1])
 for _, key in ipairs({KEYS[1], KEYS[2], KEYS[5], KEYS[6], KEYS[7]}) do
   redis.call('EXPIRE', key, ARGV[6])
 end
