@@ -45,6 +45,8 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError, TimeoutError
 from redis.retry import Retry
 
+from transport.script_pipelines import AsyncScriptSafeRedis, ScriptSafeRedis
+
 log = logging.getLogger("rlship.redis")
 
 OUTAGE_SECONDS = 30.0
@@ -346,7 +348,10 @@ class RedisAddress:
         """A client of the primary the Sentinels name, following it through a failover."""
         connection_class = _PrimarySSLConnection if self.uses_tls else _PrimaryConnection
         return self.sentinel().master_for(
-            self.master_name, connection_class=connection_class, **{**self.master_options(), **options}
+            self.master_name,
+            connection_class=connection_class,
+            redis_class=ScriptSafeRedis,
+            **{**self.master_options(), **options},
         )
 
 
@@ -400,7 +405,7 @@ def connect_redis(
     address = RedisAddress.parse(url)
     if address.is_sentinel:
         return address.primary(**options)
-    return redis.Redis.from_url(url, **options)
+    return ScriptSafeRedis.from_url(url, **options)
 
 
 def connect_redis_async(url: str, **options: Any) -> aioredis.Redis:
@@ -416,8 +421,9 @@ def connect_redis_async(url: str, **options: Any) -> aioredis.Redis:
         return sentinels.master_for(
             address.master_name,
             connection_class=_AsyncPrimarySSLConnection if address.uses_tls else _AsyncPrimaryConnection,
+            redis_class=AsyncScriptSafeRedis,
             **address.master_options(),
             **retry,
             **options,
         )
-    return aioredis.Redis.from_url(url, **retry, **options)
+    return AsyncScriptSafeRedis.from_url(url, **retry, **options)

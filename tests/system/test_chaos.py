@@ -4,6 +4,8 @@ orchestrator are killed, compared with a fault-free run of the same workload."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import re
@@ -15,7 +17,7 @@ import psutil
 import pytest
 
 from orchestrator.commands.chaos.kills import Kill, kill_if_alive
-from orchestrator.commands.chaos.report import compare
+from orchestrator.commands.chaos.report import compare, print_report
 from tests.support.processes import REPO, left_running, python_command, refused
 
 pytestmark = pytest.mark.timeout(400)
@@ -173,6 +175,37 @@ def test_steps_with_handles_compare_by_their_rows_and_by_what_their_run_sent():
     assert other_rows["payload_mismatches"] == 1
     not_sent = compare(args, range(1, 3), expected, observed({"1": "b1", "2": "a2"}, {"1": "r1", "2": "r2"}))
     assert not_sent["payload_mismatches"] == 1
+
+
+@pytest.mark.timeout(10)
+def test_a_run_with_too_few_kills_misses_the_goal_and_says_so():
+    """Every step delivered clean is not enough: a run over before ten kills took effect (one
+    too fast for its --kill-every) misses the goal, and the summary says that is why."""
+    args = argparse.Namespace(
+        steps=3, kill_every=0.4, receivers="rlship", ship_kills=1, kill_redis_primary=0,
+        workload="dense", payload_store="redis", json=Path("chaos.json"),
+    )  # fmt: skip
+    checksums = {str(s): f"sha-{s}" for s in (1, 2, 3)}
+    expected = {"ranks": {r: {"checksums": checksums, "rows": {}} for r in "01"},
+                "keys_left": [], "wall_seconds": 1.0}  # fmt: skip
+    clean = stock_observation({"0": [1, 2, 3], "1": [1, 2, 3]}, {})
+    base = [Kill(0.4, "orchestrator", step=2), Kill(0.8, "ship-worker", step=4)]
+    unfired = Kill(1.2, "stage-fault", "pack", 3, fired=False)
+    clean["kills"] = base + [Kill(1.0 + i / 10, "cpu-worker-child") for i in range(7)] + [unfired]
+    few = compare(args, range(1, 4), expected, clean)
+    assert not few["goal_met"] and few["goal_missed_by"] == [
+        "9 kills, fewer than 10 (more steps or a shorter --kill-every)"
+    ]
+    clean["kills"] = base + [Kill(1.0 + i / 10, "cpu-worker-child") for i in range(8)]
+    enough = compare(args, range(1, 4), expected, clean)
+    assert enough["goal_met"] and enough["goal_missed_by"] == []
+    clean["kills"] = [Kill(1.0 + i / 10, "cpu-worker-child") for i in range(10)]
+    no_orchestrator = compare(args, range(1, 4), expected, clean)
+    assert no_orchestrator["goal_missed_by"] == ["0 orchestrator kills of 1", "0 ship-worker kills of 1"]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        print_report(few, Path("chaos.json"))
+    assert "goal MISSED: 9 kills, fewer than 10" in printed.getvalue()
 
 
 @pytest.mark.timeout(120)

@@ -26,7 +26,7 @@ from orchestrator.orchestrator import Orchestrator
 from orchestrator.watchdog import STALL_CHECK_SECONDS
 from tests.support.processes import REPO, Workers, python_command, running_workers
 from tests.support.shiprun import deterministic_run, ship_settings, start_orchestrator, start_trainers, stop
-from transport.connection import connect_redis_async
+from transport.connection import connect_redis, connect_redis_async
 from transport.keys import RunKeys
 from transport.zmq_sockets import free_port_pair
 
@@ -182,3 +182,51 @@ def test_a_stuck_step_is_enqueued_again_less_and_less_often(client, redis_url, r
         assert 2 <= client.llen(pool.cpu_queue) <= 4
     finally:
         client.delete(pool.cpu_queue)
+
+
+COUNT_LUA = "redis.call('INCRBY', KEYS[1], ARGV[1]) return redis.call('GET', KEYS[1])"
+
+
+def test_a_pipelines_script_survives_redis_restarting_between_its_load_and_its_send(bare_redis):
+    """redis-py loads a pipeline's scripts before its first attempt only: Redis restarted
+    empty after that load, the retry on the new connection must load them again, or its
+    EVALSHA fails with NOSCRIPT (an `rlship run` whose Redis was killed lost a release so)."""
+    url, restart_empty = bare_redis
+
+    def restart_after(load_scripts: Callable[[], object]) -> Callable[[], object]:
+        def load_then_restart() -> object:
+            loaded = load_scripts()
+            restart_empty()
+            return loaded
+
+        return load_then_restart
+
+    client = connect_redis(url)
+    for transaction in (False, True):
+        pipe = client.pipeline(transaction=transaction)
+        client.register_script(COUNT_LUA)(keys=["counted"], args=[3], client=pipe)
+        pipe.set("plain", "written")
+        pipe.load_scripts = restart_after(pipe.load_scripts)
+        assert pipe.execute() == [b"3", True], f"transaction={transaction}"
+        assert client.get("plain") == b"written"
+
+    async def asynchronously() -> list:
+        aclient = connect_redis_async(url)
+        try:
+            results = []
+            for transaction in (False, True):
+                pipe = aclient.pipeline(transaction=transaction)
+                await aclient.register_script(COUNT_LUA)(keys=["counted"], args=[5], client=pipe)
+                pipe.set("plain", "again")
+
+                async def load_then_restart(load=pipe.load_scripts) -> None:
+                    await load()
+                    await asyncio.to_thread(restart_empty)
+
+                pipe.load_scripts = load_then_restart
+                results.append(await pipe.execute())
+            return results
+        finally:
+            await aclient.aclose()
+
+    assert asyncio.run(asynchronously()) == [[b"5", True], [b"5", True]]

@@ -108,7 +108,7 @@ def test_chaos_over_tls_with_the_roles_users_delivers_every_step_once_in_order(s
     auth = role_auth("chaos")
     report = tmp_path / "chaos.json"
     arguments = [
-        "chaos", "--steps", "6", "--kill-every", "0.4", "--batch-size", "16", "--seq-len", "256",
+        "chaos", "--steps", "10", "--kill-every", "0.2", "--batch-size", "16", "--seq-len", "256",
         "--timeout", "100", "--json", str(report),
     ]  # fmt: skip
     process = subprocess.Popen(
@@ -121,9 +121,9 @@ def test_chaos_over_tls_with_the_roles_users_delivers_every_step_once_in_order(s
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert {value.partition(":")[0] for value in auth.values()} <= seen, seen
     result = json.loads(report.read_text())
-    assert result["goal_met"] and result["steps_delivered_per_rank"] == {"0": 6, "1": 6}
+    assert result["goal_met"] and result["steps_delivered_per_rank"] == {"0": 10, "1": 10}
     assert result["duplicates_delivered"] == result["out_of_order"] == result["payload_mismatches"] == 0
-    assert result["records_published"] == 6 and result["keys_left"] == 0
+    assert result["records_published"] == 10 and result["keys_left"] == 0
     assert {"orchestrator", "ship-worker"} <= set(result["kills_by_target"])
     assert admin.acl_log() == [], "no process was refused anything"
     assert admin.acl_users() == ["default"], "the runs' users are deleted with them"

@@ -53,4 +53,3 @@ def test_the_rank_whose_own_last_word_is_oldest_is_named():
     assert heard[1][0].heard < heard[0][0].heard
     assert watch(acknowledged=True)._longest_silent(0, heard) == 1
     assert watch(acknowledged=True)._longest_silent(1, heard) == 1
-

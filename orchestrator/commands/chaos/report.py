@@ -11,6 +11,8 @@ from typing import Any
 
 from orchestrator.commands.chaos.kills import Kill
 
+MIN_KILLS = 10  # a chaos run's goal: at least this many kills took effect
+
 
 def compare(
     args: argparse.Namespace, step_numbers: range, expected: dict[str, Any], observed: dict[str, Any]
@@ -56,20 +58,43 @@ def compare(
             f"--payload-store {args.payload_store} --json {args.json}"
         ),
     }
-    report["goal_met"] = (
-        all(n == args.steps for n in delivered.values())
-        and not report["hung_ranks"]
-        and duplicates == out_of_order == mismatches == 0
-        and report["records_published"] == args.steps
-        and report["records_duplicated"] == 0
-        and report["keys_left"] == 0
-        and report["files_left"] == 0
-        and report["kills"] >= 10
-        and {"orchestrator", "ship-worker"} <= set(report["kills_by_target"])
-        and report["kills_by_target"]["ship-worker"] >= args.ship_kills
-        and report["kills_by_target"].get("redis-primary", 0) >= args.kill_redis_primary
-    )
+    report["goal_missed_by"] = _goal_missed_by(args, report, duplicates, out_of_order, mismatches)
+    report["goal_met"] = not report["goal_missed_by"]
     return report
+
+
+def _goal_missed_by(
+    args: argparse.Namespace, report: dict[str, Any], duplicates: int, out_of_order: int, mismatches: int
+) -> list[str]:
+    """Each part of the goal the run missed, in words an operator reads in the summary."""
+    delivered: dict[str, int] = report["steps_delivered_per_rank"]
+    by_target: dict[str, int] = report["kills_by_target"]
+    wanted = {
+        "orchestrator": 1,
+        "ship-worker": max(1, args.ship_kills),
+        "redis-primary": args.kill_redis_primary,
+    }
+    checks = [
+        (all(n == args.steps for n in delivered.values()), f"steps delivered per rank {delivered}"),
+        (not report["hung_ranks"], f"hung ranks {report['hung_ranks']}"),
+        (duplicates == 0, f"{duplicates} duplicates"),
+        (out_of_order == 0, f"{out_of_order} out of order"),
+        (mismatches == 0, f"{mismatches} payload mismatches"),
+        (report["records_published"] == args.steps, f"{report['records_published']} records"),
+        (report["records_duplicated"] == 0, f"{report['records_duplicated']} records duplicated"),
+        (report["keys_left"] == 0, f"{report['keys_left']} keys left"),
+        (report["files_left"] == 0, f"{report['files_left']} files left"),
+        (
+            report["kills"] >= MIN_KILLS,
+            f"{report['kills']} kills, fewer than {MIN_KILLS} (more steps or a shorter --kill-every)",
+        ),
+    ]
+    checks += [
+        (by_target.get(target, 0) >= n, f"{by_target.get(target, 0)} {target} kills of {n}")
+        for target, n in wanted.items()
+        if n
+    ]
+    return [reason for met, reason in checks if not met]
 
 
 def _mismatches(rank: str, got: dict[str, Any], expected: dict[str, Any], observed: dict[str, Any]) -> int:
@@ -101,5 +126,6 @@ def print_report(report: dict[str, Any], path: Path) -> None:
         f"keys left {report['keys_left']}, files left {report['files_left']}; "
         f"wall {report['wall_seconds']['fault_free']:.1f} s fault-free, "
         f"{report['wall_seconds']['chaos']:.1f} s chaos\n"
-        f"  goal {'MET' if report['goal_met'] else 'MISSED'}; details in {path}"
+        f"  goal {'MET' if report['goal_met'] else 'MISSED: ' + '; '.join(report['goal_missed_by'])}; "
+        f"details in {path}"
     )
