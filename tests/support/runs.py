@@ -8,7 +8,8 @@ import redis
 
 from orchestrator.commands.processes import delete_queues
 from tests.support.processes import python_command, session_queue
-from transport.keys import RunKeys, run_queue
+from transport.keys import RunKeys, run_queue, ship_port_claim
+from transport.port_claims import port_claims
 
 # One atomic look at the run's keys (a SCAN would let a key be written between two TTLs).
 _UNEXPIRING_LUA = """
@@ -64,8 +65,11 @@ def own_queue_traces(client: redis.Redis, run_id: str) -> dict[str, str]:
 
 
 def forget_run(client: redis.Redis, run_id: str) -> None:
-    """The run's keys and the traces of its queues (the session's, or its own)."""
-    keys = client.keys(f"{RunKeys(run_id).prefix}*")
+    """The run's keys, its port claims (a killed run's would hold its pair for a minute, and
+    a later test's random pair may be it) and the traces of its queues (the session's, or
+    its own)."""
+    claims = [ship_port_claim(c.host, c.port) for c in port_claims(client) if c.run_id == run_id]
+    keys = client.keys(f"{RunKeys(run_id).prefix}*") + claims
     if keys:
         client.delete(*keys)
     own = [run_queue(run_id, kind) for kind in ("cpu", "ship")]

@@ -146,8 +146,14 @@ def test_a_second_run_at_a_held_port_stops_at_once_and_foreign_ranks_are_noticed
     started.run_ids |= {first, second}
     run = start_run(tmp_path / "a", redis_url, "--steps", "1000", "--run-id", first)
     started.runs.append(run)
-    claim = wait_for("run A's port claim", lambda: [c for c in port_claims(client) if c.run_id == first], 60)
-    port = min(c.port for c in claim)
+
+    def pair_claimed() -> list[int]:
+        """Both ports of A's pair once claimed (a SCAN over many keys may see one of the two
+        keys of a pair claimed while it runs)."""
+        ports = sorted(c.port for c in port_claims(client) if c.run_id == first)
+        return ports if len(ports) == 2 else []
+
+    port = wait_for("run A's port claim", pair_claimed, 60)[0]
     wait_for("run A's first record", lambda: client.hlen(RunKeys(first).published) >= 1, 60)
     doctor = rlship("doctor", "--output-dir", str(tmp_path / "doctor"), env={"REDIS_URL": redis_url})
     listed = [line for line in doctor.stdout.splitlines() if "ZMQ ports held by live runs" in line]
