@@ -352,4 +352,6 @@ def test_bench_episodes_measures_both_ways_and_leaves_nothing(client, redis_url,
     assert "episodes / plain: " in done.stdout
     [round_] = json.loads((tmp_path / "bench.json").read_text())["rounds"]
     assert round_["rollouts"] > 0 and round_["tokens"] > 0 and round_["episodes_cpu"] > 0
+    assert set(round_["full_collections"]) == {"episodes", "rollouts"}, "what each side collected"
+    assert "full collections inside the timed parts: episodes " in done.stdout
     assert set(client.scan_iter(match="rlship:bench-episodes-*")) <= before
