@@ -1,8 +1,8 @@
 """The orchestrator's relay of its run's spans (docs/observability.md, Traces): the Celery
 pool processes push each task's spans onto the run's span list in Redis
-(`tasks.tracing_sdk.TaskEndPush`); a daemon thread here pops them in batches and POSTs
-each batch to the OTLP/HTTP collector as one request, configured by the standard `OTEL_*`
-variables (`tasks.otlp_target`). A batch is the entries' bytes concatenated: each entry is
+(`tasks.task_spans`); a daemon thread here pops them in batches and POSTs
+each batch to the collector as one request, over OTLP/HTTP or gRPC as the standard `OTEL_*`
+variables say (`tasks.otlp_target`). A batch is the entries' bytes concatenated: each entry is
 a serialized `ExportTraceServiceRequest`, and protobuf parses concatenated messages as
 one with their repeated fields (`resource_spans`) appended, each keeping its resource.
 
@@ -11,7 +11,6 @@ the list, logged once, and is tried again; while it waits, the list keeps its ne
 `SPANS_HELD_MAX` entries (`tasks.tracing.hold_spans`). A batch refused for good (another
 4xx) is dropped and counted. At the run's end the relay sends what is left before the
 orchestrator exits; what it could not send waits in Redis for the run's next orchestrator.
-Only OTLP over HTTP is relayed: over gRPC the pool processes export themselves.
 """
 
 from __future__ import annotations
@@ -23,9 +22,10 @@ import os
 import threading
 import time
 import zlib
+from pathlib import Path
 
 from tasks import tracing
-from tasks.otlp_target import OtlpHttpTarget, otlp_http_target
+from tasks.otlp_target import OtlpTarget, otlp_target
 from transport.connection import connect_redis
 from transport.keys import RunKeys
 
@@ -39,13 +39,19 @@ RETRY_SECONDS = 2.0  # after a batch the collector did not take
 QUIET_SECONDS = 1.0
 STOP_SECONDS = 10.0
 RETRYABLE_STATUS = frozenset({429, 502, 503, 504})  # the OTLP/HTTP specification's
+# gRPC's, as the OTLP specification lists them (RESOURCE_EXHAUSTED: the collector's throttling)
+RETRYABLE_GRPC_CODES = frozenset(
+    {"CANCELLED", "DEADLINE_EXCEEDED", "ABORTED", "OUT_OF_RANGE", "UNAVAILABLE", "DATA_LOSS"}
+    | {"RESOURCE_EXHAUSTED"}
+)
+GRPC_EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 
 
-class OtlpHttpPoster:
+class OtlpHttpSender:
     """POSTs a body of OTLP protobuf to a target; True if the collector took it, False if
     it may later (not answering, 429, 5xx); raises `Refused` if it never will."""
 
-    def __init__(self, target: OtlpHttpTarget) -> None:
+    def __init__(self, target: OtlpTarget) -> None:
         import requests
 
         self.target = target
@@ -59,7 +65,7 @@ class OtlpHttpPoster:
         elif target.client_certificate:
             self.session.cert = target.client_certificate
 
-    def post(self, body: bytes) -> bool:
+    def send(self, body: bytes) -> bool:
         import requests
 
         if self.target.compression == "gzip":
@@ -80,6 +86,48 @@ class OtlpHttpPoster:
         self.session.close()
 
 
+class OtlpGrpcSender:
+    """Sends a body of OTLP protobuf (a serialized `ExportTraceServiceRequest`) to a
+    collector's gRPC trace service as it is, unparsed: True if the collector took it, False
+    if it may later (a retryable status), raises `Refused` if it never will."""
+
+    def __init__(self, target: OtlpTarget) -> None:
+        import grpc
+
+        self.target = target
+        compression = {"gzip": grpc.Compression.Gzip, "deflate": grpc.Compression.Deflate}
+        options = {"compression": compression.get(target.compression, grpc.Compression.NoCompression)}
+        if target.insecure:
+            self.channel = grpc.insecure_channel(target.url, **options)
+        else:
+
+            def read(path: str | None) -> bytes | None:
+                return Path(path).read_bytes() if path else None
+
+            credentials = grpc.ssl_channel_credentials(
+                read(target.certificate), read(target.client_key), read(target.client_certificate)
+            )
+            self.channel = grpc.secure_channel(target.url, credentials, **options)
+        # No serializers: the body goes as it is, the answer comes back as bytes.
+        self.export = self.channel.unary_unary(GRPC_EXPORT_METHOD)
+        self.metadata = tuple((key.lower(), value) for key, value in target.headers.items())
+
+    def send(self, body: bytes) -> bool:
+        import grpc
+
+        try:
+            self.export(body, metadata=self.metadata, timeout=self.target.timeout_seconds)
+        except grpc.RpcError as error:
+            code = error.code()
+            if code is None or code.name in RETRYABLE_GRPC_CODES:
+                return False
+            raise Refused(f"{self.target.url} answered {code.name}: {error.details()!r}") from None
+        return True
+
+    def close(self) -> None:
+        self.channel.close()
+
+
 class Refused(Exception):
     """The collector refused a batch for good (a 4xx other than 429)."""
 
@@ -87,11 +135,11 @@ class Refused(Exception):
 class SpanRelay:
     """The relay thread of run `run_id` (`start`, `stop`)."""
 
-    def __init__(self, redis_url: str, run_id: str, target: OtlpHttpTarget) -> None:
+    def __init__(self, redis_url: str, run_id: str, target: OtlpTarget) -> None:
         self.run_id = run_id
         self.keys = RunKeys(run_id)
         self.client = connect_redis(redis_url)  # the thread's own
-        self.poster = OtlpHttpPoster(target)
+        self.sender = OtlpGrpcSender(target) if target.protocol == "grpc" else OtlpHttpSender(target)
         self.relayed = 0  # entries the collector took
         self._stopping = threading.Event()
         self._failing = False  # logged once until a batch goes through again
@@ -99,10 +147,10 @@ class SpanRelay:
 
     @classmethod
     def for_run(cls, redis_url: str, run_id: str) -> SpanRelay | None:
-        """The relay a run needs: one when tracing is on over OTLP/HTTP, else None."""
-        if not tracing.enabled() or tracing.problem() is not None or tracing.protocol() != "http/protobuf":
+        """The relay a run needs: one when tracing is on, else None."""
+        if not tracing.enabled() or tracing.problem() is not None:
             return None
-        return cls(redis_url, run_id, otlp_http_target(os.environ))
+        return cls(redis_url, run_id, otlp_target(os.environ))
 
     def start(self) -> SpanRelay:
         self._thread.start()
@@ -119,7 +167,7 @@ class SpanRelay:
         if not batch:
             return 0
         try:
-            sent = self.poster.post(b"".join(batch))
+            sent = self.sender.send(b"".join(batch))
         except Refused as refused:
             log.error("rlship: %d entries of spans dropped: %s", len(batch), refused)
             with contextlib.suppress(Exception):  # counted if Redis answers
@@ -130,7 +178,7 @@ class SpanRelay:
                 tracing.hold_spans(self.client, self.run_id, batch, oldest=True)
             except Exception:
                 log.exception("rlship: %d entries of spans lost: Redis did not take them back", len(batch))
-            url = self.poster.target.url
+            url = self.sender.target.url
             self._failed(f"the OTLP collector at {url} did not take {len(batch)} entries of spans")
             return None
         if self._failing:
@@ -175,5 +223,5 @@ class SpanRelay:
             left = self.client.llen(self.keys.spans)
         if left:
             log.warning("rlship: %d entries of spans wait in Redis for the run's next orchestrator", left)
-        self.poster.close()
+        self.sender.close()
         self.client.close()

@@ -20,10 +20,10 @@ enqueues its successors under its own span, so a fan-in (publish) is the child o
 that completed it. A message that already carries a `traceparent` keeps it: a Celery retry
 and a redelivery after a killed worker are siblings of the first attempt, in the same trace.
 
-A pool process hands the spans of each task on when the task ends, so one killed later
-loses only the span of the task it was running: over OTLP/HTTP it pushes them onto the
-run's span list in Redis (`TaskEndPush`, `hold_spans`), which the orchestrator relays to the
-collector (`orchestrator.span_relay`); over gRPC it exports them itself (`TaskEndExport`).
+A pool process makes its tasks' spans itself, without the SDK's span objects
+(`tasks.task_spans`), and pushes them onto the run's span list in Redis when each stage task
+ends (`hold_spans`), so one killed later loses only the span of the task it was running;
+the orchestrator relays the list to the collector, over HTTP or gRPC (`orchestrator.span_relay`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import contextlib
 import importlib.util
 import logging
 import os
-from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from tasks.graph import STAGE
@@ -40,14 +39,12 @@ from transport.keys import RunKeys
 from transport.store import DEFAULT_TTL_SECONDS
 
 if TYPE_CHECKING:
-    from opentelemetry.context import Context
-
+    from tasks.task_spans import TaskSpan
     from tasks.tracing_sdk import Tracing
 
 log = logging.getLogger("rlship.tracing")
 
 ENDPOINT_ENVS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-PROTOCOL_ENVS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
 TRACEPARENT = "traceparent"  # the W3C header, in task messages and in the step's trace key
 EXTRA = "pip install 'rlship[tracing]'"
 HTTP_EXPORTER = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
@@ -66,10 +63,10 @@ def enabled() -> bool:
 
 
 def protocol() -> str:
-    for name in PROTOCOL_ENVS:
-        if os.environ.get(name, "").strip():
-            return os.environ[name].strip().lower()
-    return "http/protobuf"
+    """The OTLP protocol this process's variables ask for."""
+    from tasks.otlp_target import protocol_of
+
+    return protocol_of(os.environ)
 
 
 def _installed(module: str) -> bool:
@@ -91,13 +88,12 @@ def problem() -> str | None:
     if not _installed(GRPC_EXPORTER if chosen == "grpc" else HTTP_EXPORTER):
         package = GRPC_PACKAGE if chosen == "grpc" else "opentelemetry-exporter-otlp-proto-http"
         return f"OTEL_EXPORTER_OTLP_PROTOCOL={chosen} needs the package {package} ({EXTRA})"
-    if chosen == "http/protobuf":  # the orchestrator relays the workers' spans (`tasks.otlp_target`)
-        from tasks.otlp_target import otlp_http_target
+    from tasks.otlp_target import otlp_target  # the orchestrator relays the workers' spans
 
-        try:
-            otlp_http_target(os.environ)
-        except ValueError as bad:
-            return str(bad)
+    try:
+        otlp_target(os.environ)
+    except ValueError as bad:
+        return str(bad)
     return None
 
 
@@ -178,14 +174,12 @@ def traceparent(span: Any) -> str:
 _LOWER_HEX = frozenset("0123456789abcdef")
 
 
-def context_of(value: str | bytes | None) -> Context | None:
-    """The trace context a `traceparent` names (None: none, or malformed). Read here rather
-    than by the W3C propagator: every task starts with it, and the propagator's regular
-    expressions and carrier cost a task more than its span's parent is worth."""
+def parse_traceparent(value: str | bytes | None) -> tuple[int, int, int] | None:
+    """(trace id, span id, trace flags) of a W3C `traceparent` (None: none, or malformed).
+    Read here rather than by the W3C propagator: every task starts with it, and the
+    propagator's regular expressions and carrier cost a task more than its parent is worth."""
     if not value:
         return None
-    from opentelemetry import trace
-
     text = value.decode() if isinstance(value, bytes) else value
     parts = text.strip().split("-")
     fields = parts[:4]
@@ -194,8 +188,7 @@ def context_of(value: str | bytes | None) -> Context | None:
     if fields[0] == "ff" or (fields[0] == "00" and len(parts) != 4):
         return None
     trace_id, span_id, flags = (int(part, 16) for part in fields[1:])
-    parent = trace.SpanContext(trace_id, span_id, is_remote=True, trace_flags=trace.TraceFlags(flags))
-    return trace.set_span_in_context(trace.NonRecordingSpan(parent)) if parent.is_valid else None
+    return (trace_id, span_id, flags) if trace_id and span_id else None
 
 
 def trace_id_of(value: str | bytes | None) -> str | None:
@@ -215,25 +208,23 @@ def step_trace_id(client: Any, run_id: str, step: int) -> str | None:
 
 def current_trace_id() -> str | None:
     """The trace id of the span this thread is in (for log lines); None when off or outside."""
-    if not _tracing:
+    found = _tracing.get(os.getpid())
+    if found is None:
         return None
+    task_span = found.task_spans.current()
+    if task_span is not None:
+        return f"{task_span.trace_id:032x}"
     from opentelemetry import trace
 
     context = trace.get_current_span().get_span_context()
     return f"{context.trace_id:032x}" if context.is_valid else None
 
 
-@contextlib.contextmanager
-def _span(name: str, attributes: Mapping[str, Any]) -> Iterator[None]:
-    with tracing("worker").tracer.start_as_current_span(name, attributes=dict(attributes)):
-        yield
-
-
 def span(name: str, **attributes: Any) -> contextlib.AbstractContextManager[None]:
     """A span inside the current task's (the ZMQ or file send of a rank); free when off."""
     if not _worker_tracing:
         return contextlib.nullcontext()
-    return _span(name, attributes)
+    return tracing("worker").task_spans.child(name, attributes)
 
 
 # -- Celery: the context in task headers, a span per task --------------------------------------
@@ -265,13 +256,18 @@ def _task_attributes(task_name: str, args: Any, request: Any) -> dict[str, Any]:
 
 
 # task id -> (span, the token that made it current, the run a stage task's spans go to)
-_open_spans: dict[str, tuple[Any, object, str | None]] = {}
+_open_spans: dict[str, tuple[TaskSpan, Any, str | None]] = {}
 
 
 def _inject(headers: dict[str, Any] | None = None, **_: Any) -> None:
     """before_task_publish: a message without a trace context gets the current span's (the
     enqueueing task's); one with it keeps it (a retry, or the orchestrator's explicit one)."""
     if headers is None or headers.get(TRACEPARENT):
+        return
+    found = _tracing.get(os.getpid())
+    task_span = found.task_spans.current() if found is not None else None
+    if task_span is not None:
+        headers[TRACEPARENT] = task_span.traceparent
         return
     from opentelemetry import trace
 
@@ -282,42 +278,32 @@ def _inject(headers: dict[str, Any] | None = None, **_: Any) -> None:
 
 def _start(task_id: str | None = None, task: Any = None, args: Any = None, **_: Any) -> None:
     """task_prerun: the task's span, current while it runs, child of the enqueuer's."""
-    from opentelemetry import context as otel_context
-    from opentelemetry import trace
+    from opentelemetry.trace import SpanKind
 
     request = task.request
-    parent = context_of(getattr(request, TRACEPARENT, None))
     attributes = _task_attributes(task.name, args, request)
-    span_ = tracing("worker").tracer.start_span(
-        task.name, context=parent, kind=trace.SpanKind.CONSUMER, attributes=attributes
+    parent = parse_traceparent(getattr(request, TRACEPARENT, None))
+    span_, token = tracing("worker").task_spans.start(
+        task.name, attributes, parent=parent, kind=SpanKind.CONSUMER
     )
-    token = otel_context.attach(trace.set_span_in_context(span_))
     # A stage task's spans leave at its end; a prepare span (its own trace, not a step's)
-    # goes with the next stage task's: one push (or request) less per prepare.
+    # goes with the next stage task's: one push less per prepare.
     hand_on_to = attributes.get("rlship.run_id", "") if STAGE.get(task.name.removeprefix("rlship.")) else None
     _open_spans[task_id or ""] = (span_, token, hand_on_to)
 
 
 def _end(task_id: str | None = None, state: str | None = None, retval: Any = None, **_: Any) -> None:
-    """task_postrun: the task's span ends (an error status if it failed, an attribute if it
-    asked for a retry) and is exported with every span of the task."""
-    from opentelemetry import context as otel_context
-    from opentelemetry.trace import Status, StatusCode
-
+    """task_postrun: the task's span ends (an error status if it failed) and, a stage
+    task's, is pushed with every span of the task."""
     opened = _open_spans.pop(task_id or "", None)
     if opened is None:
         return
-    span_, token, hand_on_to = opened  # the span records nothing when its trace is not sampled
-    try:
-        span_.set_attribute("rlship.state", state or "")
-        if state == "FAILURE":
-            span_.set_status(Status(StatusCode.ERROR, repr(retval)[:200]))
-        span_.end()
-    finally:
-        otel_context.detach(token)
-    processor = tracing("worker").task_end
-    if processor is not None and hand_on_to is not None:
-        processor.task_ended(hand_on_to)
+    span_, token, hand_on_to = opened
+    span_.attributes["rlship.state"] = state or ""
+    spans = tracing("worker").task_spans
+    spans.end(span_, token, error=repr(retval)[:200] if state == "FAILURE" else None)
+    if hand_on_to is not None:
+        spans.push(hand_on_to)
 
 
 def _set_up(**_: Any) -> None:
@@ -328,8 +314,8 @@ def _set_up(**_: Any) -> None:
 def _flush_at_exit(**_: Any) -> None:
     """worker_process_shutdown: what is still queued (prepare spans) leaves with the process."""
     found = _tracing.get(os.getpid())
-    if found is not None and found.task_end is not None:
-        found.task_end.process_exit()
+    if found is not None:
+        found.task_spans.process_exit()
 
 
 _worker_tracing = False

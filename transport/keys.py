@@ -293,8 +293,8 @@ class RunKeys:
     def spans(self) -> str:
         """The run's finished spans on their way to the OTLP collector: each entry one task's
         spans as an OTLP `ExportTraceServiceRequest`, pushed by the pool process that ran it
-        (`tasks.tracing_sdk.TaskEndPush`), oldest first, relayed by the orchestrator
-        (`orchestrator.span_relay`); at most `tasks.tracing_sdk.SPANS_HELD_MAX` entries."""
+        (`tasks.task_spans`), oldest first, relayed by the orchestrator
+        (`orchestrator.span_relay`); at most `tasks.tracing.SPANS_HELD_MAX` entries."""
         return self.run_key("spans")
 
     @property

@@ -43,6 +43,7 @@ class OtlpReceiver:
     `endpoint` is what OTEL_EXPORTER_OTLP_ENDPOINT is set to (the exporter appends /v1/traces)."""
 
     port: int = 0
+    protocol: str = "http/protobuf"  # what OTEL_EXPORTER_OTLP_PROTOCOL is set to
     spans: list[ReceivedSpan] = field(default_factory=list)
     requests: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -114,3 +115,46 @@ class OtlpReceiver:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+
+
+@dataclass
+class OtlpGrpcReceiver(OtlpReceiver):
+    """The same over gRPC: a real `grpcio` server answering the OTLP trace service's
+    `Export`, decoding each request with `opentelemetry-proto`; `endpoint` is an
+    `http://` URL (insecure, as the SDK reads it)."""
+
+    protocol: str = "grpc"
+    _grpc_server: Any = None
+
+    def start(self) -> OtlpGrpcReceiver:
+        grpc = require_module("grpc")
+        trace_service = require_module("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
+
+        def export(request: Any, context: Any) -> Any:
+            self._take(request)
+            return trace_service.ExportTraceServiceResponse()
+
+        handler = grpc.method_handlers_generic_handler(
+            "opentelemetry.proto.collector.trace.v1.TraceService",
+            {
+                "Export": grpc.unary_unary_rpc_method_handler(
+                    export,
+                    request_deserializer=trace_service.ExportTraceServiceRequest.FromString,
+                    response_serializer=trace_service.ExportTraceServiceResponse.SerializeToString,
+                )
+            },
+        )
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._grpc_server = grpc.server(ThreadPoolExecutor(max_workers=2), handlers=[handler])
+        self.port = self._grpc_server.add_insecure_port(f"127.0.0.1:{self.port}")
+        self._grpc_server.start()
+        return self
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self._grpc_server is not None:
+            self._grpc_server.stop(grace=None)

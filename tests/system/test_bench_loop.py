@@ -290,16 +290,20 @@ def test_traced_and_curve_placements_beside_celery_report_what_they_cost(tmp_pat
 
 
 def test_bench_tracing_reports_cpu_a_task_in_each_mode(capsys: pytest.CaptureFixture[str]) -> None:
-    """`rlship bench tracing`: each mode's CPU a task (and its Redis's) and a step, its spans
-    received by the bench's sink (so the measured processes did trace)."""
+    """`rlship bench tracing`: rlship's task spans against the SDK's, each mode's CPU a task
+    (and its Redis's), a step's and their ratio, its spans received by the bench's sink (so
+    the measured processes did trace, and through Redis)."""
     assert main(["bench", "tracing", "--tasks", "20", "--rounds", "1", "--ranks", "2"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert (
-        set(report["cpu_ms_per_task"]) == set(report["redis_cpu_ms_per_task"]) == {"push", "export", "timer"}
-    )
+    modes = {"task-spans", "sdk"}
+    assert set(report["cpu_ms_per_task"]) == set(report["redis_cpu_ms_per_task"]) == modes
     assert all(len(v) == 1 and v[0] > 0 for v in report["cpu_ms_per_task"].values())
-    assert report["redis_cpu_ms_per_task"]["push"][0] > 0, "the push mode's spans went through Redis"
+    assert all(v[0] > 0 for v in report["redis_cpu_ms_per_task"].values()), "a mode's spans skipped Redis"
     # finalize (prune and pack in its task), metrics, an encode and a send a rank, publish, release
     assert report["tasks_a_step"] == 2 + 2 * 2 + 2
-    # One request a task in export mode (and its set-up task's), one at least in push and timer.
-    assert report["otlp_received"]["requests"] >= 21 + 2
+    # Relayed: a request a mode at least, each task's two spans (about 300 bytes) in them.
+    assert report["otlp_received"]["requests"] >= 2 and report["otlp_received"]["bytes"] > 2 * 21 * 300
+    medians = {
+        mode: report["cpu_ms_per_task"][mode][0] + report["redis_cpu_ms_per_task"][mode][0] for mode in modes
+    }
+    assert report["task_spans_against_sdk"] == pytest.approx(medians["task-spans"] / medians["sdk"], rel=1e-3)

@@ -1,7 +1,7 @@
 """The workers' spans wait in Redis until the orchestrator's relay gets them to the collector
 (docs/observability.md, Traces): real Redis, a real process that ends its tasks as a Celery
 pool process does (the task signals' handlers, its spans pushed at each task's end), a real
-OTLP/HTTP receiver that is down, then up on the same port. The oracle is what the docs say:
+OTLP receiver (HTTP, and gRPC) that is down, then up on the same port. The oracle is what the docs say:
 nothing reaches a collector that is down, nothing is lost while it is, every span of every
 task arrives once it is up (under its own process's resource), whichever orchestrator is
 relaying by then; past the list's cap the oldest entries go, counted."""
@@ -16,9 +16,9 @@ from collections import Counter
 import pytest
 
 from orchestrator.span_relay import SpanRelay
-from tasks.otlp_target import otlp_http_target
+from tasks.otlp_target import otlp_target
 from tasks.tracing import SPANS_HELD_MAX, hold_spans
-from tests.support.otlp_receiver import OtlpReceiver
+from tests.support.otlp_receiver import OtlpGrpcReceiver, OtlpReceiver
 from tests.support.processes import REPO, free_port, wait_for
 from transport.keys import RunKeys
 
@@ -83,8 +83,9 @@ def expected(pid: int) -> Counter:
     )
 
 
-def relay(redis_url: str, run_id: str, endpoint: str) -> SpanRelay:
-    return SpanRelay(redis_url, run_id, otlp_http_target({"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}))
+def relay(redis_url: str, run_id: str, endpoint: str, protocol: str = "http/protobuf") -> SpanRelay:
+    environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": protocol}
+    return SpanRelay(redis_url, run_id, otlp_target(environ))
 
 
 def test_spans_wait_in_redis_while_the_collector_is_down_and_reach_it_once_it_is_up(
@@ -117,6 +118,31 @@ def test_spans_wait_in_redis_while_the_collector_is_down_and_reach_it_once_it_is
     # In one request: the tasks' requests concatenated are one, each with its resource.
     assert receiver.requests == 1
     assert client.get(RunKeys(run_id).spans_dropped) is None
+
+
+def test_over_grpc_the_spans_wait_while_the_collector_is_down_and_reach_it_once_it_is_up(
+    client, redis_url, run_id
+):
+    """The relay speaks gRPC to a real gRPC OTLP receiver: the pool processes push as over
+    HTTP (`OTEL_EXPORTER_OTLP_PROTOCOL=grpc` in their environment), the batch is sent as it
+    is, unparsed, and the receiver decodes one request holding every task's spans."""
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    pid = run_tasks(redis_url, run_id, endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="grpc")
+    assert client.llen(RunKeys(run_id).spans) == TASKS
+    running = relay(redis_url, run_id, endpoint, "grpc").start()
+    receiver = OtlpGrpcReceiver(port=port)
+    try:
+        wait_for("a relay attempt", lambda: running._failing, timeout=30)
+        assert client.llen(RunKeys(run_id).spans) == TASKS and running.relayed == 0
+        receiver.start()
+        wait_for("every task's spans", lambda: spans_of(receiver, run_id) == expected(pid), timeout=30)
+        wait_for("the relay's count", lambda: running.relayed >= TASKS, timeout=10)
+    finally:
+        running.stop()
+        receiver.stop()
+    assert spans_of(receiver, run_id) == expected(pid) and receiver.requests == 1
+    assert client.llen(RunKeys(run_id).spans) == 0
 
 
 def test_what_an_orchestrator_could_not_relay_the_next_one_sends_before_it_exits(client, redis_url, run_id):

@@ -1,12 +1,13 @@
 """One trace per step, across processes (docs/observability.md, Traces): a real run (real
 Redis, a cpu worker of two pool processes, the ship worker, two trainer ranks) with
-OTEL_EXPORTER_OTLP_ENDPOINT pointing at a real OTLP/HTTP receiver in this process, one
-worker killed in the middle of a task. The oracle is the documented span tree, written out
+OTEL_EXPORTER_OTLP_ENDPOINT pointing at a real OTLP receiver in this process, over HTTP and
+over gRPC, one worker killed in the middle of a task. The oracle is the documented span tree, written out
 here: the stage graph as docs/observability.md draws it, not `tasks.graph`."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from collections import defaultdict
@@ -15,12 +16,11 @@ from collections.abc import Iterator
 import pytest
 
 from orchestrator.step_traces import StepTraces
+from tasks import tracing
 from tasks.cohort import Cohort
 from tasks.faults import arm
 from tasks.manifest import ShipConfig, StepManifest
-from tasks.tracing import GRPC_EXPORTER
-from tasks.tracing import _installed as tracing_installed
-from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan
+from tests.support.otlp_receiver import OtlpGrpcReceiver, OtlpReceiver, ReceivedSpan
 from tests.support.processes import Workers, refused, rlship, running_workers, wait_for
 from tests.support.shiprun import deterministic_run, ship
 from transport.connection import connect_redis_async
@@ -48,16 +48,27 @@ PER_RANK = {"rlship.encode", "rlship.send", "rlship.zmq_send"}
 ERROR = 2  # OTLP Status.code
 
 
-@pytest.fixture(scope="module")
-def receiver() -> Iterator[OtlpReceiver]:
-    running = OtlpReceiver().start()
+@pytest.fixture(scope="module", params=["http/protobuf", "grpc"])
+def receiver(request) -> Iterator[OtlpReceiver]:
+    running = (OtlpGrpcReceiver() if request.param == "grpc" else OtlpReceiver()).start()
     yield running
     running.stop()
+    # This process traced as the orchestrator with this receiver's protocol: the next starts anew.
+    found = tracing._tracing.pop(os.getpid(), None)
+    if found is not None:
+        found.provider.shutdown()
+
+
+def otel_env(receiver: OtlpReceiver) -> dict[str, str]:
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": receiver.protocol,
+    }
 
 
 @pytest.fixture(scope="module")
 def traced_workers(redis_url, receiver, tmp_path_factory) -> Iterator[Workers]:
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "RLSHIP_FAULTS": "1"}
+    env = {**otel_env(receiver), "RLSHIP_FAULTS": "1"}
     with running_workers(redis_url, tmp_path_factory.mktemp("traced-worker-logs"), env=env) as pool:
         yield pool
 
@@ -85,7 +96,8 @@ def complete(spans: list[ReceivedSpan], run_id: str) -> bool:
 def test_every_step_has_one_trace_with_every_stage_span_of_every_rank(
     client, redis_url, run_id, traced_workers, receiver, tmp_path, monkeypatch
 ):
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)  # the orchestrator, here
+    for name, value in otel_env(receiver).items():
+        monkeypatch.setenv(name, value)  # the orchestrator, here
     settings = deterministic_run(client, run_id, redis_url, traced_workers, tmp_path, STEPS)
     arm(client, run_id, "encode", step=KILLED_STEP, rank=KILLED_RANK)
     result = ship(settings, produce=False)
@@ -167,17 +179,16 @@ def test_every_step_has_one_trace_with_every_stage_span_of_every_rank(
 
 @pytest.mark.timeout(60)
 def test_rlship_run_refuses_in_one_line_when_its_processes_could_not_trace(tmp_path):
-    if tracing_installed(GRPC_EXPORTER):
-        pytest.skip("the gRPC exporter is installed here")
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}
     done = rlship("run", "--steps", "1", "--output-dir", str(tmp_path), env=env)
-    refused(done, "opentelemetry-exporter-otlp-proto-grpc")
+    refused(done, "OTEL_EXPORTER_OTLP_PROTOCOL: 'http/json'")
 
 
 def test_a_root_taken_back_or_abandoned_ends_with_an_error(receiver, monkeypatch):
     """A cut taken back (every rollout dropped) ends its root with an error status, and so
     does a run that stops with steps in flight; the status says which."""
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+    for name, value in otel_env(receiver).items():
+        monkeypatch.setenv(name, value)
     run_id = f"roots-{uuid.uuid4().hex[:8]}"
     traces = StepTraces(run_id)
     for step in (5, 6):
@@ -201,7 +212,8 @@ def test_a_resuming_orchestrator_enqueues_a_steps_tasks_in_the_trace_its_predece
 ):
     """The root of a step in flight goes with a killed orchestrator; the next one reads the
     step's `traceparent` from Redis, and the tasks it enqueues again carry it."""
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+    for name, value in otel_env(receiver).items():
+        monkeypatch.setenv(name, value)
     stored = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     client.set(RunKeys(run_id).trace(7), stored, ex=60)
     traces = StepTraces(run_id)

@@ -1,21 +1,21 @@
 """`rlship bench tracing`: what tracing costs a stage task, measured on its own (BENCHMARKS.md,
-"Tracing"): CPU seconds of a process that runs `--tasks` tasks through `tasks.tracing`'s own
-handlers (the task's span, a send span inside it, the span's end and its hand-off), with the
-spans sent to a local OTLP/HTTP receiver that discards (`otlp_sink`, in this process: a
+"Tracing"): CPU seconds of a process that runs `--tasks` tasks, each with its task span and
+a send span inside it, the task's spans pushed onto the run's span list in Redis at its end
+and relayed by the orchestrator's relay (`orchestrator.span_relay`, in the same process,
+counted) to a local OTLP/HTTP receiver that discards (`otlp_sink`, in this process: a
 collector's CPU is not the ship path's). Each mode runs in a fresh process, `--rounds` times,
 alternating, against a redis-server of the bench's own (its CPU counted too):
 
-- `push`: the default over OTLP/HTTP, each task's spans encoded and pushed onto the run's
-  span list in Redis when it ends (`TaskEndPush`); then the orchestrator's relay
-  (`orchestrator.span_relay`) sends the list to the receiver, in the same process, counted;
-- `export`: each task's spans exported by the process when it ends, one request a task
-  (`TaskEndExport`: the default before the relay, and the gRPC path's today);
-- `timer`: `OTEL_BSP_SCHEDULE_DELAY` set, the SDK's batch processor on its timer.
+- `task-spans`: rlship's, through `tasks.tracing`'s own handlers (`tasks.task_spans`: spans
+  made without the SDK's span objects, encoded straight into OTLP);
+- `sdk`: the baseline, the same spans made by the OpenTelemetry SDK's tracer and encoded by
+  its exporter's public encoder (`encode_spans`), pushed the same way: what rlship did
+  before `tasks.task_spans`.
 
-The process's CPU includes its threads (export, relay); Redis's is the server's
-`used_cpu_sys` + `used_cpu_user` over the round. Per step: the CPU a task times the stage
-tasks of a step at `--ranks` (2 + 2 x ranks + 2: finalize, which carries prune and pack,
-metrics, encode and send per rank, publish, release).
+The process's CPU includes its threads (the relay); Redis's is the server's `used_cpu_sys` +
+`used_cpu_user` over the round. Per step: the CPU a task times the stage tasks of a step at
+`--ranks` (2 + 2 x ranks + 2: finalize, which carries prune and pack, metrics, encode and
+send per rank, publish, release).
 
     rlship bench tracing --tasks 2000 --rounds 3 --ranks 8
 """
@@ -32,6 +32,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -39,7 +40,7 @@ from orchestrator.commands.bench.otlp_sink import OtlpSink
 from orchestrator.commands.sentinel_cluster import start_redis_server
 from transport.zmq_sockets import free_port_pair
 
-MODES = ("push", "export", "timer")
+MODES = ("task-spans", "sdk")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,15 +51,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _sdk_task(tracer: Any, pushed: Any, run_id: str, index: int) -> None:
+    """The baseline's task: its spans made by the SDK's tracer, as `tasks.tracing` made them
+    before `tasks.task_spans` (consumer kind, the parent from the message's header, the
+    same attributes), encoded by the exporter's public encoder and pushed the same way."""
+    from opentelemetry import trace
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    from tasks.context import redis_client
+    from tasks.tracing import hold_spans
+
+    parent = trace.set_span_in_context(
+        trace.NonRecordingSpan(
+            trace.SpanContext(index + 1, index + 1, is_remote=True, trace_flags=trace.TraceFlags(1))
+        )
+    )
+    attributes = _attributes(run_id, index)
+    with tracer.start_as_current_span("rlship.send", context=parent, kind=trace.SpanKind.CONSUMER) as task:
+        task.set_attributes(attributes)
+        send_attributes = {"rlship.step": index, "rlship.rank": 0}
+        with tracer.start_as_current_span("rlship.zmq_send", attributes=send_attributes):
+            pass
+        task.set_attribute("rlship.state", "SUCCESS")
+    spans = pushed.get_finished_spans()
+    pushed.clear()
+    hold_spans(redis_client(), run_id, [encode_spans(spans).SerializeToString()])
+
+
+def _attributes(run_id: str, index: int) -> dict[str, Any]:
+    """A send task's attributes, as `tasks.tracing` gives them."""
+    return {
+        "messaging.system": "celery",
+        "messaging.message.id": f"task-{index}",
+        "rlship.worker": "bench@host",
+        "rlship.run_id": run_id,
+        "rlship.stage": "send",
+        "rlship.step": index,
+        "rlship.rank": 0,
+    }
+
+
 def run_tasks(count: int, mode: str) -> float:
-    """In the measured process: `count` send tasks through the handlers, their spans handed
-    on as `mode` says (and, `push`, relayed from Redis to the receiver); CPU seconds a task."""
+    """In the measured process: `count` send tasks, their spans made as `mode` says, pushed
+    to Redis and relayed from there to the receiver; CPU seconds a task."""
     from celery.app.task import Context
 
     from orchestrator.span_relay import SpanRelay
     from tasks import tracing
     from tasks.app import redis_url
-    from tasks.otlp_target import otlp_http_target
+    from tasks.otlp_target import otlp_target
     from tasks.tracing_sdk import Tracing
 
     class Task:
@@ -66,7 +107,7 @@ def run_tasks(count: int, mode: str) -> float:
 
     run_id = f"bench-tracing-{uuid.uuid4().hex[:8]}"
 
-    def one(task: Task, index: int) -> None:
+    def ours(task: Task, index: int) -> None:
         task.request = Context(
             id=f"task-{index}",
             retries=0,
@@ -80,16 +121,26 @@ def run_tasks(count: int, mode: str) -> float:
         tracing._end(task_id=task.request.id, state="SUCCESS")
 
     tracing._worker_tracing = True  # as `connect_celery` sets it in a worker
-    found = tracing._tracing[os.getpid()] = Tracing("worker", task_end=None if mode == "timer" else mode)
-    relay = SpanRelay(redis_url(), run_id, otlp_http_target(os.environ))
+    found = tracing._tracing[os.getpid()] = Tracing("worker")
+    if mode == "sdk":
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        pushed = InMemorySpanExporter()
+        found.provider.add_span_processor(SimpleSpanProcessor(pushed))
+
+        def one(task: Task, index: int) -> None:
+            _sdk_task(found.tracer, pushed, run_id, index)
+    else:
+        one = ours
+    relay = SpanRelay(redis_url(), run_id, otlp_target(os.environ))
     task = Task()
-    one(task, 0)  # the set-up (SDK, exporter's or Redis's connection) is not a task's
+    one(task, 0)  # the set-up (SDK, Redis's connection) is not a task's
     relay.relay_once()
     started = time.process_time()
     for index in range(1, count + 1):
         one(task, index)
-    found.provider.force_flush()
-    while relay.relay_once():  # the orchestrator's share (push)
+    while relay.relay_once():  # the orchestrator's share
         pass
     seconds = (time.process_time() - started) / count
     relay.client.delete(relay.keys.spans)
@@ -116,9 +167,6 @@ def main(args: argparse.Namespace) -> int:
         for _ in range(args.rounds):
             for mode in MODES:
                 child_env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "REDIS_URL": url}
-                child_env.pop("OTEL_BSP_SCHEDULE_DELAY", None)
-                if mode == "timer":
-                    child_env["OTEL_BSP_SCHEDULE_DELAY"] = "5000"
                 code = f"from {__name__} import run_tasks; print(run_tasks({args.tasks}, {mode!r}))"
                 before = _redis_cpu(client)
                 done = subprocess.run(
@@ -143,6 +191,10 @@ def main(args: argparse.Namespace) -> int:
         "tasks_a_step": tasks_a_step,
         "otlp_received": received,
     }
+    with_redis = {
+        mode: statistics.median(per_task[mode]) + statistics.median(redis_per_task[mode]) for mode in MODES
+    }
+    report["task_spans_against_sdk"] = round(with_redis["task-spans"] / with_redis["sdk"], 4)
     for mode, seconds in per_task.items():
         median = statistics.median(seconds) * 1000
         redis_median = statistics.median(redis_per_task[mode]) * 1000
@@ -152,5 +204,8 @@ def main(args: argparse.Namespace) -> int:
             f"{mode}: {median:.3f} ms of CPU a task (median of {rounds}) + {redis_median:.3f} ms of Redis's; "
             f"{total * tasks_a_step:.1f} ms a step of {tasks_a_step} stage tasks ({args.ranks} ranks)"
         )
+    print(
+        f"task-spans against the SDK's spans, Redis's CPU included: {report['task_spans_against_sdk']:.3f}x"
+    )
     print(json.dumps(report))
     return 0

@@ -1,0 +1,231 @@
+"""The spans of a Celery pool process's tasks (`tasks.tracing` makes them at a task's start
+and end and around a rank's send): recorded as small plain objects and encoded straight
+into OTLP's protobuf messages, not made by the OpenTelemetry SDK, and handed on at the end
+of each stage task by one push onto the run's span list in Redis (`tasks.tracing.hold_spans`),
+whence the orchestrator relays them to the collector (`orchestrator.span_relay`).
+
+Why not the SDK's spans: a pool process makes two spans a task, thousands a minute, and the
+SDK's span objects (their bounded attributes and locks, the processors' hooks, the
+exporter's encoder going over every field again) cost 0.3 ms a task back to back and about
+1 ms a task after a stage's numpy work has filled the caches, 4.7% of a default step's CPU
+(BENCHMARKS.md, Tracing). What the SDK decides is still the SDK's: its sampler (from
+`OTEL_TRACES_SAMPLER`, asked for every span as the SDK asks it) and its resource
+(`OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`); the ids are random as its default id
+generator's; the encoding is the exporter's (the test holds the two to each other). A task's
+spans carry no events, links or trace state, and at most a dozen attributes.
+
+The spans of a task are out of the process before its next task starts, so a pool process
+killed later (OOM, a fault) loses only the span of the task it was running; Redis not
+answering keeps them here for the next push.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import random
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import (
+    AnyValue,
+    ArrayValue,
+    InstrumentationScope,
+    KeyValue,
+)
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource as ResourceMessage
+from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, SpanFlags, Status
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace.sampling import Sampler
+
+from tasks.tracing import hold_spans
+
+log = logging.getLogger("rlship.tracing")
+
+SCOPE = "rlship"  # the instrumentation scope, as the orchestrator's tracer names it
+QUEUED_SPANS_MAX = 4096  # spans held between two pushes (Redis not answering), the newest dropped
+# OTLP's kinds (opentelemetry.proto.trace.v1.Span.SpanKind) of the API's
+_KIND = {trace.SpanKind.INTERNAL: Span.SPAN_KIND_INTERNAL, trace.SpanKind.CONSUMER: Span.SPAN_KIND_CONSUMER}
+# The span's flags as the exporter sets them: whether its parent is remote is known.
+_FLAGS_LOCAL = SpanFlags.SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK
+_FLAGS_REMOTE = _FLAGS_LOCAL | SpanFlags.SPAN_FLAGS_CONTEXT_IS_REMOTE_MASK
+
+
+@dataclass(slots=True)
+class TaskSpan:
+    """A span of a task while it is open: what it ends as and what its children and the
+    messages it enqueues carry (`traceparent`). Unsampled, it records nothing but is still
+    the parent its children and successors inherit the decision from."""
+
+    name: str
+    trace_id: int
+    span_id: int
+    parent_id: int  # 0: the trace's root
+    parent_remote: bool
+    sampled: bool
+    kind: int  # OTLP's
+    start_ns: int
+    attributes: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def traceparent(self) -> str:
+        return f"00-{self.trace_id:032x}-{self.span_id:016x}-{'01' if self.sampled else '00'}"
+
+
+def _any_value(value: Any) -> AnyValue:
+    if isinstance(value, bool):
+        return AnyValue(bool_value=value)
+    if isinstance(value, int):
+        return AnyValue(int_value=value)
+    if isinstance(value, float):
+        return AnyValue(double_value=value)
+    if isinstance(value, str):
+        return AnyValue(string_value=value)
+    if isinstance(value, bytes):
+        return AnyValue(bytes_value=value)
+    if isinstance(value, list | tuple):
+        return AnyValue(array_value=ArrayValue(values=[_any_value(item) for item in value]))
+    return AnyValue(string_value=str(value))
+
+
+def encode_attributes(attributes: Mapping[str, Any]) -> list[KeyValue]:
+    return [KeyValue(key=key, value=_any_value(value)) for key, value in attributes.items()]
+
+
+class TaskSpans:
+    """This pool process's spans: `start` and `end` a task's, `child` around a part of it,
+    `current` the one open innermost in this thread (what an enqueued message carries),
+    `push` what ended onto a run's span list."""
+
+    def __init__(self, resource: Resource, sampler: Sampler) -> None:
+        self._sampler = sampler
+        self._resource = ResourceMessage(attributes=encode_attributes(resource.attributes))
+        self._resource_schema = resource.schema_url
+        self._scope = InstrumentationScope(name=SCOPE)
+        self._current: contextvars.ContextVar[TaskSpan | None] = contextvars.ContextVar(
+            "rlship_task_span", default=None
+        )
+        self._ended: list[Span] = []
+        self._lock = threading.Lock()
+        self._run_id: str | None = None  # of the last push: where spans left at exit go
+        self._failing = False
+
+    def current(self) -> TaskSpan | None:
+        return self._current.get()
+
+    def start(
+        self,
+        name: str,
+        attributes: dict[str, Any],
+        *,
+        parent: tuple[int, int, int] | TaskSpan | None,
+        kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+    ) -> tuple[TaskSpan, contextvars.Token[Any]]:
+        """A span, current from now on in this thread, child of `parent`: a remote one
+        ((trace id, span id, trace flags) of a message's `traceparent`), a span of this
+        process, or none (the root of a new trace). The sampler decides as the SDK's
+        tracer would ask it; with the token that `end` takes back."""
+        if isinstance(parent, TaskSpan):
+            trace_id, parent_id, flags, remote = parent.trace_id, parent.span_id, int(parent.sampled), False
+        elif parent is not None:
+            (trace_id, parent_id, flags), remote = parent, True
+        else:
+            trace_id, parent_id, flags, remote = random.getrandbits(128) or 1, 0, 0, False
+        parent_context = None
+        if parent_id:
+            parent_span = trace.NonRecordingSpan(
+                trace.SpanContext(trace_id, parent_id, is_remote=remote, trace_flags=trace.TraceFlags(flags))
+            )
+            parent_context = trace.set_span_in_context(parent_span)
+        decision = self._sampler.should_sample(parent_context, trace_id, name, kind, attributes)
+        span = TaskSpan(
+            name=name,
+            trace_id=trace_id,
+            span_id=random.getrandbits(64) or 1,
+            parent_id=parent_id,
+            parent_remote=remote,
+            sampled=decision.decision.is_sampled(),
+            kind=_KIND[kind],
+            start_ns=time.time_ns(),
+            attributes=dict(decision.attributes) if decision.decision.is_sampled() else {},
+        )
+        return span, self._current.set(span)
+
+    def end(self, span: TaskSpan, token: contextvars.Token[Any], error: str | None = None) -> None:
+        """The span ends now (with an error status if `error`), is no longer current, and,
+        sampled, waits in its OTLP form for the next `push`."""
+        end_ns = time.time_ns()
+        self._current.reset(token)
+        if not span.sampled:
+            return
+        status = Status(code=Status.STATUS_CODE_ERROR, message=error) if error is not None else Status()
+        encoded = Span(
+            trace_id=span.trace_id.to_bytes(16, "big"),
+            span_id=span.span_id.to_bytes(8, "big"),
+            parent_span_id=span.parent_id.to_bytes(8, "big") if span.parent_id else None,
+            name=span.name,
+            kind=span.kind,
+            start_time_unix_nano=span.start_ns,
+            end_time_unix_nano=end_ns,
+            attributes=encode_attributes(span.attributes),
+            status=status,
+            flags=_FLAGS_REMOTE if span.parent_remote else _FLAGS_LOCAL,
+        )
+        with self._lock:
+            if len(self._ended) < QUEUED_SPANS_MAX:
+                self._ended.append(encoded)
+
+    @contextlib.contextmanager
+    def child(self, name: str, attributes: dict[str, Any]) -> Iterator[None]:
+        """A span around a part of the current one (a rank's send, a carried stage)."""
+        span, token = self.start(name, attributes, parent=self.current())
+        try:
+            yield
+        except BaseException as raised:  # as the SDK's spans end: the error's type and text
+            self.end(span, token, error=f"{type(raised).__name__}: {raised}"[:200])
+            raise
+        self.end(span, token)
+
+    def request(self, spans: list[Span]) -> bytes:
+        """`spans` as one serialized OTLP `ExportTraceServiceRequest` of this process."""
+        scope_spans = ScopeSpans(scope=self._scope, spans=spans)
+        resource_spans = ResourceSpans(
+            resource=self._resource, scope_spans=[scope_spans], schema_url=self._resource_schema
+        )
+        return ExportTraceServiceRequest(resource_spans=[resource_spans]).SerializeToString()
+
+    def take(self) -> list[Span]:
+        """The spans ended since the last take, encoded, and none held after."""
+        with self._lock:
+            spans, self._ended = self._ended, []
+        return spans
+
+    def push(self, run_id: str) -> None:
+        """Push the spans ended since the last push onto run `run_id`'s span list."""
+        from tasks.context import redis_client
+
+        self._run_id = run_id
+        spans = self.take()
+        if not spans:  # nothing recorded (a step not sampled)
+            return
+        try:
+            hold_spans(redis_client(), run_id, [self.request(spans)])
+        except Exception:  # a push's error must never reach a task: the spans wait here
+            if not self._failing:
+                log.exception("pushing %d spans to Redis failed; they wait for the next push", len(spans))
+            self._failing = True
+            with self._lock:
+                self._ended[:0] = spans[: max(0, QUEUED_SPANS_MAX - len(self._ended))]
+            return
+        self._failing = False
+
+    def process_exit(self) -> None:
+        """The process stops: what is still here (prepare spans) goes to the last run's list."""
+        if self._run_id is not None:
+            self.push(self._run_id)

@@ -1,0 +1,162 @@
+"""A pool process's task spans (`tasks.task_spans`), made without the SDK's span objects:
+the OpenTelemetry SDK is the oracle. The same spans made by the SDK's tracer (same parent,
+names, kinds, attributes, status) and encoded by its exporter's public `encode_spans` must
+decode to the same OTLP request, ids and times aside (random and clock-made on both sides,
+so compared by shape: which span is whose parent, and start <= end within the test's
+window); the SDK's samplers, as `OTEL_TRACES_SAMPLER` names them, decide which spans are
+kept, the ratio sampler by its documented rule on the trace id's low 64 bits."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("opentelemetry.sdk")
+
+from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from tasks.task_spans import TaskSpans
+
+RESOURCE = {
+    "service.name": "rlship-worker",
+    "process.pid": 4242,
+    "rlship.role": "worker",
+    "x.list": ["a", "b"],
+}
+PARENT = (0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7, 1)  # a message's traceparent
+TASK_ATTRIBUTES = {
+    "messaging.system": "celery",
+    "messaging.message.id": "c0ffee",
+    "rlship.run_id": "run-1",
+    "rlship.step": 3,
+    "rlship.redelivered": True,
+    "rlship.ratio": 0.25,
+}
+SEND_ATTRIBUTES = {"rlship.step": 3, "rlship.rank": 1}
+
+
+def normalized(body: bytes, window: tuple[int, int]) -> ExportTraceServiceRequest:
+    """The request with ids replaced by their order of first appearance and times zeroed,
+    after checking they are well-formed and inside `window` (ns)."""
+    request = ExportTraceServiceRequest.FromString(body)
+    names: dict[bytes, bytes] = {}
+
+    def renamed(value: bytes) -> bytes:
+        return names.setdefault(value, len(names).to_bytes(1, "big")) if value else b""
+
+    for resource_spans in request.resource_spans:
+        for scope_spans in resource_spans.scope_spans:
+            for span in scope_spans.spans:
+                assert len(span.trace_id) == 16 and len(span.span_id) == 8
+                assert window[0] <= span.start_time_unix_nano <= span.end_time_unix_nano <= window[1]
+                span.trace_id = renamed(span.trace_id)
+                span.span_id, span.parent_span_id = renamed(span.span_id), renamed(span.parent_span_id)
+                span.start_time_unix_nano = span.end_time_unix_nano = 0
+    return request
+
+
+def parent_context(parent: tuple[int, int, int]):
+    trace_id, span_id, flags = parent
+    context = trace.SpanContext(trace_id, span_id, is_remote=True, trace_flags=trace.TraceFlags(flags))
+    return trace.set_span_in_context(trace.NonRecordingSpan(context))
+
+
+def test_a_tasks_spans_encode_as_the_sdks_spans_encoded_by_its_exporter():
+    resource = Resource.create(RESOURCE)
+    provider = TracerProvider(resource=resource)
+    ended = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(ended))
+    tracer = provider.get_tracer("rlship")
+    started = time.time_ns()
+
+    # The oracle: a task (consumer, remote parent) with a send inside it, a failed task, a root.
+    task = tracer.start_span(
+        "rlship.send", context=parent_context(PARENT), kind=SpanKind.CONSUMER, attributes=TASK_ATTRIBUTES
+    )
+    with trace.use_span(task, end_on_exit=False):
+        tracer.start_span("rlship.zmq_send", attributes=SEND_ATTRIBUTES).end()
+    task.set_attribute("rlship.state", "SUCCESS")
+    task.end()
+    failed = tracer.start_span("rlship.encode", context=parent_context(PARENT), kind=SpanKind.CONSUMER)
+    failed.set_attribute("rlship.state", "FAILURE")
+    failed.set_status(Status(StatusCode.ERROR, "ValueError('bad')"))
+    failed.end()
+    tracer.start_span("rlship.prepare", kind=SpanKind.CONSUMER, attributes={"rlship.rollouts": 4}).end()
+    expected = encode_spans(ended.get_finished_spans()).SerializeToString()
+
+    spans = TaskSpans(resource, provider.sampler)
+    span, token = spans.start("rlship.send", dict(TASK_ATTRIBUTES), parent=PARENT, kind=SpanKind.CONSUMER)
+    assert spans.current() is span
+    with spans.child("rlship.zmq_send", dict(SEND_ATTRIBUTES)):
+        assert spans.current() is not span and spans.current().parent_id == span.span_id
+    assert spans.current() is span
+    span.attributes["rlship.state"] = "SUCCESS"
+    spans.end(span, token)
+    assert spans.current() is None
+    span, token = spans.start("rlship.encode", {}, parent=PARENT, kind=SpanKind.CONSUMER)
+    span.attributes["rlship.state"] = "FAILURE"
+    spans.end(span, token, error="ValueError('bad')")
+    span, token = spans.start("rlship.prepare", {"rlship.rollouts": 4}, parent=None, kind=SpanKind.CONSUMER)
+    spans.end(span, token)
+    got = spans.request(spans.take())
+    window = (started, time.time_ns())
+
+    assert normalized(got, window) == normalized(expected, window)
+    assert spans.take() == []  # taken once
+
+
+def test_a_span_carries_its_trace_on_and_a_child_inherits_it():
+    spans = TaskSpans(Resource.create({}), TracerProvider().sampler)
+    span, token = spans.start("rlship.finalize", {}, parent=PARENT, kind=SpanKind.CONSUMER)
+    trace_id, parent_id, _ = PARENT
+    assert (span.trace_id, span.parent_id, span.sampled) == (trace_id, parent_id, True)
+    assert span.traceparent == f"00-{trace_id:032x}-{span.span_id:016x}-01"
+    with spans.child("rlship.prune", {}):
+        child = spans.current()
+        assert (child.trace_id, child.parent_id) == (trace_id, span.span_id)
+    spans.end(span, token)
+
+
+@pytest.mark.parametrize("sampler", ["always_off", "parentbased_always_off"])
+def test_a_sampler_that_drops_records_nothing_and_says_so_downstream(monkeypatch, sampler):
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", sampler)
+    provider = TracerProvider()
+    spans = TaskSpans(provider.resource, provider.sampler)
+    span, token = spans.start("rlship.send", dict(TASK_ATTRIBUTES), parent=None, kind=SpanKind.CONSUMER)
+    with spans.child("rlship.zmq_send", {}):
+        assert not spans.current().sampled
+    spans.end(span, token)
+    assert spans.take() == [] and span.traceparent.endswith("-00")
+
+
+def test_a_parent_not_sampled_is_followed_by_the_default_sampler():
+    provider = TracerProvider()  # parentbased_always_on, the SDK's default
+    spans = TaskSpans(provider.resource, provider.sampler)
+    trace_id, span_id, _ = PARENT
+    span, token = spans.start("rlship.send", {}, parent=(trace_id, span_id, 0), kind=SpanKind.CONSUMER)
+    spans.end(span, token)
+    assert not span.sampled and spans.take() == []
+
+
+def test_the_ratio_sampler_keeps_the_roots_its_rule_keeps():
+    """`traceidratio` 0.5: a root is kept when its trace id's low 64 bits are below half
+    their range (the SDK's documented rule); its children follow it."""
+    spans = TaskSpans(Resource.create({}), ParentBased(TraceIdRatioBased(0.5)))
+    kept = 0
+    for _ in range(64):
+        span, token = spans.start("rlship.prepare", {}, parent=None, kind=SpanKind.CONSUMER)
+        with spans.child("rlship.zmq_send", {}):
+            assert spans.current().sampled == span.sampled
+        spans.end(span, token)
+        assert span.sampled == ((span.trace_id & (2**64 - 1)) < 2**63)
+        kept += span.sampled
+    assert len(spans.take()) == 2 * kept and 0 < kept < 64
