@@ -41,8 +41,15 @@ STOP_SECONDS = 10.0
 RETRYABLE_STATUS = frozenset({429, 502, 503, 504})  # the OTLP/HTTP specification's
 # gRPC's, as the OTLP specification lists them (RESOURCE_EXHAUSTED: the collector's throttling)
 RETRYABLE_GRPC_CODES = frozenset(
-    {"CANCELLED", "DEADLINE_EXCEEDED", "ABORTED", "OUT_OF_RANGE", "UNAVAILABLE", "DATA_LOSS"}
-    | {"RESOURCE_EXHAUSTED"}
+    {
+        "CANCELLED",
+        "DEADLINE_EXCEEDED",
+        "ABORTED",
+        "OUT_OF_RANGE",
+        "UNAVAILABLE",
+        "DATA_LOSS",
+        "RESOURCE_EXHAUSTED",
+    }
 )
 GRPC_EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 

@@ -44,7 +44,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Sp
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.sampling import Sampler
 
-from tasks.tracing import hold_spans
+from tasks.tracing import format_traceparent, hold_spans
 
 log = logging.getLogger("rlship.tracing")
 
@@ -75,7 +75,7 @@ class TaskSpan:
 
     @property
     def traceparent(self) -> str:
-        return f"00-{self.trace_id:032x}-{self.span_id:016x}-{'01' if self.sampled else '00'}"
+        return format_traceparent(self.trace_id, self.span_id, int(self.sampled))
 
 
 def _any_value(value: Any) -> AnyValue:

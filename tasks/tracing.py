@@ -165,10 +165,15 @@ def tracing(role: str) -> Tracing:
 # -- context ---------------------------------------------------------------------------------
 
 
+def format_traceparent(trace_id: int, span_id: int, flags: int) -> str:
+    """The W3C `traceparent` of a span's ids and trace flags (`parse_traceparent`'s inverse)."""
+    return f"00-{trace_id:032x}-{span_id:016x}-{flags:02x}"
+
+
 def traceparent(span: Any) -> str:
-    """The W3C `traceparent` of a span: what a task message or the step's trace key carries."""
+    """The W3C `traceparent` of an SDK span: what a task message or the step's trace key carries."""
     context = span.get_span_context()
-    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
+    return format_traceparent(context.trace_id, context.span_id, int(context.trace_flags))
 
 
 _LOWER_HEX = frozenset("0123456789abcdef")
@@ -206,18 +211,24 @@ def step_trace_id(client: Any, run_id: str, step: int) -> str | None:
     return trace_id_of(client.get(RunKeys(run_id).trace(step)))
 
 
-def current_trace_id() -> str | None:
-    """The trace id of the span this thread is in (for log lines); None when off or outside."""
+def _current_traceparent() -> str | None:
+    """The `traceparent` of the span this thread is in: a task's (`tasks.task_spans`), else
+    the SDK's (the orchestrator's); None when off or outside any."""
     found = _tracing.get(os.getpid())
     if found is None:
         return None
     task_span = found.task_spans.current()
     if task_span is not None:
-        return f"{task_span.trace_id:032x}"
+        return task_span.traceparent
     from opentelemetry import trace
 
-    context = trace.get_current_span().get_span_context()
-    return f"{context.trace_id:032x}" if context.is_valid else None
+    current = trace.get_current_span()
+    return traceparent(current) if current.get_span_context().is_valid else None
+
+
+def current_trace_id() -> str | None:
+    """The trace id of the span this thread is in (for log lines); None when off or outside."""
+    return trace_id_of(_current_traceparent())
 
 
 def span(name: str, **attributes: Any) -> contextlib.AbstractContextManager[None]:
@@ -264,16 +275,9 @@ def _inject(headers: dict[str, Any] | None = None, **_: Any) -> None:
     enqueueing task's); one with it keeps it (a retry, or the orchestrator's explicit one)."""
     if headers is None or headers.get(TRACEPARENT):
         return
-    found = _tracing.get(os.getpid())
-    task_span = found.task_spans.current() if found is not None else None
-    if task_span is not None:
-        headers[TRACEPARENT] = task_span.traceparent
-        return
-    from opentelemetry import trace
-
-    current = trace.get_current_span()
-    if current.get_span_context().is_valid:
-        headers[TRACEPARENT] = traceparent(current)
+    current = _current_traceparent()
+    if current is not None:
+        headers[TRACEPARENT] = current
 
 
 def _start(task_id: str | None = None, task: Any = None, args: Any = None, **_: Any) -> None:

@@ -51,44 +51,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _sdk_task(tracer: Any, pushed: Any, run_id: str, index: int) -> None:
+def _sdk_task(tracer: Any, pushed: Any, task: Any, args: list[Any]) -> None:
     """The baseline's task: its spans made by the SDK's tracer, as `tasks.tracing` made them
     before `tasks.task_spans` (consumer kind, the parent from the message's header, the
-    same attributes), encoded by the exporter's public encoder and pushed the same way."""
+    task's attributes), encoded by the exporter's public encoder and pushed the same way."""
     from opentelemetry import trace
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
+    from tasks import tracing
     from tasks.context import redis_client
-    from tasks.tracing import hold_spans
 
-    parent = trace.set_span_in_context(
-        trace.NonRecordingSpan(
-            trace.SpanContext(index + 1, index + 1, is_remote=True, trace_flags=trace.TraceFlags(1))
-        )
-    )
-    attributes = _attributes(run_id, index)
-    with tracer.start_as_current_span("rlship.send", context=parent, kind=trace.SpanKind.CONSUMER) as task:
-        task.set_attributes(attributes)
-        send_attributes = {"rlship.step": index, "rlship.rank": 0}
+    trace_id, span_id, flags = tracing.parse_traceparent(task.request.traceparent) or (0, 0, 0)
+    remote = trace.SpanContext(trace_id, span_id, is_remote=True, trace_flags=trace.TraceFlags(flags))
+    parent = trace.set_span_in_context(trace.NonRecordingSpan(remote))
+    attributes = tracing._task_attributes(task.name, args, task.request)
+    with tracer.start_as_current_span(task.name, context=parent, kind=trace.SpanKind.CONSUMER) as span:
+        span.set_attributes(attributes)
+        send_attributes = {"rlship.step": args[1], "rlship.rank": 0}
         with tracer.start_as_current_span("rlship.zmq_send", attributes=send_attributes):
             pass
-        task.set_attribute("rlship.state", "SUCCESS")
+        span.set_attribute("rlship.state", "SUCCESS")
     spans = pushed.get_finished_spans()
     pushed.clear()
-    hold_spans(redis_client(), run_id, [encode_spans(spans).SerializeToString()])
-
-
-def _attributes(run_id: str, index: int) -> dict[str, Any]:
-    """A send task's attributes, as `tasks.tracing` gives them."""
-    return {
-        "messaging.system": "celery",
-        "messaging.message.id": f"task-{index}",
-        "rlship.worker": "bench@host",
-        "rlship.run_id": run_id,
-        "rlship.stage": "send",
-        "rlship.step": index,
-        "rlship.rank": 0,
-    }
+    tracing.hold_spans(redis_client(), args[0], [encode_spans(spans).SerializeToString()])
 
 
 def run_tasks(count: int, mode: str) -> float:
@@ -107,19 +92,6 @@ def run_tasks(count: int, mode: str) -> float:
 
     run_id = f"bench-tracing-{uuid.uuid4().hex[:8]}"
 
-    def ours(task: Task, index: int) -> None:
-        task.request = Context(
-            id=f"task-{index}",
-            retries=0,
-            delivery_info={"redelivered": False},
-            hostname="bench@host",
-            traceparent=f"00-{index + 1:032x}-{index + 1:016x}-01",
-        )
-        tracing._start(task_id=task.request.id, task=task, args=[run_id, index, 0])
-        with tracing.span("rlship.zmq_send", **{"rlship.step": index, "rlship.rank": 0}):
-            pass
-        tracing._end(task_id=task.request.id, state="SUCCESS")
-
     tracing._worker_tracing = True  # as `connect_celery` sets it in a worker
     found = tracing._tracing[os.getpid()] = Tracing("worker")
     if mode == "sdk":
@@ -129,10 +101,23 @@ def run_tasks(count: int, mode: str) -> float:
         pushed = InMemorySpanExporter()
         found.provider.add_span_processor(SimpleSpanProcessor(pushed))
 
-        def one(task: Task, index: int) -> None:
-            _sdk_task(found.tracer, pushed, run_id, index)
-    else:
-        one = ours
+    def one(task: Task, index: int) -> None:
+        task.request = Context(
+            id=f"task-{index}",
+            retries=0,
+            delivery_info={"redelivered": False},
+            hostname="bench@host",
+            traceparent=tracing.format_traceparent(index + 1, index + 1, 1),
+        )
+        args = [run_id, index, 0]
+        if mode == "sdk":
+            _sdk_task(found.tracer, pushed, task, args)
+            return
+        tracing._start(task_id=task.request.id, task=task, args=args)
+        with tracing.span("rlship.zmq_send", **{"rlship.step": index, "rlship.rank": 0}):
+            pass
+        tracing._end(task_id=task.request.id, state="SUCCESS")
+
     relay = SpanRelay(redis_url(), run_id, otlp_target(os.environ))
     task = Task()
     one(task, 0)  # the set-up (SDK, Redis's connection) is not a task's
