@@ -41,9 +41,8 @@ log = logging.getLogger("rlship.tasks")
 
 @functools.cache
 def redis_client() -> redis.Redis:
-    """One connection pool per worker process (created after fork, on first use); payloads
-    are read without redis-py's copies (`transport.connection.LargeReplyBuffer`)."""
-    return connect_redis(redis_url(), large_replies=True, socket_timeout=120, health_check_interval=30)
+    """One connection pool per worker process (created after fork, on first use)."""
+    return connect_redis(redis_url(), socket_timeout=120, health_check_interval=30)
 
 
 # The step manifests this process has read, by (run, step): the bytes that open each (its
@@ -126,12 +125,25 @@ class StepContext:
         """How many times this delivery has been retried already."""
         return 0 if self.task is None else int(self.task.request.retries or 0)
 
+    def first_read(self, pipe: Any, stage: str) -> list[Any]:
+        """Execute the pipeline of a stage task's first read (its skip check) with what rides
+        on it, no round trip of their own: the task counted (`count_served`) and the spans
+        this process ended since its last first read (`tracing.ride_spans`). The replies."""
+        self.count_served(pipe, stage)
+        riding = tracing.ride_spans(pipe, self.run_id)
+        try:
+            replies = pipe.execute()
+        except Exception:
+            riding.failed()
+            raise
+        riding.landed(replies)
+        return replies
+
     def count_served(self, pipe: Any, stage: str) -> None:
         """Count the task in the run's `served_by` (the worker's node name), its wait in its
         queue, and a redelivery (its previous delivery was lost with its worker) as a failure
-        of `stage`, on the pipeline of the task's first read (a skip check): no round trip of
-        its own. The keys expire like the step keys: a task of a run long gone must not leave
-        a key for ever."""
+        of `stage`, on the pipeline of the task's first read (`first_read`). The keys expire
+        like the step keys: a task of a run long gone must not leave a key for ever."""
         request = self.task.request if self.task is not None else None
         worker = (request.hostname if request is not None else None) or socket.gethostname()
         pipe.hincrby(self.keys.served_by, worker, 1)
@@ -234,8 +246,7 @@ class StepContext:
         pipe = self.client.pipeline(transaction=False)
         pipe.exists(self.keys.alive)
         pipe.hexists(self.keys.published, self.step)
-        self.count_served(pipe, task)
-        alive, published, *_ = pipe.execute()
+        alive, published, *_ = self.first_read(pipe, task)
         if not alive:
             log.warning("run %s has ended: %s of step %d dropped", self.run_id, task, self.step)
             pipe.hincrby(self.keys.tasks_dropped, task, 1)

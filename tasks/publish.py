@@ -127,8 +127,7 @@ def _released_already(ctx: StepContext, task: str) -> bool:
     """Release runs for a published step, whether or not its run has ended, once."""
     pipe = ctx.client.pipeline(transaction=False)
     pipe.hexists(ctx.keys.released, ctx.step)
-    ctx.count_served(pipe, task)
-    if pipe.execute()[0]:
+    if ctx.first_read(pipe, task)[0]:
         ctx.skip_redundant(task, "released")
         return True
     return False

@@ -1,8 +1,9 @@
 """The spans of a Celery pool process's tasks (`tasks.tracing` makes them at a task's start
 and end and around a rank's send): recorded as small plain objects and encoded straight
-into OTLP's protobuf messages, not made by the OpenTelemetry SDK, and handed on at the end
-of each stage task by one push onto the run's span list in Redis (`tasks.tracing.hold_spans`),
-whence the orchestrator relays them to the collector (`orchestrator.span_relay`).
+into OTLP's protobuf messages, not made by the OpenTelemetry SDK, and handed to the run's
+span list in Redis on the pipeline of the process's next stage task's first read
+(`TaskSpans.ride`), whence the orchestrator relays them to the collector
+(`orchestrator.span_relay`).
 
 Why not the SDK's spans: a pool process makes two spans a task, thousands a minute, and the
 SDK's span objects (their bounded attributes and locks, the processors' hooks, the
@@ -14,9 +15,13 @@ exporter's encoder going over every field again) cost 0.3 ms a task back to back
 generator's; the encoding is the exporter's (the test holds the two to each other). A task's
 spans carry no events, links or trace state, and at most a dozen attributes.
 
-The spans of a task are out of the process before its next task starts, so a pool process
-killed later (OOM, a fault) loses only the span of the task it was running; Redis not
-answering keeps them here for the next push.
+Why riding: a push of its own was a Redis round trip a task, most of what a task's spans
+cost its process (0.16 of 0.2 ms, BENCHMARKS.md). A task's spans are out of the process
+once its next stage task has made its first read, before any of that task's work, or, with
+no task coming, `FLUSH_SECONDS` after they ended (a daemon thread pushes them); so a pool
+process killed later (OOM, a fault) loses only the spans of the task it was running and
+of the last one before an idle moment. Redis not answering keeps them here for the next
+hand-off.
 """
 
 from __future__ import annotations
@@ -44,12 +49,13 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Sp
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.sampling import Sampler
 
-from tasks.tracing import format_traceparent, hold_spans
+from tasks.tracing import dropped_spans, format_traceparent, queue_spans
 
 log = logging.getLogger("rlship.tracing")
 
 SCOPE = "rlship"  # the instrumentation scope, as the orchestrator's tracer names it
-QUEUED_SPANS_MAX = 4096  # spans held between two pushes (Redis not answering), the newest dropped
+QUEUED_SPANS_MAX = 4096  # spans held between two hand-offs (Redis not answering), the newest dropped
+FLUSH_SECONDS = 0.5  # spans held this long with no stage task's first read to ride on are pushed
 # OTLP's kinds (opentelemetry.proto.trace.v1.Span.SpanKind) of the API's
 _KIND = {trace.SpanKind.INTERNAL: Span.SPAN_KIND_INTERNAL, trace.SpanKind.CONSUMER: Span.SPAN_KIND_CONSUMER}
 # The span's flags as the exporter sets them: whether its parent is remote is known.
@@ -101,7 +107,8 @@ def encode_attributes(attributes: Mapping[str, Any]) -> list[KeyValue]:
 class TaskSpans:
     """This pool process's spans: `start` and `end` a task's, `child` around a part of it,
     `current` the one open innermost in this thread (what an enqueued message carries),
-    `push` what ended onto a run's span list."""
+    `ride` what ended on a stage task's first read to a run's span list (else a flusher
+    thread `push`es it)."""
 
     def __init__(self, resource: Resource, sampler: Sampler) -> None:
         self._sampler = sampler
@@ -112,9 +119,16 @@ class TaskSpans:
             "rlship_task_span", default=None
         )
         self._ended: list[Span] = []
+        self._held_since: float | None = None  # when the oldest of `_ended` ended (monotonic)
         self._lock = threading.Lock()
-        self._run_id: str | None = None  # of the last push: where spans left at exit go
+        self._run_id: str | None = None  # of the last task served: where the flusher pushes
         self._failing = False
+        self._flusher: threading.Thread | None = None
+
+    def serving(self, run_id: str | None) -> None:
+        """A task of run `run_id` starts here: spans the flusher pushes go to its list."""
+        if run_id:
+            self._run_id = run_id
 
     def current(self) -> TaskSpan | None:
         return self._current.get()
@@ -180,6 +194,11 @@ class TaskSpans:
         with self._lock:
             if len(self._ended) < QUEUED_SPANS_MAX:
                 self._ended.append(encoded)
+            if self._held_since is None:
+                self._held_since = time.monotonic()
+        if self._flusher is None:
+            self._flusher = threading.Thread(target=self._flush_idle, name="rlship-span-flusher", daemon=True)
+            self._flusher.start()
 
     @contextlib.contextmanager
     def child(self, name: str, attributes: dict[str, Any]) -> Iterator[None]:
@@ -203,29 +222,79 @@ class TaskSpans:
     def take(self) -> list[Span]:
         """The spans ended since the last take, encoded, and none held after."""
         with self._lock:
-            spans, self._ended = self._ended, []
+            spans, self._ended, self._held_since = self._ended, [], None
         return spans
 
+    def give_back(self, spans: list[Span]) -> None:
+        """Spans that did not leave (Redis not answering) wait, before any ended since."""
+        with self._lock:
+            self._ended[:0] = spans[: max(0, QUEUED_SPANS_MAX - len(self._ended))]
+            self._held_since = time.monotonic()
+
+    def ride(self, pipe: Any, run_id: str) -> SpansRiding | None:
+        """Queue the spans ended since the last hand-off on `pipe` (a stage task's first
+        read), for run `run_id`'s span list; None when there are none."""
+        spans = self.take()
+        if not spans:
+            return None
+        return SpansRiding(self, spans, run_id, queue_spans(pipe, run_id, [self.request(spans)]))
+
     def push(self, run_id: str) -> None:
-        """Push the spans ended since the last push onto run `run_id`'s span list."""
+        """Push the spans ended since the last hand-off onto run `run_id`'s span list: a ride
+        on a pipeline of their own."""
         from tasks.context import redis_client
 
-        self._run_id = run_id
-        spans = self.take()
-        if not spans:  # nothing recorded (a step not sampled)
+        pipe = redis_client().pipeline(transaction=False)
+        riding = self.ride(pipe, run_id)
+        if riding is None:  # nothing recorded (a step not sampled)
             return
         try:
-            hold_spans(redis_client(), run_id, [self.request(spans)])
+            replies = pipe.execute()
         except Exception:  # a push's error must never reach a task: the spans wait here
-            if not self._failing:
-                log.exception("pushing %d spans to Redis failed; they wait for the next push", len(spans))
-            self._failing = True
-            with self._lock:
-                self._ended[:0] = spans[: max(0, QUEUED_SPANS_MAX - len(self._ended))]
+            riding.failed()
             return
+        riding.landed(replies)
+
+    def delivered(self) -> None:
         self._failing = False
 
+    def undelivered(self, spans: list[Span]) -> None:
+        """Spans that did not reach Redis wait for the next hand-off (said once until one goes)."""
+        if not self._failing:
+            log.exception("handing %d spans to Redis failed; they wait for the next hand-off", len(spans))
+        self._failing = True
+        self.give_back(spans)
+
+    def _flush_idle(self) -> None:
+        """The flusher: spans no stage task's first read took within `FLUSH_SECONDS` (the
+        process idle, or its last tasks prepare tasks) are pushed."""
+        while True:
+            time.sleep(FLUSH_SECONDS / 2)
+            since = self._held_since
+            if since is not None and self._run_id and time.monotonic() - since >= FLUSH_SECONDS:
+                self.push(self._run_id)
+
     def process_exit(self) -> None:
-        """The process stops: what is still here (prepare spans) goes to the last run's list."""
+        """The process stops: what is still here goes to the last run's list."""
         if self._run_id is not None:
             self.push(self._run_id)
+
+
+@dataclass
+class SpansRiding:
+    """Spans queued on a first read's pipeline (`TaskSpans.ride`), told how it went."""
+
+    spans: TaskSpans
+    taken: list[Span]
+    run_id: str
+    at: int  # the index of the push's reply: the list's length
+
+    def landed(self, replies: list[Any]) -> None:
+        from tasks.context import redis_client
+
+        self.spans.delivered()
+        with contextlib.suppress(Exception):  # only a statistic
+            dropped_spans(redis_client(), self.run_id, int(replies[self.at]))
+
+    def failed(self) -> None:
+        self.spans.undelivered(self.taken)

@@ -21,9 +21,11 @@ that completed it. A message that already carries a `traceparent` keeps it: a Ce
 and a redelivery after a killed worker are siblings of the first attempt, in the same trace.
 
 A pool process makes its tasks' spans itself, without the SDK's span objects
-(`tasks.task_spans`), and pushes them onto the run's span list in Redis when each stage task
-ends (`hold_spans`), so one killed later loses only the span of the task it was running;
-the orchestrator relays the list to the collector, over HTTP or gRPC (`orchestrator.span_relay`).
+(`tasks.task_spans`), and hands them to the run's span list in Redis on the pipeline of its
+next stage task's first read (`ride_spans`), or after `FLUSH_SECONDS` without one (the
+same commands, `queue_spans`, on a pipeline of their own), so one killed later loses only
+the span of the task it was running; the orchestrator relays the list to the collector,
+over HTTP or gRPC (`orchestrator.span_relay`).
 """
 
 from __future__ import annotations
@@ -97,49 +99,45 @@ def problem() -> str | None:
     return None
 
 
-# Put a task's encoded spans on the run's span list (KEYS[1]) at its end, or a batch given
-# back at its start (ARGV[3] == "1", the entries in reverse), renew its expiry (ARGV[2]),
-# and keep its newest ARGV[1] entries, counting those dropped in KEYS[2]: one round trip.
-HOLD_SPANS_LUA = """
-local cap, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
-local push = ARGV[3] == '1' and 'LPUSH' or 'RPUSH'
-local length = 0
-for first = 4, #ARGV, 1000 do  -- unpack's limit: a thousand at a time
-  length = redis.call(push, KEYS[1], unpack(ARGV, first, math.min(first + 999, #ARGV)))
-end
-redis.call('EXPIRE', KEYS[1], ttl)
-if length <= cap then
-  return 0
-end
-redis.call('LTRIM', KEYS[1], -cap, -1)
-redis.call('INCRBY', KEYS[2], length - cap)
-redis.call('EXPIRE', KEYS[2], ttl)
-return length - cap
-"""
-_hold_spans_script: Any = None
-
-
-def hold_spans(client: Any, run_id: str, entries: list[bytes], *, oldest: bool = False) -> int:
-    """Put encoded spans (OTLP `ExportTraceServiceRequest`s) on run `run_id`'s span list, at
-    its end (or its start with `oldest`: a batch the relay gives back), keeping its newest
-    `SPANS_HELD_MAX` and renewing its expiry; the entries dropped are counted in
-    `RunKeys.spans_dropped`. Returns how many. A sync redis-py client."""
-    global _hold_spans_script
-    if _hold_spans_script is None:
-        _hold_spans_script = client.register_script(HOLD_SPANS_LUA)
+def queue_spans(pipe: Any, run_id: str, entries: list[bytes], *, oldest: bool = False) -> int:
+    """Queue on a pipeline the push of encoded spans onto run `run_id`'s span list, at its end
+    (or at its start, in their order, with `oldest`: a batch the relay gives back), the trim
+    to its newest `SPANS_HELD_MAX` and its expiry's renewal, as plain commands (a script would
+    cost redis-py a SCRIPT EXISTS round trip on each execute); returns the index of the
+    push's reply, the list's length (`dropped_spans` reads it)."""
     keys = RunKeys(run_id)
-    values = list(reversed(entries)) if oldest else entries
-    flags = [SPANS_HELD_MAX, DEFAULT_TTL_SECONDS, int(oldest)]
-    dropped = int(
-        _hold_spans_script(keys=[keys.spans, keys.spans_dropped], args=[*flags, *values], client=client)
-    )
+    at = len(pipe)
+    if oldest:
+        pipe.lpush(keys.spans, *reversed(entries))
+    else:
+        pipe.rpush(keys.spans, *entries)
+    pipe.ltrim(keys.spans, -SPANS_HELD_MAX, -1)
+    pipe.expire(keys.spans, DEFAULT_TTL_SECONDS)
+    return at
+
+
+def dropped_spans(client: Any, run_id: str, length: int) -> int:
+    """The entries a `queue_spans` push of a list now `length` long trimmed off its head,
+    counted in `RunKeys.spans_dropped` (a round trip only then)."""
+    dropped = max(0, length - SPANS_HELD_MAX)
     if dropped:
+        count_dropped_spans(client, run_id, dropped)
         log.warning("rlship: %d entries of run %s's span list dropped (past its cap)", dropped, run_id)
     return dropped
 
 
+def hold_spans(client: Any, run_id: str, entries: list[bytes], *, oldest: bool = False) -> int:
+    """Put encoded spans (OTLP `ExportTraceServiceRequest`s) on run `run_id`'s span list now,
+    on a pipeline of their own (`queue_spans`), the entries dropped counted in
+    `RunKeys.spans_dropped`. Returns how many. A sync redis-py client."""
+    pipe = client.pipeline(transaction=False)
+    at = queue_spans(pipe, run_id, entries, oldest=oldest)
+    return dropped_spans(client, run_id, int(pipe.execute()[at]))
+
+
 def count_dropped_spans(client: Any, run_id: str, dropped: int) -> None:
-    """Count `dropped` entries of the run's span list as dropped (refused by the collector)."""
+    """Count `dropped` entries of the run's span list as dropped (refused by the collector,
+    or trimmed past its cap)."""
     keys = RunKeys(run_id)
     pipe = client.pipeline(transaction=True)
     pipe.incrby(keys.spans_dropped, dropped)
@@ -266,8 +264,8 @@ def _task_attributes(task_name: str, args: Any, request: Any) -> dict[str, Any]:
     return attributes
 
 
-# task id -> (span, the token that made it current, the run a stage task's spans go to)
-_open_spans: dict[str, tuple[TaskSpan, Any, str | None]] = {}
+# task id -> (span, the token that made it current)
+_open_spans: dict[str, tuple[TaskSpan, Any]] = {}
 
 
 def _inject(headers: dict[str, Any] | None = None, **_: Any) -> None:
@@ -287,27 +285,42 @@ def _start(task_id: str | None = None, task: Any = None, args: Any = None, **_: 
     request = task.request
     attributes = _task_attributes(task.name, args, request)
     parent = parse_traceparent(getattr(request, TRACEPARENT, None))
-    span_, token = tracing("worker").task_spans.start(
-        task.name, attributes, parent=parent, kind=SpanKind.CONSUMER
-    )
-    # A stage task's spans leave at its end; a prepare span (its own trace, not a step's)
-    # goes with the next stage task's: one push less per prepare.
-    hand_on_to = attributes.get("rlship.run_id", "") if STAGE.get(task.name.removeprefix("rlship.")) else None
-    _open_spans[task_id or ""] = (span_, token, hand_on_to)
+    spans = tracing("worker").task_spans
+    spans.serving(attributes.get("rlship.run_id"))
+    span_, token = spans.start(task.name, attributes, parent=parent, kind=SpanKind.CONSUMER)
+    _open_spans[task_id or ""] = (span_, token)
 
 
 def _end(task_id: str | None = None, state: str | None = None, retval: Any = None, **_: Any) -> None:
-    """task_postrun: the task's span ends (an error status if it failed) and, a stage
-    task's, is pushed with every span of the task."""
+    """task_postrun: the task's span ends (an error status if it failed); it leaves with the
+    process's next stage task's first read (`ride_spans`)."""
     opened = _open_spans.pop(task_id or "", None)
     if opened is None:
         return
-    span_, token, hand_on_to = opened
+    span_, token = opened
     span_.attributes["rlship.state"] = state or ""
-    spans = tracing("worker").task_spans
-    spans.end(span_, token, error=repr(retval)[:200] if state == "FAILURE" else None)
-    if hand_on_to is not None:
-        spans.push(hand_on_to)
+    tracing("worker").task_spans.end(span_, token, error=repr(retval)[:200] if state == "FAILURE" else None)
+
+
+class _NothingRiding:
+    def landed(self, replies: list[Any]) -> None:
+        return None
+
+    def failed(self) -> None:
+        return None
+
+
+NOTHING_RIDING = _NothingRiding()
+
+
+def ride_spans(pipe: Any, run_id: str) -> Any:
+    """Queue this pool process's spans ended since they last left on `pipe`, the pipeline of
+    a stage task's first read (`StepContext.first_read`): they cost no round trip of their
+    own. What it returns is told how the pipeline went (`landed` with its replies, or
+    `failed`: the spans wait for the next ride). Nothing when tracing is off."""
+    if not _worker_tracing:
+        return NOTHING_RIDING
+    return tracing("worker").task_spans.ride(pipe, run_id) or NOTHING_RIDING
 
 
 def _set_up(**_: Any) -> None:
@@ -316,7 +329,7 @@ def _set_up(**_: Any) -> None:
 
 
 def _flush_at_exit(**_: Any) -> None:
-    """worker_process_shutdown: what is still queued (prepare spans) leaves with the process."""
+    """worker_process_shutdown: what is still held leaves with the process."""
     found = _tracing.get(os.getpid())
     if found is not None:
         found.task_spans.process_exit()

@@ -2,7 +2,8 @@
 process's tracer provider (resource, sampler and exporter from the standard `OTEL_*`
 variables). The orchestrator's spans (a step's root, the prepare enqueues) are the SDK's,
 exported in batches by its batch processor; a Celery pool process's are `TaskSpans`, made
-with the provider's resource and sampler and pushed to Redis at each task's end."""
+with the provider's resource and sampler and handed to Redis on the process's next stage
+task's first read."""
 
 from __future__ import annotations
 

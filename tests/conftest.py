@@ -24,6 +24,7 @@ from tasks.app import DEFAULT_REDIS_URL
 from tests.support.fuzz import CI
 from tests.support.processes import SESSION_QUEUES, Workers, free_port, running_workers
 from tests.support.tls import Certificates
+from transport.keys import RUN_QUEUE_KINDS, run_queue
 from transport.store import PayloadStore
 
 UNEXPIRING_BEFORE = pytest.StashKey[set[str]]()
@@ -50,12 +51,15 @@ def client(redis_url: str) -> redis.Redis:
 
 @pytest.fixture()
 def run_id() -> Iterator[str]:
-    """A fresh run id; whatever keys of it the test leaves get an expiry (an hour)."""
+    """A fresh run id; whatever keys of it the test leaves get an expiry (an hour), and its
+    own queues go (a test that drives an orchestrator without workers leaves its tasks)."""
     run = f"test-{uuid.uuid4().hex[:10]}"
     yield run
     url = os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
     if redis_answers(url):
-        PayloadStore(redis.Redis.from_url(url), run).expire_run(3600)
+        client = redis.Redis.from_url(url)
+        PayloadStore(client, run).expire_run(3600)
+        delete_queues(client, [run_queue(run, kind) for kind in RUN_QUEUE_KINDS])
 
 
 @pytest.fixture

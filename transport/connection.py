@@ -21,7 +21,6 @@ after a lost reply costs only a statistic.
 
 from __future__ import annotations
 
-import builtins
 import logging
 import os
 import threading
@@ -38,8 +37,6 @@ import redis.asyncio.connection
 import redis.asyncio.sentinel
 import redis.connection
 import redis.sentinel
-from redis._parsers import _RESP3Parser
-from redis._parsers.socket import SENTINEL, SERVER_CLOSED_CONNECTION_ERROR, SocketBuffer
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError, TimeoutError
@@ -56,53 +53,38 @@ _BACKOFF = {"cap": 1.0, "base": 0.05}
 _RETRIES = 5 + int(OUTAGE_SECONDS)
 
 
-# Bulk replies from this size on (payloads, most rollouts' arrays) are read straight from the
-# socket into their own buffer; never a hash field or other map key, which must be hashable.
-LARGE_REPLY_BYTES = 16 * 1024
+# Replies are parsed by hiredis (a dependency: redis-py takes its parser whenever it is
+# installed), in C: an MGET of a rank's 128 prepared samples (3 MiB) costs 0.9 ms of CPU,
+# against 2.7 ms with redis-py's Python parser reading them. Commands are packed by redis-py's
+# own serializer, which sends a large value (a payload, a rollout's arrays) as it is, where
+# hiredis's packer copies it into one buffer (3 MiB: 0.6 -> 6 ms). BENCHMARKS.md, "Replies
+# parsed by hiredis".
+PACK_BUFFER_CUTOFF = 6000  # redis-py's own: a value longer than this is sent without a copy
+_PYTHON_PACKER = redis.connection.PythonRespSerializer(
+    PACK_BUFFER_CUTOFF, redis.connection.Encoder("utf-8", "strict", False).encode
+)
 
 
-class LargeReplyBuffer(SocketBuffer):
-    """redis-py's socket buffer, but a large bulk reply (a step payload: megabytes) is read
-    with `recv_into` straight into one bytearray of its size, which is returned as is.
+class _AsyncPythonPacking:
+    """A redis.asyncio connection that packs its commands with redis-py's Python serializer
+    (`_PYTHON_PACKER`'s reason): redis.asyncio takes hiredis's packer whenever hiredis is
+    installed and has no option for it, but packs in Python when it has none."""
 
-    redis-py reads it in 64 KiB chunks, appends them to a BytesIO, reads them out, joins
-    them and slices off the CRLF: four copies, and for an MGET of rollouts a BytesIO
-    growing to the whole reply. Profiled in a ship worker, that was 57% of its task CPU
-    (`rlship bench loop`, BENCHMARKS.md). Here the bytes already buffered are copied once and the rest goes
-    from the kernel into the result. The value is a bytearray (bytes-like: hashing,
-    decoding, ZMQ and file writes take it unchanged); smaller replies keep redis-py's path.
-    """
-
-    def read(self, length: int, timeout: float | object = SENTINEL) -> bytes | bytearray:
-        if length < LARGE_REPLY_BYTES:
-            return super().read(length, timeout)
-        out = bytearray(length + 2)  # and the CRLF terminator
-        with memoryview(out) as view:
-            filled = self._buffer.readinto(view)
-            if timeout is not SENTINEL:
-                self._sock.settimeout(timeout)
-            try:
-                while filled < len(out):
-                    received = self._sock.recv_into(view[filled:])
-                    if not received:
-                        raise ConnectionError(SERVER_CLOSED_CONNECTION_ERROR)
-                    filled += received
-            except builtins.TimeoutError:
-                raise TimeoutError("Timeout reading from socket") from None
-            finally:
-                if timeout is not SENTINEL:
-                    self._sock.settimeout(self.socket_timeout)
-        del out[length:]
-        return out
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._command_packer = None
 
 
-class LargeReplyParser(_RESP3Parser):
-    """The RESP3 parser (redis-py's default protocol; it reads RESP2 replies too) on a
-    `LargeReplyBuffer`."""
+class _AsyncConnection(_AsyncPythonPacking, redis.asyncio.connection.Connection):
+    """`redis://`."""
 
-    def on_connect(self, connection: Any) -> None:
-        super().on_connect(connection)
-        self._buffer = LargeReplyBuffer(self._sock, self.socket_read_size, connection.socket_timeout)
+
+class _AsyncSSLConnection(_AsyncPythonPacking, redis.asyncio.connection.SSLConnection):
+    """`rediss://`."""
+
+
+class _AsyncUnixConnection(_AsyncPythonPacking, redis.asyncio.connection.UnixDomainSocketConnection):
+    """`unix://`."""
 
 
 class _Failover:
@@ -161,7 +143,7 @@ class _PrimarySSLConnection(_PrimaryConnection, redis.connection.SSLConnection):
     """`_PrimaryConnection` over TLS."""
 
 
-class _AsyncPrimaryConnection(redis.asyncio.sentinel.SentinelManagedConnection):
+class _AsyncPrimaryConnection(_AsyncPythonPacking, redis.asyncio.sentinel.SentinelManagedConnection):
     """`_PrimaryConnection` for redis.asyncio."""
 
     async def connect_check_health(
@@ -392,15 +374,12 @@ def _retry_options(ride_out_outages: bool) -> dict[str, Any]:
     }
 
 
-def connect_redis(
-    url: str, *, large_replies: bool = False, ride_out_outages: bool = True, **options: Any
-) -> redis.Redis:
+def connect_redis(url: str, *, ride_out_outages: bool = True, **options: Any) -> redis.Redis:
     """A client of the run's Redis (its primary, with Sentinels) that rides out a restart or
-    a failover; with `large_replies`, megabyte values are read without redis-py's copies
-    (`LargeReplyBuffer`); without `ride_out_outages`, a lost connection fails at once (a
+    a failover, its replies parsed by hiredis and its commands packed without copying large
+    values (`_PYTHON_PACKER`); without `ride_out_outages`, a lost connection fails at once (a
     command that checks whether Redis answers)."""
-    if large_replies:
-        options["parser_class"] = LargeReplyParser
+    options["command_packer"] = _PYTHON_PACKER
     options.update(_retry_options(ride_out_outages))
     address = RedisAddress.parse(url)
     if address.is_sentinel:
@@ -426,4 +405,8 @@ def connect_redis_async(url: str, **options: Any) -> aioredis.Redis:
             **retry,
             **options,
         )
-    return AsyncScriptSafeRedis.from_url(url, **retry, **options)
+    scheme = urlsplit(url).scheme
+    connection_class = {"rediss": _AsyncSSLConnection, "unix": _AsyncUnixConnection}.get(
+        scheme, _AsyncConnection
+    )
+    return AsyncScriptSafeRedis.from_url(url, connection_class=connection_class, **retry, **options)

@@ -292,8 +292,8 @@ class RunKeys:
     @property
     def spans(self) -> str:
         """The run's finished spans on their way to the OTLP collector: each entry one task's
-        spans as an OTLP `ExportTraceServiceRequest`, pushed by the pool process that ran it
-        (`tasks.task_spans`), oldest first, relayed by the orchestrator
+        spans as an OTLP `ExportTraceServiceRequest`, handed on by the pool process that ran
+        it on its next stage task's first read (`tasks.task_spans`), oldest first, relayed by the orchestrator
         (`orchestrator.span_relay`); at most `tasks.tracing.SPANS_HELD_MAX` entries."""
         return self.run_key("spans")
 

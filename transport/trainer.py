@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,26 +158,36 @@ class TrainerRank:
             checksum[:12],
         )
 
-    def run(self, steps: int | None = None, idle_timeout: float | None = None) -> None:
-        """Receive until `steps` steps have arrived, or `idle_timeout` seconds pass without one.
-        The time spent waiting in `receive` is the rank's idle time (`RunKeys.trainer_idle`),
-        reported before each step is handled and every `IDLE_REPORT_SECONDS` while idle."""
-        last = time.monotonic()
-        idle = IdleTime(self.client, self.run_id, self.receiver.rank)
+    def run(
+        self, steps: int | None = None, idle_timeout: float | None = None, stop: threading.Event | None = None
+    ) -> None:
+        """Receive until `steps` steps have arrived, `idle_timeout` seconds pass without one,
+        or `stop` is set (checked between receives: a signal handler sets it, so the signal is
+        never raised into a finalizer, where Python would drop it). The time spent waiting in
+        `receive` is the rank's idle time (`RunKeys.trainer_idle`), reported before each step
+        is handled and every `IDLE_REPORT_SECONDS` while idle."""
+        last, rank = time.monotonic(), self.receiver.rank
+        idle = IdleTime(self.client, self.run_id, rank)
         try:
             while steps is None or len(self.received) < steps:
+                if stop is not None and stop.is_set():
+                    log.info("rank %d stops: asked to (SIGTERM)", rank)
+                    return
                 waited_from = time.monotonic()
                 message = self.receiver.receive(timeout=0.5)
                 idle.add(time.monotonic() - waited_from, report=message is not None)
                 self.acknowledgements.report_foreign(self.receiver)
                 if message is None:
                     if idle_timeout is not None and time.monotonic() - last > idle_timeout:
+                        log.info("rank %d stops: no step for %g s (its idle timeout)", rank, idle_timeout)
                         return
                     continue
                 last = time.monotonic()
                 self.handle(message)
         finally:
             idle.report()
+        # Said, since a rank given fewer steps than its run's stops early without an error.
+        log.info("rank %d stops: the %d steps it was given are received", rank, steps)
 
 
 IDLE_REPORT_SECONDS = 1.0

@@ -10,8 +10,9 @@ import json
 import logging
 import signal
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
@@ -28,6 +29,8 @@ from tasks.logs import mask_secrets
 from transport.connection import OUTAGE_SECONDS, connect_redis_async
 from transport.run_files import DiskFull, restrict
 
+T = TypeVar("T")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings_arguments(parser)
@@ -42,9 +45,30 @@ async def _orchestrate(settings: RunSettings) -> dict[str, Any]:
         await client.aclose()
 
 
-def interrupt_on_sigterm(signum: int, frame: Any) -> None:
-    """SIGTERM stops the orchestrator as Ctrl-C does: one line, the run's keys kept."""
-    raise KeyboardInterrupt
+async def interrupted_by_sigterm(work: Coroutine[Any, Any, T]) -> T:
+    """SIGTERM stops `work` as Ctrl-C does (one line, the run's keys kept): it cancels the
+    task from the event loop and the cancellation ends as KeyboardInterrupt. Raised from a
+    Python signal handler instead, the interrupt could land in a finalizer, where Python drops
+    it: one SIGTERM was lost that way and the run went on to its last step."""
+    task = asyncio.current_task()
+    assert task is not None
+    terminated = False
+
+    def cancel_on_sigterm() -> None:
+        nonlocal terminated
+        terminated = True
+        task.cancel()
+
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, cancel_on_sigterm)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if terminated:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -52,9 +76,8 @@ def main(args: argparse.Namespace) -> int:
     configure_logging(settings.log_json, logging.WARNING, run_id=settings.run_id)
     restrict(settings.file_mode)
     preflight_client("orchestrate", settings, unfinished_run=True).close()
-    signal.signal(signal.SIGTERM, interrupt_on_sigterm)
     try:
-        summary = asyncio.run(_orchestrate(settings))
+        summary = asyncio.run(interrupted_by_sigterm(_orchestrate(settings)))
     except KeyboardInterrupt:
         print(
             f"rlship orchestrate: run {settings.run_id} interrupted; its tasks are dropped within "

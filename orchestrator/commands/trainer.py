@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-import sys
+import threading
 from pathlib import Path
 
 from orchestrator.commands.checks import preflight_client, rank_in_run
@@ -53,7 +53,8 @@ def main(args: argparse.Namespace) -> int:
         curve=curve,
         file_mode=settings.file_mode,
     )
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         rank = TrainerRank(
             receiver,
@@ -63,7 +64,7 @@ def main(args: argparse.Namespace) -> int:
             settings.first_step,
             WIRE_PROFILES[settings.wire],
         )
-        rank.run(steps=settings.step_numbers.stop - next_step, idle_timeout=args.idle_timeout)
+        rank.run(steps=settings.step_numbers.stop - next_step, idle_timeout=args.idle_timeout, stop=stop)
     finally:
         receiver.close()
     return 0

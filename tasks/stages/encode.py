@@ -329,12 +329,34 @@ def _credit_parts(plain: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, di
     return out
 
 
-def _rl_weight_elements(wire: SampleWire, advantage: float) -> bytes:
-    """`token_rl_weights` of a sample of the plain kind (no credit streams of its own) over
-    the wire's loss mask: 1.0 on loss tokens, unless the advantage is zero."""
-    if advantage == 0.0:
-        return repeated_elements("rl_weights", 0.0, wire.tokens)
-    return _RL_WEIGHT_TABLE[wire.loss_mask().view(np.uint8)].tobytes()
+# The token fields made at the cut for a sample without its own: from its cohort row
+# (advantage, temperature, env) and, for rl weights, its loss mask.
+_FROM_COLUMN = {"advantages": "advantage", "temperatures": "temperature"}
+_CUT_MADE = (*_FROM_COLUMN, "env_names", "rl_weights")
+
+
+def _samples_part(name: str, rows: list[tuple[SampleWire, int]], samples: Cohort) -> list[bytes]:
+    """A micro-batch's samples' elements of a token field: each sample's own, or made at the
+    cut (`_cut_made`), for all of them at once when none has its own."""
+    if name in _CUT_MADE and not any(name in wire.fields for wire, _ in rows):
+        return [_cut_made(name, rows, samples)]
+    return [wire.fields.get(name) or _cut_made(name, [(wire, i)], samples) for wire, i in rows]
+
+
+def _cut_made(name: str, rows: list[tuple[SampleWire, int]], samples: Cohort) -> bytes:
+    """The elements of a token field the samples have not of their own, made from their
+    cohort rows, joined: a repeat of each value over its tokens; rl weights
+    (`token_rl_weights` of the plain kind) are 1.0 on loss tokens unless the advantage is
+    zero, one table lookup over the joined loss masks (a sample at a time, this was the most
+    of a join's time)."""
+    indices, tokens = [i for _, i in rows], [wire.tokens for wire, _ in rows]
+    if name in _FROM_COLUMN:
+        return array_elements(name, np.repeat(samples.numeric[_FROM_COLUMN[name]][indices], tokens))
+    if name == "env_names":
+        return b"".join(repeated_elements(name, samples.labels["env"][i], wire.tokens) for wire, i in rows)
+    masks = np.frombuffer(b"".join(wire.fields["loss_mask"] for wire, _ in rows), np.uint8) == _TRUE
+    masks &= np.repeat(samples.numeric["advantage"][indices] != 0.0, tokens)
+    return _RL_WEIGHT_TABLE[masks.view(np.uint8)].tobytes()
 
 
 @functools.lru_cache(maxsize=8)
@@ -360,10 +382,7 @@ def assemble_rank(
     for plan in plans:
         rows = [(wires[ids[i]], i) for i in plan.samples]
         padding = _padding_parts(plan.padding) if plan.padding else {}
-        parts = {
-            name: [*(_sample_part(name, sample, samples, i) for sample, i in rows), padding.get(name, b"")]
-            for name in TOKEN_FIELDS
-        }
+        parts = {name: [*_samples_part(name, rows, samples), padding.get(name, b"")] for name in TOKEN_FIELDS}
         lengths = [sample.tokens for sample, _ in rows] + ([plan.padding] if plan.padding else [])
         values: dict[str, Any] = {}
         if wire.carries("trace_ids"):
@@ -381,16 +400,3 @@ def rank_segments(
     """Every segment of the rank's payload, in payload order (micro-batch, then sample)."""
     ids = samples.labels["rollout_id"]
     return [segment for plan in plans for i in plan.samples for segment in segments_of[ids[i]]]
-
-
-def _sample_part(name: str, wire: SampleWire, samples: Cohort, index: int) -> bytes:
-    """One sample's elements of a token field: its own, or made from its cohort row."""
-    if name in wire.fields:
-        return wire.fields[name]
-    if name == "advantages":
-        return repeated_elements(name, float(samples.numeric["advantage"][index]), wire.tokens)
-    if name == "temperatures":
-        return repeated_elements(name, float(samples.numeric["temperature"][index]), wire.tokens)
-    if name == "env_names":
-        return repeated_elements(name, samples.labels["env"][index], wire.tokens)
-    return _rl_weight_elements(wire, float(samples.numeric["advantage"][index]))

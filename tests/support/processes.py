@@ -84,6 +84,22 @@ def wait_for(what: str, condition, timeout: float = COMMAND_DEADLINE_SECONDS):
     pytest.fail(f"timed out waiting for {what}")
 
 
+def signal_when(
+    process: subprocess.Popen, what: str, condition, signum: int, timeout: float = 60, wait: float = 90
+) -> tuple[str, str]:
+    """Once `condition` holds (waited for up to `wait` s), send `process` `signum` and return
+    what it printed until it exited (within `timeout` s); a process still running after
+    that is killed, and the test fails."""
+    try:
+        wait_for(what, condition, wait)
+        process.send_signal(signum)
+        return process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def rlship(
     *args: str, env: dict[str, str] | None = None, timeout: float = COMMAND_DEADLINE_SECONDS
 ) -> subprocess.CompletedProcess:

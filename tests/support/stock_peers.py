@@ -18,7 +18,8 @@ the test double of that behaviour, run as real processes (killable) by the tests
   announces every version it held back, in order.
 
 Each received step is appended to the `--record` file as one JSON line: the peer's own
-step count, the topic and its step (ZMQ), the sha256 of the raw payload, its size and the
+step count, the topic and its step (ZMQ), the sha256 of the raw payload and its XXH3-128 (as
+rlship's checksums are made: `rlship chaos` compares them with the run's), its size and the
 number of micro-batches msgspec decoded from it (a payload that does not decode stops the
 peer with an error).
 
@@ -53,6 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import xxhash
 
 from orchestrator.commands.bench.encode import WireMicroBatch
 from tests.support import prime_0f59b24
@@ -180,6 +182,7 @@ def run(args: argparse.Namespace) -> None:
                 "topic": topic.decode(errors="replace"),
                 "topic_step": int(parts[2]) if len(parts) >= 3 and parts[2].isdigit() else None,
                 "sha256": hashlib.sha256(payload).hexdigest(),
+                "xxh3_128": xxhash.xxh3_128(payload).hexdigest(),
                 "bytes": len(payload),
                 "micro_batches": len(decoded),
             }

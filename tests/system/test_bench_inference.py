@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from orchestrator.commands.cli import main
@@ -164,6 +165,7 @@ INFERENCE_KEYS = {
     "ttft_p99_ms",
     "ttft_p99_inflation",
     "lag_ms",
+    "baseline_lag_ms",
     "baseline_heartbeat_ms",
     "trainer_idle_seconds",
     "requests_completed",
@@ -173,14 +175,36 @@ BASELINE_SECONDS = 2.0
 
 
 @pytest.fixture(scope="module")
-def report(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def bench_dir(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bench's directory: its report `loop.json`, each placement's raw `logs/*/result.json`."""
     out = tmp_path_factory.mktemp("bench-inference") / "loop.json"
     argv = ["--rollouts", "32", "--seq-len", "512", "--ranks", "2", "--steps", "2", "--warmup-steps", "0"]
     argv += ["--timeout", "90", "--inference-concurrency", "64", "--inference-token-ms", "1"]
     argv += ["--inference-chunk-tokens", "32", "--inference-warmup-seconds", "1"]
     argv += ["--inference-baseline-seconds", str(BASELINE_SECONDS)]
     assert main(["bench", "loop", "--json", str(out), *argv]) == 0
-    return json.loads(out.read_text())
+    return out.parent
+
+
+@pytest.fixture(scope="module")
+def report(bench_dir: Path) -> dict[str, Any]:
+    return json.loads((bench_dir / "loop.json").read_text())
+
+
+def test_every_placement_probes_the_loops_lag_through_the_baseline(
+    bench_dir: Path, report: dict[str, Any]
+) -> None:
+    """The loop's lag with the load alone, beside the ship windows': a 10 ms probe through the
+    baseline (each observation a 10 ms sleep and its lag), its p99 and max in the report."""
+    for name, placement in report["placements"].items():
+        load = placement["inference"]
+        raw = json.loads((bench_dir / "logs" / name / "result.json").read_text())["inference"]
+        lag_alone = raw["baseline_lag_ms"]
+        probed = len(lag_alone) * 0.01 + sum(lag_alone) / 1000  # the seconds the probe's sleeps took
+        assert BASELINE_SECONDS / 2 <= probed <= load["baseline"]["seconds"] + 0.05, name
+        assert len(lag_alone) <= load["baseline"]["seconds"] / 0.01 + 1, name
+        assert load["baseline_lag_ms"]["max"] == max(lag_alone), name
+        assert load["baseline_lag_ms"]["p99"] == pytest.approx(float(np.percentile(lag_alone, 99))), name
 
 
 def test_every_placement_reports_its_inference_figures(report: dict[str, Any]) -> None:

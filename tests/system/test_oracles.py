@@ -1,12 +1,11 @@
 """What a trainer receives, checked against what went in, by oracles that share no code
 with the ship path: the payload bytes a trainer got are decoded with plain
-`msgpack.unpackb` and hashed with `hashlib`; the expected fields, advantages, batches and
+`msgpack.unpackb` and hashed with xxHash's streaming state; the expected fields, advantages, batches and
 accounting are computed here from the rollouts this test wrote itself."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ import pytest
 
 from orchestrator.producer import RolloutProducer
 from orchestrator.records import RolloutRecord
+from tests.support.checksums import streamed_xxh3_128
 from tests.support.shiprun import open_policy_gate, run_orchestrator, ship, ship_settings
 from tests.support.wire_trainer import WireTrainer
 from transport.filesystem import payload_path
@@ -237,16 +237,13 @@ def test_what_a_trainer_decodes_is_what_the_rollouts_said(
         # The trainer ranks' own checksums, against the bytes they read.
         for rank in range(RANKS):
             acknowledged = {int(s): c.decode() for s, c in client.hgetall(keys.received(rank)).items()}
-            assert acknowledged == {
-                step: hashlib.sha256(received[(step, rank)]).hexdigest()[:32] for step in range(STEPS)
-            }
+            assert acknowledged == {step: streamed_xxh3_128(received[(step, rank)]) for step in range(STEPS)}
     PayloadStore(client, run_id).delete_all_rollouts()
 
-    # The checksum every summary and test relies on is SHA-256 of the bytes the trainer got.
+    # The checksum every summary and test relies on is XXH3-128 of the bytes the trainer got.
     reported = {k.decode(): v.decode() for k, v in client.hgetall(RunKeys(run_id).sent_checksums).items()}
     assert reported == {
-        f"{step}:{rank}": hashlib.sha256(payload).hexdigest()[:32]
-        for (step, rank), payload in received.items()
+        f"{step}:{rank}": streamed_xxh3_128(payload) for (step, rank), payload in received.items()
     }
     check_delivery(received, sent)
     check_accounting(client, run_id, sent)

@@ -5,7 +5,6 @@ inline routed experts (prime-rl 559b447) ships every step whole with no payload 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -13,6 +12,7 @@ import threading
 import uuid
 
 import pytest
+import xxhash
 
 from tests.support.processes import rlship, session_queue
 from transport.arrays_blob import PayloadCorruptError
@@ -27,7 +27,7 @@ def test_a_payload_reads_through_its_pointer_and_goes_with_its_step(client, run_
     store = PayloadStore(client, run_id)
     directory = payload_directory(tmp_path, run_id)
     payload = b"\x91\x90" + os.urandom(100_000)
-    checksum = hashlib.sha256(payload).hexdigest()[:32]
+    checksum = xxhash.xxh3_128(payload).hexdigest()
     store.put_payload(3, 1, payload, directory, checksum)
     stored = client.get(store.keys.payload(3, 1))
     assert len(stored) < 300 and payload not in stored, "Redis holds a pointer, not the bytes"

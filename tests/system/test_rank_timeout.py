@@ -29,13 +29,15 @@ BOUND_SECONDS = 30.0  # what the test asserts: the goal with room for a loaded m
 def test_a_killed_rank_stops_the_run_naming_it(client, redis_url, tmp_path, transport):
     run_id = f"ranks-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "REDIS_URL": redis_url}
+    # The ranks are given the run's steps too: a rank stops after its `steps` (5 by default),
+    # and one stopped before the kill would leave two silent ranks, either of them named.
     common = [
-        "--run-id", run_id, "--zmq-port", str(free_port_pair()), "--trainers", "external",
+        "--run-id", run_id, "--steps", "200", "--zmq-port", str(free_port_pair()), "--trainers", "external",
         "--transport", transport, "--external-ranks", "rlship", "--policy-source", "redis",
         "--output-dir", str(tmp_path),
     ]  # fmt: skip
     run = subprocess.Popen(
-        [*python_command(), "run", "--steps", "200", "--batch-size", "16", "--group-size", "4",
+        [*python_command(), "run", "--batch-size", "16", "--group-size", "4",
          "--seq-len", "512", "--rank-timeout", str(RANK_TIMEOUT), *common],
         env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
@@ -62,9 +64,10 @@ def test_a_killed_rank_stops_the_run_naming_it(client, redis_url, tmp_path, tran
             [*python_command(), "status", run_id],
             env=env, cwd=REPO, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
-        # Evidence should another rank be named (seen once in CI over files): each rank's
-        # state and the payload files the run wrote.
-        evidence = [f"rank {r}: exit {p.poll()}" for r, p in enumerate(ranks)]
+        # Evidence should another rank be named: each rank's state and the payload files
+        # the run wrote.
+        exits = [rank.poll() for rank in ranks]
+        evidence = [f"rank {r}: exit {code}" for r, code in enumerate(exits)]
         evidence += sorted(str(f.relative_to(tmp_path)) for f in tmp_path.glob("rollouts/step_*/*.bin"))
     finally:
         for process in (run, *ranks):
@@ -75,10 +78,14 @@ def test_a_killed_rank_stops_the_run_naming_it(client, redis_url, tmp_path, tran
         f"from the kill of rank 1: the orchestrator stopped after {stopped_after:.1f} s (goal "
         f"{GOAL_SECONDS:g} s), rlship run ended after {seconds:.1f} s"
     )
+    # Evidence should another rank be named, whole (an assertion's message is cut short):
+    # shown with the failure as the test's output.
+    print("evidence:", *evidence, "status:", status.stdout, "run's output:", stdout[-6000:], sep="\n")
+    assert exits[0] is None, evidence  # only the killed rank is silent
     assert run.returncode == 1, stdout[-3000:]
     stopped = next(line for line in stdout.splitlines() if line.startswith("  stopped: "))
     assert "the orchestrator exited with 1: run" in stopped, stopped
-    assert f"trainer rank 1 silent for {RANK_TIMEOUT:.0f} s" in stopped, (stopped, evidence)
+    assert f"trainer rank 1 silent for {RANK_TIMEOUT:.0f} s" in stopped
     assert "last step decoded " in stopped and "last seen at " in stopped, stopped
     assert "last step decoded none" not in stopped, stopped
     assert "Traceback" not in stdout

@@ -49,10 +49,10 @@ def test_each_role_is_refused_another_runs_keys_and_commands_outside_its_list(se
 
 
 def test_the_span_list_is_pushed_by_workers_and_relayed_by_the_orchestrator_as_their_users(server) -> None:
-    """Tracing's span list (docs/observability.md, Where the spans go): a worker pushes past
-    the cap (the script trims and counts), the orchestrator pops, gives a batch back and
-    counts a refused one, each as its role's user."""
-    from tasks.tracing import SPANS_HELD_MAX, count_dropped_spans, hold_spans
+    """Tracing's span list (docs/observability.md, Where the spans go): a worker's spans ride
+    on a task's first read and are pushed past the cap (the script trims and counts), the
+    orchestrator pops, gives a batch back and counts a refused one, each as its role's user."""
+    from tasks.tracing import SPANS_HELD_MAX, count_dropped_spans, dropped_spans, hold_spans, queue_spans
 
     address, admin = server
     run_id = f"spans-{uuid.uuid4().hex[:6]}"
@@ -64,9 +64,13 @@ def test_the_span_list_is_pushed_by_workers_and_relayed_by_the_orchestrator_as_t
         return redis.Redis.from_url(f"redis://{name}:{password}@{address}/0")
 
     worker, orchestrator, keys = user("worker"), user("orchestrator"), RunKeys(run_id)
-    assert hold_spans(worker, run_id, [b"%d" % n for n in range(SPANS_HELD_MAX + 1)]) == 1
+    first_read = worker.pipeline(transaction=False)
+    first_read.hexists(keys.published, 0)
+    at = queue_spans(first_read, run_id, [b"ridden"])
+    assert dropped_spans(worker, run_id, first_read.execute()[at]) == 0
+    assert hold_spans(worker, run_id, [b"%d" % n for n in range(SPANS_HELD_MAX)]) == 1
     batch = orchestrator.lpop(keys.spans, 2)
-    assert batch == [b"1", b"2"]
+    assert batch == [b"0", b"1"]
     assert hold_spans(orchestrator, run_id, batch, oldest=True) == 0
     count_dropped_spans(orchestrator, run_id, 2)
     assert orchestrator.llen(keys.spans) == SPANS_HELD_MAX and int(orchestrator.get(keys.spans_dropped)) == 3

@@ -129,7 +129,7 @@ def test_five_primary_kills_lose_nothing(transport, run_id, tmp_path):
                     received
                 )
                 for step, entry in zip(received, got, strict=True):
-                    assert entry["sha256"][:32] == encoded[f"{step}:{rank}"], (
+                    assert entry["xxh3_128"] == encoded[f"{step}:{rank}"], (
                         f"rank {rank} step {step} as encoded"
                     )
             lines = metrics_lines(settings)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import stat
 import subprocess
 import threading
@@ -18,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.processes import refused, require, rlship, session_queue
+from tests.support.factories import payload
+from tests.support.processes import REPO, python_command, refused, require, rlship, session_queue, signal_when
 from transport.filesystem import FileReceiver, FileSender
 from transport.keys import RunKeys
 from transport.run_files import RefusedFile
@@ -88,6 +90,35 @@ def test_a_world_writable_rank_file_is_refused_by_the_receiver(redis_url, run_id
     assert "world-writable (mode 0666)" in refused(done, str(path))
     path.chmod(0o600)
     assert receiver.receive(timeout=1).payload == b"step 0"
+
+
+def test_a_trainer_rank_says_why_it_stops(client, redis_url, run_id, tmp_path):
+    """A rank stops without an error when it has its steps, waited its idle timeout or is sent
+    SIGTERM: its log says which (a rank given fewer steps than its run's would otherwise leave
+    silently)."""
+    sender = FileSender(tmp_path, run_id=run_id)
+    for step in (0, 1):
+        sender.send(step, 0, payload(step))
+    env = {"REDIS_URL": redis_url}
+    common = ["trainer", "--rank", "0", "--run-id", run_id, "--transport", "fs"]
+    common += ["--output-dir", str(tmp_path)]
+    done = rlship(*common, "--steps", "2", env=env)
+    assert done.returncode == 0, done.stderr
+    assert "rank 0 stops: the 2 steps it was given are received" in done.stderr + done.stdout
+    idle = rlship(*common, "--start-step", "2", "--steps", "2", "--idle-timeout", "1", env=env)
+    assert idle.returncode == 0, idle.stderr
+    assert "rank 0 stops: no step for 1 s (its idle timeout)" in idle.stderr + idle.stdout
+    # Waiting for a step that never comes, it is stopped by SIGTERM once its idle time is in
+    # Redis (its handler is set by then): it says so and exits 0.
+    waiting = subprocess.Popen(
+        python_command(*common, "--start-step", "2", "--steps", "2"),
+        env={**os.environ, **env}, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    client.delete(RunKeys(run_id).trainer_idle)
+    idle_noted = lambda: client.hexists(RunKeys(run_id).trainer_idle, "0")  # noqa: E731
+    stdout, stderr = signal_when(waiting, "the rank's idle time", idle_noted, signal.SIGTERM, timeout=10)
+    assert waiting.returncode == 0, stderr
+    assert "rank 0 stops: asked to (SIGTERM)" in stderr + stdout
 
 
 # --- a full disk --------------------------------------------------------------------------

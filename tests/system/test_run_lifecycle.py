@@ -19,7 +19,7 @@ import pytest
 from tasks.cohort import CohortBuilder
 from tasks.manifest import ShipConfig, StepManifest
 from tasks.ship import send
-from tests.support.processes import REPO, python_command, wait_for
+from tests.support.processes import REPO, python_command, signal_when, wait_for
 from tests.support.runs import forget_run, keys_without_expiry, processes_of, run_command
 from transport.zmq_sockets import free_port_pair
 
@@ -32,17 +32,12 @@ def test_a_run_stopped_by_sigterm_leaves_nothing_behind_and_resumes(client, redi
     port = free_port_pair()
     env = {**os.environ, "REDIS_URL": redis_url}
     published = f"rlship:{run_id}:published"
+    # Steps enough that the SIGTERM lands mid-run: 40 of them once shipped in 2.2 s, all before it.
     process = subprocess.Popen(
-        run_command(run_id, 40, tmp_path, port), env=env, cwd=REPO, stdout=subprocess.PIPE, text=True
+        run_command(run_id, 400, tmp_path, port), env=env, cwd=REPO, stdout=subprocess.PIPE, text=True
     )
-    try:
-        wait_for("two steps published", lambda: client.hlen(published) >= 2)
-        process.send_signal(signal.SIGTERM)
-        stdout, _ = process.communicate(timeout=60)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    two_published = lambda: client.hlen(published) >= 2  # noqa: E731
+    stdout, _ = signal_when(process, "two steps published", two_published, signal.SIGTERM)
     shipped = client.hlen(published)
     assert process.returncode == 1, stdout[-2000:]
     assert f"rlship run {run_id}: {shipped} steps shipped," in stdout, stdout[-2000:]

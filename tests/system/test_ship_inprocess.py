@@ -1,13 +1,12 @@
 """The ship-path tasks run in this process, one after another, against the real Redis and the
 filesystem transport: what each task stores, marks and enqueues, and what the trainer files
-hold, checked with plain msgpack, hashlib and hand-computed values. No Celery worker runs:
+hold, checked with plain msgpack, xxhash and hand-computed values. No Celery worker runs:
 successor messages land on this test's own queues, where the test reads them."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
-import hashlib
 import json
 import uuid
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ import msgpack
 import numpy as np
 import pytest
 import redis
+import xxhash
 
 from orchestrator.commands.processes import delete_queues
 from tasks import faults, ship
@@ -109,7 +109,7 @@ def test_one_step_through_every_task(
     checksums = client.hgetall(RunKeys(run_id).sent_checksums)
     for rank in range(RANKS):
         data = (Path(config.output_dir) / "rollouts" / "step_0" / f"rank_{rank}.bin").read_bytes()
-        assert checksums[f"0:{rank}".encode()].decode() == hashlib.sha256(data).hexdigest()[:32]
+        assert checksums[f"0:{rank}".encode()].decode() == xxhash.xxh3_128(data).hexdigest()
         for batch in msgpack.unpackb(data, raw=False):
             start = 0
             for length in batch[5]:

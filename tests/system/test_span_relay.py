@@ -1,6 +1,7 @@
 """The workers' spans wait in Redis until the orchestrator's relay gets them to the collector
 (docs/observability.md, Traces): real Redis, a real process that ends its tasks as a Celery
-pool process does (the task signals' handlers, its spans pushed at each task's end), a real
+pool process does (the task signals' handlers, each task's spans riding on the next one's first read, the last
+ones leaving at the process's exit), a real
 OTLP receiver (HTTP, and gRPC) that is down, then up on the same port. The oracle is what the docs say:
 nothing reaches a collector that is down, nothing is lost while it is, every span of every
 task arrives once it is up (under its own process's resource), whichever orchestrator is
@@ -14,10 +15,12 @@ import textwrap
 from collections import Counter
 
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from orchestrator.span_relay import SpanRelay
 from tasks.otlp_target import otlp_target
-from tasks.tracing import SPANS_HELD_MAX, hold_spans
+from tasks.task_spans import FLUSH_SECONDS
+from tasks.tracing import SPANS_HELD_MAX, dropped_spans, hold_spans, queue_spans
 from tests.support.otlp_receiver import OtlpGrpcReceiver, OtlpReceiver
 from tests.support.processes import REPO, free_port, wait_for
 from transport.keys import RunKeys
@@ -26,13 +29,14 @@ pytestmark = pytest.mark.timeout(120)
 
 TASKS = 12
 
-# A process running `TASKS` send tasks (each with its `rlship.zmq_send` span inside) through
-# the handlers a pool process's task signals call; prints its pid.
+# A process running `TASKS` send tasks (each with its first read, and its `rlship.zmq_send`
+# span inside) through the handlers a pool process's task signals call; prints its pid.
 TASK_PROCESS = textwrap.dedent(
     """
-    import os, sys
+    import os, sys, time
     from celery.app.task import Context
     from tasks import tracing
+    from tasks.context import StepContext
 
     run_id, tasks = sys.argv[1], int(sys.argv[2])
     tracing._worker_tracing = True  # as `connect_celery` sets it in a worker
@@ -44,20 +48,27 @@ TASK_PROCESS = textwrap.dedent(
     for index in range(tasks):
         task.request = Context(id=f"task-{index}", retries=0, delivery_info={}, hostname="relay@test")
         tracing._start(task_id=task.request.id, task=task, args=[run_id, index, 0])
+        StepContext(run_id, index, task).skip("send")  # its first read: the spans before it ride on it
         with tracing.span("rlship.zmq_send", **{"rlship.step": index, "rlship.rank": 0}):
             pass
         tracing._end(task_id=task.request.id, state="SUCCESS")
-    print(os.getpid())
+    if sys.argv[3] == "exit":
+        tracing._flush_at_exit()  # worker_process_shutdown
+    else:  # idle this long, then killed: only the flusher hands the last task's spans on
+        time.sleep(float(sys.argv[3]))
+    print(os.getpid(), flush=True)
+    os._exit(0)
     """
 )
 
 
-def run_tasks(redis_url: str, run_id: str, endpoint: str, **otel: str) -> int:
+def run_tasks(redis_url: str, run_id: str, endpoint: str, ending: str = "exit", **otel: str) -> int:
     """Run the tasks in a process of their own (pointed at `endpoint`, with `otel`'s other
-    variables); its pid. A handler that raises fails the process."""
+    variables), ending as a worker's pool process does (`exit`) or killed after that many
+    seconds idle; its pid. A handler that raises fails the process."""
     env = {"PYTHONPATH": str(REPO), "REDIS_URL": redis_url, "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, **otel}
     done = subprocess.run(
-        [sys.executable, "-c", TASK_PROCESS, run_id, str(TASKS)],
+        [sys.executable, "-c", TASK_PROCESS, run_id, str(TASKS), ending],
         env=env,
         cwd=REPO,
         capture_output=True,
@@ -95,7 +106,8 @@ def test_spans_wait_in_redis_while_the_collector_is_down_and_reach_it_once_it_is
     endpoint = f"http://127.0.0.1:{port}"
     key = RunKeys(run_id).spans
     pid = run_tasks(redis_url, run_id, endpoint)
-    # Pushed at each task's end: in Redis, the process gone, no orchestrator relaying yet.
+    # Each task's spans on the next one's first read, the last ones at the process's exit: in
+    # Redis, the process gone, no orchestrator relaying yet.
     assert client.llen(key) == TASKS
     assert 0 < client.ttl(key) <= 24 * 3600
 
@@ -165,6 +177,15 @@ def test_what_an_orchestrator_could_not_relay_the_next_one_sends_before_it_exits
         receiver.stop()
 
 
+def test_a_pool_process_idle_after_its_last_task_hands_its_spans_on_before_it_is_killed(
+    client, redis_url, run_id
+):
+    """No next task's first read for them to ride on: the flusher pushes the last task's
+    spans within `FLUSH_SECONDS`, so a process killed while idle loses none."""
+    run_tasks(redis_url, run_id, f"http://127.0.0.1:{free_port()}", ending=str(4 * FLUSH_SECONDS))
+    assert client.llen(RunKeys(run_id).spans) == TASKS
+
+
 def test_past_the_cap_the_oldest_entries_go_and_are_counted(client, run_id):
     keys = RunKeys(run_id)
     entries = [f"entry-{index}".encode() for index in range(SPANS_HELD_MAX + 4)]
@@ -177,6 +198,14 @@ def test_past_the_cap_the_oldest_entries_go_and_are_counted(client, run_id):
     assert hold_spans(client, run_id, [b"given-back-0", b"given-back-1"], oldest=True) == 2
     assert client.lrange(keys.spans, 0, 1) == [b"entry-4", b"entry-5"]
     assert int(client.get(keys.spans_dropped)) == 6
+    # Spans riding on a task's first read are trimmed the same way, and counted.
+    first_read = client.pipeline(transaction=False)
+    first_read.exists(keys.alive)
+    at = queue_spans(first_read, run_id, [b"ridden-0", b"ridden-1", b"ridden-2"])
+    assert dropped_spans(client, run_id, first_read.execute()[at]) == 3
+    assert client.llen(keys.spans) == SPANS_HELD_MAX and client.lindex(keys.spans, -1) == b"ridden-2"
+    assert client.lindex(keys.spans, 0) == b"entry-7"
+    assert int(client.get(keys.spans_dropped)) == 9
     assert 0 < client.ttl(keys.spans_dropped) <= 24 * 3600
 
 
@@ -186,3 +215,40 @@ def test_tasks_of_traces_not_sampled_end_quietly_and_push_nothing(client, redis_
     and nothing reaches the run's span list."""
     run_tasks(redis_url, run_id, f"http://127.0.0.1:{free_port()}", OTEL_TRACES_SAMPLER="always_off")
     assert client.llen(RunKeys(run_id).spans) == 0
+
+
+def test_spans_ride_on_a_first_read_and_wait_for_the_next_when_it_fails(client, run_id):
+    """What a pool process ended since its last hand-off goes on the pipeline of a stage
+    task's first read, as one entry of the run's list; a first read that fails leaves them
+    held, and the next takes them along with what ended since."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from tasks.task_spans import TaskSpans
+
+    spans, keys = TaskSpans(Resource.create({}), TracerProvider().sampler), RunKeys(run_id)
+
+    def task(name: str) -> None:
+        span, token = spans.start(name, {"rlship.run_id": run_id}, parent=None)
+        spans.end(span, token)
+
+    def first_read(fails: bool = False) -> None:
+        pipe = client.pipeline(transaction=False)
+        pipe.exists(keys.alive)
+        riding = spans.ride(pipe, run_id)
+        if fails:
+            riding.failed()
+        else:
+            riding.landed(pipe.execute())
+
+    task("rlship.finalize")
+    first_read(fails=True)
+    task("rlship.metrics")
+    first_read()
+    assert spans.ride(client.pipeline(), run_id) is None  # nothing left to hand on
+    (entry,) = client.lrange(keys.spans, 0, -1)
+    request = ExportTraceServiceRequest.FromString(entry)
+    assert [s.name for s in request.resource_spans[0].scope_spans[0].spans] == [
+        "rlship.finalize",
+        "rlship.metrics",
+    ]

@@ -175,7 +175,7 @@ def test_ship_worker_killed_five_times_stock_ranks_get_every_step_once(
                 assert [t for i, t in enumerate(topics) if i == 0 or topics[i - 1] != t] == steps, topics
             for entry in got:
                 step = entry["step"] if transport == "fs" else entry["topic_step"]
-                assert entry["sha256"][:32] == encoded[f"{step}:{rank}"], "byte for byte"
+                assert entry["xxh3_128"] == encoded[f"{step}:{rank}"], "byte for byte"
         assert [int(r["step"]) for r in metrics_lines(settings)] == steps, "records numbered alike"
         if transport == "fs":
             assert step_dirs(tmp_path) == steps

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import psutil
 import pytest
 
-from tests.support.processes import REPO, python_command, wait_for
+from tests.support.processes import REPO, python_command, signal_when, wait_for
 from tests.support.runs import forget_run, keys_without_expiry, own_queue_traces, processes_of, run_command
 from transport.zmq_sockets import free_port_pair
 
@@ -172,14 +172,8 @@ def test_rlship_produce_stopped_by_ctrl_c_says_one_line_and_leaves_every_key_exp
         env={**os.environ, "REDIS_URL": redis_url}, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip
-    try:
-        wait_for("rollouts written", lambda: int(client.get(f"rlship:{run_id}:produced") or 0) >= 8)
-        produce.send_signal(signal.SIGINT)
-        stdout, stderr = produce.communicate(timeout=30)
-    finally:
-        if produce.poll() is None:
-            produce.kill()
-            produce.wait()
+    written = lambda: int(client.get(f"rlship:{run_id}:produced") or 0) >= 8  # noqa: E731
+    stdout, stderr = signal_when(produce, "rollouts written", written, signal.SIGINT, timeout=30)
     assert produce.returncode == 130
     assert "Traceback" not in stdout + stderr, stderr
     assert stderr.splitlines()[-1] == "rlship produce: interrupted", stderr

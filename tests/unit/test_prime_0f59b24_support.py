@@ -36,6 +36,7 @@ from tests.support.stock_peers import (
     start_stock_peer,
     stock_peer_command,
 )
+from transport.checksum import payload_checksum
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -338,7 +339,10 @@ def test_the_peer_records_the_rows_it_reads(tmp_path: Path):
     first, second = read_record(record)
     assert first["rows"] == expected and second["rows"] == {}
     assert first["sha256"] == hashlib.sha256(data).hexdigest() and first["micro_batches"] == 3
-    assert set(first) == {"rank", "step", "topic", "topic_step", "sha256", "bytes", "micro_batches", "rows"}
+    assert first["xxh3_128"] == payload_checksum(data)
+    assert set(first) == {
+        "rank", "step", "topic", "topic_step", "sha256", "xxh3_128", "bytes", "micro_batches", "rows"
+    }  # fmt: skip
     json.dumps(first)  # the line as written
 
 

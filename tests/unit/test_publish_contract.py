@@ -1,15 +1,15 @@
 """The publish stage's record and its balance check, against sums done by hand, and the
-payload checksum against a direct hashlib computation."""
+payload checksum against xxHash's streaming state (`tests.support.checksums`)."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 
 import pytest
 
 from tasks.publish import _stage_seconds
 from tasks.stages.publish import build_record, conservation_error, running_totals
+from tests.support.checksums import streamed_xxh3_128
 from transport.checksum import payload_checksum
 
 BALANCED = {
@@ -133,16 +133,25 @@ def test_build_record_flags_and_logs_an_unbalanced_record(
     )
 
 
-@pytest.mark.parametrize("size", [0, 1, 16, 17, 1000, 1 << 20])
-def test_checksum_is_sha256_of_the_whole_payload(size: int) -> None:
+# XXH3-128 of no bytes, as the xxHash project publishes it (`xxhsum -H2` of an empty file).
+EMPTY_XXH128 = "99aa06d3014798d86001c324468d497f"
+
+
+def test_checksum_of_nothing_is_xxh3_128s_published_value() -> None:
+    assert payload_checksum(b"") == EMPTY_XXH128
+
+
+# Sizes across XXH3's code paths: 1-3, 4-8, 9-16, 17-128, 129-240 bytes, stripes, blocks.
+@pytest.mark.parametrize("size", [1, 3, 8, 16, 17, 128, 240, 241, 1024, 1 << 20])
+def test_checksum_is_xxh3_128_of_the_whole_payload(size: int) -> None:
     payload = bytes((i * 7 + 3) % 256 for i in range(size))
-    expected = hashlib.sha256(payload).hexdigest()[:32]
+    expected = streamed_xxh3_128(payload)
+    assert len(expected) == 32
     assert payload_checksum(payload) == expected
     assert payload_checksum(bytearray(payload)) == expected
     assert payload_checksum(memoryview(payload)) == expected
-    if size:
-        changed_last = payload[:-1] + bytes([payload[-1] ^ 1])
-        assert payload_checksum(changed_last) != expected, "every byte counts, the last one too"
+    changed_last = payload[:-1] + bytes([payload[-1] ^ 1])
+    assert payload_checksum(changed_last) != expected, "every byte counts, the last one too"
 
 
 def test_stage_seconds_take_the_slowest_rank() -> None:

@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from orchestrator.lag_probe import LagProbe
 from orchestrator.records import RolloutRecord
 from orchestrator.rollout_checks import check_rollouts
 
@@ -63,6 +64,7 @@ class InferenceLoad:
         self.tokens = array("q")
         self.token_bins = array("q")
         self.baseline: tuple[float, float] | None = None
+        self.baseline_lag_ms = np.zeros(0)  # the loop's lag in the baseline, each 10 ms probe's
         self.rollouts: deque[Rollout] = deque(maxlen=spec.rollouts_kept)
         self._group: list[Rollout] = []
         self._task: asyncio.Task[None] | None = None
@@ -82,12 +84,20 @@ class InferenceLoad:
             await self.request(session)
 
     async def measure_baseline(self) -> None:
-        """The phase without shipping: after the warm-up, `baseline_seconds` of the load alone."""
+        """The phase without shipping: after the warm-up, `baseline_seconds` of the load alone,
+        with the loop's lag probed as the ship windows' is (what the load alone does to it)."""
         loop = asyncio.get_running_loop()
         await self.while_running(asyncio.sleep(self.spec.warmup_seconds))
         began = loop.time() - self.origin
-        await self.while_running(asyncio.sleep(self.spec.baseline_seconds))
+        probe = LagProbe()
+        probing = asyncio.create_task(probe.run())
+        try:
+            await self.while_running(asyncio.sleep(self.spec.baseline_seconds))
+        finally:
+            probing.cancel()
+            await asyncio.gather(probing, return_exceptions=True)
         self.baseline = (began, loop.time() - self.origin)
+        self.baseline_lag_ms = probe.take_window()
 
     async def while_running(self, awaitable: Any) -> None:
         """Await `awaitable` (the shipping, say) beside the load; if the load fails meanwhile,
@@ -194,6 +204,7 @@ class InferenceLoad:
         return {
             "spec": self.spec.to_json(),
             "baseline": list(self.baseline) if self.baseline else None,
+            "baseline_lag_ms": self.baseline_lag_ms.round(3).tolist(),
             "started": list(self.started),
             "first_token": list(self.first_token),
             "ended": list(self.ended),

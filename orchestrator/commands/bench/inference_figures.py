@@ -102,7 +102,7 @@ def print_inference_table(placements: dict[str, dict[str, Any]]) -> None:
     print(
         f"\n  inference, C={next(iter(loads.values()))['concurrency']}: req/s alone -> shipping (kept; tokens"
         " kept; kept over the shipping period) | latency p50 / p99 ms alone -> shipping | TTFT p99 ms"
-        " alone -> shipping | lag p99 / max ms (heartbeat max alone) | trainer idle s median"
+        " alone -> shipping | lag p99 / max ms alone -> shipping | trainer idle s median"
         " | mock server CPU ms a step"
     )
     for name, load in loads.items():
@@ -116,8 +116,8 @@ def print_inference_table(placements: dict[str, dict[str, Any]]) -> None:
             f"{alone['latency_ms']['p50']:.0f} / {alone['latency_ms']['p99']:.0f} -> "
             f"{shipping['latency_ms']['p50']:.0f} / {shipping['latency_ms']['p99']:.0f} | "
             f"{alone['ttft_ms']['p99']:.0f} -> {shipping['ttft_ms']['p99']:.0f} | "
-            f"{load['lag_ms']['p99']:.1f} / {load['lag_ms']['max']:.1f} "
-            f"({load['baseline_heartbeat_ms']['max']:.1f}) | "
+            f"{load['baseline_lag_ms']['p99']:.1f} / {load['baseline_lag_ms']['max']:.1f} -> "
+            f"{load['lag_ms']['p99']:.1f} / {load['lag_ms']['max']:.1f} | "
             f"{statistics.median(idle) if idle else float('nan'):.2f} | "
             f"{1000 * placements[name]['cpu_seconds_per_step'].get('inference-server', 0.0):.0f}"
         )

@@ -76,6 +76,7 @@ from orchestrator.commands.bench.placements import (
     step_batches,
 )
 from orchestrator.commands.bench.plot import plot_lag
+from orchestrator.commands.bench.printout import print_report, summary_line
 from orchestrator.commands.bench.summary import (
     curve_cost,
     durability_cost,
@@ -83,9 +84,7 @@ from orchestrator.commands.bench.summary import (
     moe_goals,
     moe_ratios,
     pool_rounds,
-    print_report,
     summarize,
-    summary_line,
     tracing_cost,
 )
 from orchestrator.commands.processes import redis_answers

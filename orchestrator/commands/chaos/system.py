@@ -156,7 +156,11 @@ def run_system(
                     f"{settings.run_id}: the orchestrator exited with {code}{cause}; its logs are kept "
                     f"in {group.log_dir}"
                 )
-            for name in (*WORKERS, "orchestrator"):  # as a supervisor would
+            # Restarted as a supervisor would: the orchestrator from this poll's code only (a
+            # second poll could see the clean exit it has just made, and start a finished run).
+            if code == -signal.SIGKILL:
+                group.restart("orchestrator")
+            for name in WORKERS:
                 if group.processes[name].poll() is not None:
                     group.restart(name)
             now = time.monotonic()
@@ -249,7 +253,7 @@ def observe_stock(settings: RunSettings, client: redis.Redis) -> dict[str, Any]:
         path = stock_record(settings, rank)
         got = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
         ranks[str(rank)] = {
-            "checksums": {str(r["topic_step"]): r["sha256"][:32] for r in got},
+            "checksums": {str(r["topic_step"]): r["xxh3_128"] for r in got},
             "deliveries": {str(s): n for s, n in Counter(r["topic_step"] for r in got).items()},
             "order": [r["topic_step"] for r in got],
             # What a stock rank read by handle: a digest of its steps' rows by trace id.

@@ -1,0 +1,45 @@
+"""The orchestrator's SIGTERM is never lost: it stops the run's task from the event loop, so
+a signal that arrives while a finalizer runs stops the run all the same (raised from the
+handler, as it once was, the interrupt died in the finalizer and the run went on)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+from tests.support.processes import REPO, signal_when
+
+# Nearly all of the loop's time is spent in a finalizer, where a signal then lands.
+SCRIPT = """
+import asyncio, sys, time
+from orchestrator.commands.orchestrate import interrupted_by_sigterm
+
+class SlowToFinalize:
+    def __del__(self):
+        deadline = time.monotonic() + 0.05
+        while time.monotonic() < deadline:
+            pass
+
+async def work():
+    print("ready", flush=True)
+    while True:
+        SlowToFinalize()
+        await asyncio.sleep(0)
+
+try:
+    asyncio.run(interrupted_by_sigterm(work()))
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(130)
+"""
+
+
+def test_a_sigterm_landing_in_a_finalizer_still_stops_the_orchestrator():
+    process = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert process.stdout is not None
+    ready = lambda: process.stdout.readline() == "ready\n"  # noqa: E731
+    stdout, stderr = signal_when(process, "the loop running", ready, signal.SIGTERM, timeout=10)
+    assert (process.returncode, stdout, stderr) == (130, "interrupted\n", "")
