@@ -15,7 +15,6 @@ it, so the lease renews them all every `RENEW_SECONDS` (`AsyncPayloadStore.expir
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -26,6 +25,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from orchestrator.errors import CannotShip, LeaseLost, RunStateLost
+from orchestrator.waits import event_set_within
 from transport.keys import DEFAULT_TTL_SECONDS, RunKeys
 from transport.port_claims import claim_call, claim_holder, release_call
 from transport.store import AsyncPayloadStore
@@ -99,8 +99,7 @@ class Lease:
             if time.monotonic() - renewed >= RENEW_SECONDS:
                 await self.store.expire_run()
                 renewed = time.monotonic()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stopping.wait(), LEASE_SECONDS / 5)
+            await event_set_within(self.stopping, LEASE_SECONDS / 5)
         await self.client.delete(self.keys.orchestrator_lease)
         if self.ports is not None:
             await self.client.eval(*release_call(self.run_id, *self.ports))

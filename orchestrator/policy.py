@@ -12,7 +12,6 @@ a thread: a slow or network filesystem must not stall the event loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import os
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from orchestrator.settings import RunSettings
+from orchestrator.waits import event_set_within
 from transport.keys import DEFAULT_TTL_SECONDS, RunKeys
 
 NO_VERSION = -1  # nothing announced yet: below every version a step can wait for
@@ -97,10 +97,8 @@ class PolicyVersion:
         """Until `stopping`: read the source every POLL_SECONDS."""
         while not stopping.is_set():
             await self.update()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stopping.wait(), POLL_SECONDS)
+            await event_set_within(stopping, POLL_SECONDS)
 
     async def moved(self, timeout: float) -> None:
         """Until the version moves, or `timeout` seconds."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._moved.wait(), timeout)
+        await event_set_within(self._moved, timeout)

@@ -13,7 +13,6 @@ a rank idle while the run needed nothing of it is not late.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 
@@ -22,6 +21,7 @@ import redis.asyncio as aioredis
 from orchestrator.errors import RankSilent
 from orchestrator.gate import PolicyGate
 from orchestrator.settings import RunSettings
+from orchestrator.waits import event_set_within
 from transport.keys import RunKeys
 from transport.rank_contact import RankContact
 
@@ -56,8 +56,7 @@ class RankWatch:
         heard: dict[int, tuple[RankContact, float]] = {}  # rank -> its contact, seen since
         waiting_since: dict[int, float] = {}
         while not self.stopping.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stopping.wait(), WATCH_SECONDS)
+            await event_set_within(self.stopping, WATCH_SECONDS)
             raw, waits = await self._read()
             now = time.monotonic()
             for contact in RankContact.read(raw, self.settings.ranks):

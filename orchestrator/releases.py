@@ -17,7 +17,6 @@ its payloads then.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -28,6 +27,7 @@ from orchestrator.gate import POLL_SECONDS
 from orchestrator.policy import PolicyVersion
 from orchestrator.publisher import Publisher
 from orchestrator.settings import RunSettings
+from orchestrator.waits import event_set_within
 from tasks.ship import release
 from transport.numbering import version_after
 from transport.store import AsyncPayloadStore
@@ -108,8 +108,7 @@ class Releases:
                     self.settings.ranks, step, evict_through=-1, rows=self.rows, directory=self.directory
                 )
                 continue
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._superseded.wait(), FOLLOW_SECONDS)
+            await event_set_within(self._superseded, FOLLOW_SECONDS)
 
     async def drain(self) -> None:
         """Wait for the pending release, and end the follow of the step before it."""

@@ -8,7 +8,6 @@ step's first task again skips what is done and redoes only what is missing.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from orchestrator.diagnosis import DIAGNOSE_SECONDS, RedisOutOfMemory, stall_rea
 from orchestrator.errors import CannotShip
 from orchestrator.publisher import Publisher
 from orchestrator.settings import RunSettings
+from orchestrator.waits import event_set_within
 from tasks.ship import finalize
 from tasks.stages.finalize import StepVerdict
 from transport.connection import connect_redis
@@ -81,8 +81,7 @@ class StallWatchdog:
         progress: dict[int, StepProgress] = {}
         await self.client.unlink(self.keys.ship_fatal)  # an earlier start's: this one tries again
         while not self.stopping.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stopping.wait(), STALL_CHECK_SECONDS)
+            await event_set_within(self.stopping, STALL_CHECK_SECONDS)
             steps = self.in_flight()
             pipe = self.client.pipeline(transaction=False)
             pipe.get(self.keys.ship_fatal)

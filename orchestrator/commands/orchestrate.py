@@ -30,6 +30,7 @@ from transport.connection import OUTAGE_SECONDS, connect_redis_async
 from transport.run_files import DiskFull, restrict
 
 T = TypeVar("T")
+CANCEL_AGAIN_SECONDS = 5.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,17 +50,22 @@ async def interrupted_by_sigterm(work: Coroutine[Any, Any, T]) -> T:
     """SIGTERM stops `work` as Ctrl-C does (one line, the run's keys kept): it cancels the
     task from the event loop and the cancellation ends as KeyboardInterrupt. Raised from a
     Python signal handler instead, the interrupt could land in a finalizer, where Python drops
-    it: one SIGTERM was lost that way and the run went on to its last step."""
+    it: one SIGTERM was lost that way and the run went on to its last step. The task is
+    cancelled again every `CANCEL_AGAIN_SECONDS` until it ends: a coroutine it passes through
+    can absorb a cancellation (`orchestrator.waits` says how one did), and a run told to stop
+    must not go on."""
     task = asyncio.current_task()
     assert task is not None
+    loop = asyncio.get_running_loop()
     terminated = False
+    again: asyncio.TimerHandle | None = None
 
     def cancel_on_sigterm() -> None:
-        nonlocal terminated
+        nonlocal terminated, again
         terminated = True
         task.cancel()
+        again = loop.call_later(CANCEL_AGAIN_SECONDS, cancel_on_sigterm)
 
-    loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, cancel_on_sigterm)
     try:
         return await work
@@ -69,6 +75,8 @@ async def interrupted_by_sigterm(work: Coroutine[Any, Any, T]) -> T:
         raise
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
+        if again is not None:
+            again.cancel()
 
 
 def main(args: argparse.Namespace) -> int:

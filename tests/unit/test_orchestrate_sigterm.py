@@ -43,3 +43,35 @@ def test_a_sigterm_landing_in_a_finalizer_still_stops_the_orchestrator():
     ready = lambda: process.stdout.readline() == "ready\n"  # noqa: E731
     stdout, stderr = signal_when(process, "the loop running", ready, signal.SIGTERM, timeout=10)
     assert (process.returncode, stdout, stderr) == (130, "interrupted\n", "")
+
+
+# A coroutine on the way absorbs the first cancellation, as `asyncio.wait_for` once did.
+ABSORBING = """
+import asyncio, sys
+from orchestrator.commands import orchestrate
+orchestrate.CANCEL_AGAIN_SECONDS = 0.2
+
+async def work():
+    print("ready", flush=True)
+    try:
+        await asyncio.sleep(60)
+    except asyncio.CancelledError:
+        print("absorbed", flush=True)
+    await asyncio.sleep(60)
+
+try:
+    asyncio.run(orchestrate.interrupted_by_sigterm(work()))
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(130)
+"""
+
+
+def test_a_sigterm_whose_cancellation_is_absorbed_still_stops_the_orchestrator():
+    process = subprocess.Popen(
+        [sys.executable, "-c", ABSORBING], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert process.stdout is not None
+    ready = lambda: process.stdout.readline() == "ready\n"  # noqa: E731
+    stdout, stderr = signal_when(process, "the loop running", ready, signal.SIGTERM, timeout=10)
+    assert (process.returncode, stdout, stderr) == (130, "absorbed\ninterrupted\n", "")
