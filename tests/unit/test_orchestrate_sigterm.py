@@ -35,14 +35,20 @@ except KeyboardInterrupt:
 """
 
 
-def test_a_sigterm_landing_in_a_finalizer_still_stops_the_orchestrator():
+def sigterm_once_ready(script: str) -> tuple[int, str, str]:
+    """Run `script`, SIGTERM it once it prints "ready": its exit code and what it printed
+    after (the test fails if it is still running 10 s later)."""
     process = subprocess.Popen(
-        [sys.executable, "-c", SCRIPT], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     assert process.stdout is not None
     ready = lambda: process.stdout.readline() == "ready\n"  # noqa: E731
     stdout, stderr = signal_when(process, "the loop running", ready, signal.SIGTERM, timeout=10)
-    assert (process.returncode, stdout, stderr) == (130, "interrupted\n", "")
+    return process.returncode, stdout, stderr
+
+
+def test_a_sigterm_landing_in_a_finalizer_still_stops_the_orchestrator():
+    assert sigterm_once_ready(SCRIPT) == (130, "interrupted\n", "")
 
 
 # A coroutine on the way absorbs the first cancellation, as `asyncio.wait_for` once did.
@@ -68,10 +74,4 @@ except KeyboardInterrupt:
 
 
 def test_a_sigterm_whose_cancellation_is_absorbed_still_stops_the_orchestrator():
-    process = subprocess.Popen(
-        [sys.executable, "-c", ABSORBING], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    assert process.stdout is not None
-    ready = lambda: process.stdout.readline() == "ready\n"  # noqa: E731
-    stdout, stderr = signal_when(process, "the loop running", ready, signal.SIGTERM, timeout=10)
-    assert (process.returncode, stdout, stderr) == (130, "absorbed\ninterrupted\n", "")
+    assert sigterm_once_ready(ABSORBING) == (130, "absorbed\ninterrupted\n", "")
