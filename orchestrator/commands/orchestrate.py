@@ -63,8 +63,11 @@ async def interrupted_by_sigterm(work: Coroutine[Any, Any, T]) -> T:
     def cancel_on_sigterm() -> None:
         nonlocal terminated, again
         terminated = True
-        task.cancel()
-        again = loop.call_later(CANCEL_AGAIN_SECONDS, cancel_on_sigterm)
+        if again is not None:
+            again.cancel()  # one repeat at a time, however many SIGTERMs come
+        if not task.done():
+            task.cancel()
+            again = loop.call_later(CANCEL_AGAIN_SECONDS, cancel_on_sigterm)
 
     loop.add_signal_handler(signal.SIGTERM, cancel_on_sigterm)
     try:
