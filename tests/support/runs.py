@@ -3,7 +3,11 @@ processes and queue traces a run leaves, and its keys without an expiry."""
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import psutil
+import pytest
 import redis
 
 from orchestrator.commands.processes import delete_queues
@@ -39,14 +43,36 @@ def run_command(run_id: str, steps: int, output_dir, port: int, own_queues: bool
     return python_command(*run_arguments(run_id, steps, output_dir, port, own_queues))
 
 
-def processes_of(run_id: str) -> list[str]:
-    """Processes naming the run in their command line or environment (the run's children)."""
-    found = []
+def _running_for(run_id: str) -> dict[psutil.Process, str]:
+    """Processes naming the run in their command line or environment (the run's children),
+    with their command lines."""
+    found = {}
     for process in psutil.process_iter(["cmdline", "environ"]):
         command = " ".join(process.info["cmdline"] or [])
         if run_id in command or (process.info["environ"] or {}).get("RLSHIP_RUN_ID") == run_id:
-            found.append(command)
+            found[process] = command
     return found
+
+
+def processes_of(run_id: str) -> list[str]:
+    """The command lines of the processes naming the run (the run's children)."""
+    return list(_running_for(run_id).values())
+
+
+def wait_for_every_process_to_stop(run_id: str, seconds: float) -> None:
+    """Wait until no process names the run; any still running after `seconds` is SIGKILLed
+    by PID (the test started it: none outlives the test) and the test fails naming them."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not _running_for(run_id):
+            return
+        time.sleep(0.1)
+    left = _running_for(run_id)
+    for process in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    if left:
+        pytest.fail(f"still running {seconds:.0f} s after the run stopped (killed): {sorted(left.values())}")
 
 
 def keys_without_expiry(client: redis.Redis, run_id: str) -> list[str]:

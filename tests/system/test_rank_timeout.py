@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from tests.support.processes import REPO, python_command, wait_for
-from tests.support.runs import forget_run, processes_of
+from tests.support.runs import forget_run, wait_for_every_process_to_stop
 from transport.zmq_sockets import free_port_pair
 
 RANK_TIMEOUT = 10.0
@@ -96,5 +96,5 @@ def test_a_killed_rank_stops_the_run_naming_it(client, redis_url, tmp_path, tran
     for line in lines.values():
         assert "s ago" in line and "last step decoded" in line and "last seen at" in line, line
     assert f"pid {ranks[1].pid}" in lines["rank 1"] or "127.0.0.1" in lines["rank 1"], lines
-    wait_for("every process of the run to stop", lambda: processes_of(run_id) == [], 60)
+    wait_for_every_process_to_stop(run_id, 60)
     forget_run(client, run_id)

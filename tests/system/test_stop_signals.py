@@ -22,7 +22,13 @@ import psutil
 import pytest
 
 from tests.support.processes import REPO, python_command, signal_when, wait_for
-from tests.support.runs import forget_run, keys_without_expiry, own_queue_traces, processes_of, run_command
+from tests.support.runs import (
+    forget_run,
+    keys_without_expiry,
+    own_queue_traces,
+    run_command,
+    wait_for_every_process_to_stop,
+)
 from transport.zmq_sockets import free_port_pair
 
 
@@ -114,7 +120,7 @@ def test_a_stopped_run_leaves_every_key_expiring_and_says_where_it_was(client, r
             run.wait()
     # A worker stopping on its own (its SIGTERM from the kernel) waits for its pool: under
     # load one was seen to take 40 s.
-    wait_for("every process of the run to stop", lambda: processes_of(run_id) == [], 60)
+    wait_for_every_process_to_stop(run_id, 60)
     assert unexpiring == set()
     assert keys_without_expiry(client, run_id) == []
     logs = {path.name: path.read_text(errors="replace") for path in (tmp_path / "logs").glob("*.log")}
