@@ -57,12 +57,10 @@ async def interrupted_by_sigterm(work: Coroutine[Any, Any, T]) -> T:
     task = asyncio.current_task()
     assert task is not None
     loop = asyncio.get_running_loop()
-    terminated = False
-    again: asyncio.TimerHandle | None = None
+    again: asyncio.TimerHandle | None = None  # set by a SIGTERM that found the work running
 
     def cancel_on_sigterm() -> None:
-        nonlocal terminated, again
-        terminated = True
+        nonlocal again
         if again is not None:
             again.cancel()  # one repeat at a time, however many SIGTERMs come
         if not task.done():
@@ -73,7 +71,7 @@ async def interrupted_by_sigterm(work: Coroutine[Any, Any, T]) -> T:
     try:
         return await work
     except asyncio.CancelledError:
-        if terminated:
+        if again is not None:
             raise KeyboardInterrupt from None
         raise
     finally:

@@ -4,14 +4,12 @@ processes and queue traces a run leaves, and its keys without an expiry."""
 from __future__ import annotations
 
 import contextlib
-import time
 
 import psutil
-import pytest
 import redis
 
 from orchestrator.commands.processes import delete_queues
-from tests.support.processes import python_command, session_queue
+from tests.support.processes import python_command, session_queue, wait_for
 from transport.keys import RunKeys, run_queue, ship_port_claim
 from transport.port_claims import port_claims
 
@@ -61,18 +59,13 @@ def processes_of(run_id: str) -> list[str]:
 
 def wait_for_every_process_to_stop(run_id: str, seconds: float) -> None:
     """Wait until no process names the run; any still running after `seconds` is SIGKILLed
-    by PID (the test started it: none outlives the test) and the test fails naming them."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if not _running_for(run_id):
-            return
-        time.sleep(0.1)
-    left = _running_for(run_id)
-    for process in left:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
-    if left:
-        pytest.fail(f"still running {seconds:.0f} s after the run stopped (killed): {sorted(left.values())}")
+    by PID (the test started it: none outlives the test) and the test fails."""
+    try:
+        wait_for("every process of the run to stop", lambda: not _running_for(run_id), seconds)
+    finally:
+        for process in _running_for(run_id):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
 
 
 def keys_without_expiry(client: redis.Redis, run_id: str) -> list[str]:
