@@ -209,10 +209,17 @@ class LocalSentinelCluster:
     def _wait_replicas_in_sync(self, what: str) -> None:
         """Until every replica is online and has acknowledged the primary's offset as it was
         once they were online: after a full sync the primary streams to a replica only once
-        it has acknowledged an offset (within a second), so "online" alone is not enough."""
-        _wait(lambda: len(self._replica_offsets()[1]) >= self.replicas, FAILOVER_SECONDS, what)
+        it has acknowledged an offset (within a second), so "online" alone is not enough. A
+        replica may drop out again meanwhile (a Sentinel reconfiguring the one just started),
+        so every check counts them again."""
+
+        def in_sync(target: int) -> bool:
+            offsets = self._replica_offsets()[1]
+            return len(offsets) >= self.replicas and min(offsets) >= target
+
+        _wait(lambda: in_sync(0), FAILOVER_SECONDS, what)
         target = self._replica_offsets()[0]
-        _wait(lambda: min(self._replica_offsets()[1]) >= target, FAILOVER_SECONDS, what)
+        _wait(lambda: in_sync(target), FAILOVER_SECONDS, what)
 
     def _replica_offsets(self) -> tuple[int, list[int]]:
         """The primary's replication offset and each online replica's acknowledged one."""
