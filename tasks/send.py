@@ -73,6 +73,9 @@ _intents: set[tuple[str, int, int]] = set()
 def send(ctx: StepContext, rank: int) -> None:
     """Send one rank its step, once: the step before must have left (per-rank order), and a
     step already marked `last_sent` (it left the process) or acknowledged is not sent again.
+    The same task sends the step to every other rank whose payload is ready
+    (`_companions`), side by side, each between its own two marks; their own tasks, when
+    they come, find their step sent.
 
     Exactly-once to a receiver that neither drops duplicates nor replays (prime-rl's)
     rests on two marks around a send that returns only once libzmq has taken the message
@@ -84,7 +87,8 @@ def send(ctx: StepContext, rank: int) -> None:
     docs/reliability.md), the step is delivered and sent again, a duplicate to a stock receiver
     (rlship's receivers drop it). Every such resend is counted in the run's
     `interrupted_sends` hash, field `{step}:{rank}`, so a run reports how often the
-    window may have been hit.
+    window may have been hit (a ship worker killed between a send's marks and its
+    hand-overs counts every rank it was sending to).
     """
     step = ctx.step
     manifest = ctx.manifest
@@ -111,10 +115,11 @@ def send(ctx: StepContext, rank: int) -> None:
 
 
 def _send_now(ctx: StepContext, rank: int) -> bool:
-    """Send the step to `rank` between the two marks (see `send`), once the sender is bound
-    and the rank has announced READY; retried while either is not so. False: the run cannot
-    ship at all (its ports stay held past `bind_wait_seconds`, its directory is another
-    run's, its CURVE keys are not there), said in `ship_fatal` (`StepContext.stop_run`)."""
+    """Send the step to `rank`, and to each other rank it can go to now (`_companions`), once
+    the sender is bound and the rank has announced READY; retried while either is not so.
+    False: the run cannot ship at all (its ports stay held past `bind_wait_seconds`, its
+    directory is another run's, its CURVE keys are not there), said in `ship_fatal`
+    (`StepContext.stop_run`)."""
     step, run_id, config = ctx.step, ctx.run_id, ctx.manifest.config
     try:
         sender = _sender(run_id, config)
@@ -144,23 +149,99 @@ def _send_now(ctx: StepContext, rank: int) -> bool:
             "(not started, or pointed at another host or port?)",
         )
         raise ctx.retry(countdown=RETRY_SECONDS, queue=config.ship_queue)
-    _mark_intent(ctx, step, rank)
-    ctx.crash_if_armed("sending", rank)  # marked, not sent: the redelivery sends it, once
-    started = time.perf_counter()
-    try:
-        with tracing.span(f"rlship.{config.transport}_send", **{"rlship.step": step, "rlship.rank": rank}):
-            sender.send(step, rank, ctx.store.get_payload(step, rank))
-    except TimeoutError:
+    ranks = [rank, *_companions(ctx, sender, rank)]
+    for each in ranks:  # every mark before any hand-over: a kill here has sent nothing
+        _mark_intent(ctx, step, each)
+        ctx.crash_if_armed("sending", each)  # marked, not sent: the redelivery sends it, once
+    if rank in _send_side_by_side(ctx, sender, ranks):
         log.warning("step %d rank %d: trainer not reading; retrying", step, rank)
-        raise ctx.retry(countdown=RETRY_SECONDS, queue=config.ship_queue) from None
-    seconds = time.perf_counter() - started
-    # Left the process, not yet marked: the window. libzmq may still hold the message's last
-    # batch when `send` returns, and a kill then loses it (the redelivery sends it, once, as
-    # at `sending`); the fault closes the sender first (its linger flushes the socket), so
-    # it always hits the window it names.
-    ctx.crash_if_armed("send", rank, before=sender.close)
+        raise ctx.retry(countdown=RETRY_SECONDS, queue=config.ship_queue)
+    return True
 
-    def mark_sent() -> None:
+
+def _companions(ctx: StepContext, sender: StepSender, rank: int) -> list[int]:
+    """The other ranks whose step a send to `rank` also sends: encoded, the rank's step
+    before it left (per-rank order), not acknowledged, and (ZMQ) the rank ready. Sent side
+    by side, their payloads leave together instead of each one after the ship process's
+    turn between two tasks; each one's own send task then finds it sent."""
+    step, manifest = ctx.step, ctx.manifest
+    ready = getattr(sender, "ready_ranks", None)
+    others = [r for r in range(manifest.config.ranks) if r != rank and (ready is None or r in ready)]
+    if not others:
+        return []
+    pipe = ctx.client.pipeline(transaction=False)
+    for other in others:
+        pipe.exists(ctx.keys.done(step, "encode", other))
+        pipe.get(ctx.keys.last_sent(other))
+        pipe.hexists(ctx.keys.received(other), step)
+    replies = pipe.execute()
+    found = []
+    for index, other in enumerate(others):
+        encoded, last_sent, acknowledged = replies[3 * index : 3 * index + 3]
+        left = int(last_sent) if last_sent is not None else -1
+        if encoded and manifest.prev_step <= left < step and not acknowledged:
+            found.append(other)
+    return found
+
+
+def _send_side_by_side(ctx: StepContext, sender: StepSender, ranks: list[int]) -> set[int]:
+    """Hand every rank's payload over, then mark each `last_sent` once it has left (the
+    order handed over). The ranks whose payload did not leave (its trainer not reading)
+    are returned: each one's own send task retries it, its message still queued if it is.
+
+    The `send` fault keeps the window it names: before the kill, every other rank's payload
+    leaves and is marked, then the sender's close flushes the socket; only the armed rank's
+    step is then sent again (see `send`)."""
+    step, name = ctx.step, f"rlship.{ctx.manifest.config.transport}_send"
+    started: dict[int, tuple[float, int]] = {}
+    not_left: set[int] = set()
+
+    def failed(each: int, exc: TimeoutError) -> None:
+        log.warning("step %d rank %d: %s", step, each, exc)
+        tracing.ended_span(name, started[each][1], str(exc), **{"rlship.step": step, "rlship.rank": each})
+        not_left.add(each)
+
+    for each in ranks:
+        started[each] = (time.perf_counter(), time.time_ns())
+        try:
+            sender.hand_over(step, each, ctx.store.get_payload(step, each))
+        except TimeoutError as exc:
+            failed(each, exc)
+    handed = [each for each in ranks if each not in not_left]
+
+    def left(each: int) -> float | None:
+        """Seconds from its hand-over until its payload left; None if it did not."""
+        try:
+            sender.wait_left(step, each)
+        except TimeoutError as exc:
+            failed(each, exc)
+            return None
+        tracing.ended_span(name, started[each][1], **{"rlship.step": step, "rlship.rank": each})
+        return time.perf_counter() - started[each][0]
+
+    for index, each in enumerate(handed):
+        seconds = left(each)
+        if seconds is None:
+            continue
+
+        def finish_the_rest(rest: list[int] = handed[index + 1 :]) -> None:
+            for other in rest:
+                if (other_seconds := left(other)) is not None:
+                    _mark_sent(ctx, other, other_seconds)
+            sender.close()
+
+        ctx.crash_if_armed("send", each, before=finish_the_rest)
+        _mark_sent(ctx, each, seconds)
+    return not_left
+
+
+def _mark_sent(ctx: StepContext, rank: int, seconds: float) -> None:
+    """`last_sent`: the rank's step left the process (see `send`), with its send's seconds.
+    The next step is sent only once a replica holds this mark: lost in a failover, it would
+    have the step sent again (a duplicate to a stock receiver)."""
+    step = ctx.step
+
+    def mark() -> None:
         pipe = ctx.client.pipeline(transaction=True)
         pipe.set(ctx.keys.last_sent(rank), step, ex=ctx.store.ttl)
         pipe.hset(ctx.keys.times(step), stage_field("send", rank), seconds)
@@ -169,14 +250,11 @@ def _send_now(ctx: StepContext, rank: int) -> bool:
         note_contact(pipe, ctx.keys, rank, SENT, sent=step)
         pipe.execute()
 
-    # The next step is sent only once a replica holds this mark: lost in a failover, it would
-    # have the step sent again (a duplicate to a stock receiver).
     ctx.durability.replicate(
-        ctx.client, mark_sent, _reads(ctx.keys.last_sent(rank)), f"step {step} rank {rank}'s last_sent mark",
+        ctx.client, mark, _reads(ctx.keys.last_sent(rank)), f"step {step} rank {rank}'s last_sent mark",
         _at_least(step),
     )  # fmt: skip
-    _intents.discard((run_id, step, rank))
-    return True
+    _intents.discard((ctx.run_id, step, rank))
 
 
 def _reads(key: str) -> Callable[[Any], None]:

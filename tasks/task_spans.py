@@ -200,6 +200,17 @@ class TaskSpans:
             self._flusher = threading.Thread(target=self._flush_idle, name="rlship-span-flusher", daemon=True)
             self._flusher.start()
 
+    def ended_child(
+        self, name: str, attributes: dict[str, Any], start_ns: int, error: str | None = None
+    ) -> None:
+        """A span of a part of the current one that began at `start_ns` (`time.time_ns`) and
+        ends now (with an error status if `error`): parts that overlap (the sends of several
+        ranks, side by side) are siblings, where `child` would nest each in the one open
+        before it."""
+        span, token = self.start(name, attributes, parent=self.current())
+        span.start_ns = start_ns
+        self.end(span, token, error=error)
+
     @contextlib.contextmanager
     def child(self, name: str, attributes: dict[str, Any]) -> Iterator[None]:
         """A span around a part of the current one (a rank's send, a carried stage)."""

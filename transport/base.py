@@ -29,9 +29,15 @@ class ReceivedStep:
 
 @runtime_checkable
 class StepSender(Protocol):
-    """Sends one encoded payload per (step, rank)."""
+    """Sends one encoded payload per (step, rank): `send` returns once it has left the
+    process; `hand_over` returns as soon as it may, and `wait_left` waits until it has left,
+    so that the payloads of several ranks handed over in turn leave side by side."""
 
     def send(self, step: int, rank: int, payload: Payload) -> None: ...
+
+    def hand_over(self, step: int, rank: int, payload: Payload) -> None: ...
+
+    def wait_left(self, step: int, rank: int) -> None: ...
 
     def close(self) -> None: ...
 

@@ -23,13 +23,14 @@ trainer on its steps, most likely one of another run pointed at this run's port,
 sender says so once in its log. A stock receiver names no run, so this is how its
 mix-up is noticed.
 
-`send` returns once the message has left the process: libzmq queues a message and its
-I/O thread writes it to the TCP socket later, and a process that dies (SIGKILL) loses
-whatever is still queued. Each message is tracked (zero-copy, `copy_threshold` 0, so the
-tracker follows the real buffer) and `send` waits until libzmq has released it, i.e.
+`send` (`hand_over`, then `wait_left`) returns once the message has left the process:
+libzmq queues a message and its I/O thread writes it to the TCP socket later, and a process
+that dies (SIGKILL) loses whatever is still queued. Each message is tracked (zero-copy,
+`copy_threshold` 0, so the tracker follows the real buffer) and `wait_left` waits until
+libzmq has released it, i.e.
 written it to the kernel's socket buffer (the last <= 8 KiB of it may sit in libzmq's
 output batch while the kernel buffer is full), which the kernel delivers even if the
-process dies next. A caller that marks a step sent after `send` returns (tasks/ship.py's
+process dies next. A caller that marks a step sent once it has left (tasks/send.py's
 `last_sent`) marks only what has left.
 """
 
@@ -169,30 +170,44 @@ class ZMQSender(Closeable):
 
     def send(self, step: int, rank: int, payload: Payload) -> None:
         """Publish one rank's payload for `step` without copying it; return once it has left
-        the process (module docstring).
+        the process (module docstring): `hand_over`, then `wait_left`."""
+        self.hand_over(step, rank, payload)
+        self.wait_left(step, rank)
+
+    def hand_over(self, step: int, rank: int, payload: Payload) -> None:
+        """Queue one rank's payload for `step` in libzmq, tracked, and return at once: the
+        payloads of several ranks handed over in turn leave side by side, each rank reading
+        its own, and `wait_left` waits for each.
 
         The buffer is handed to libzmq as is: do not mutate a bytearray/memoryview after
-        passing it in. Blocks until this rank is ready, while its queue is full and until
-        the message has left; each wait is bounded by `send_timeout` (TimeoutError). A
-        message that timed out waiting to leave is still queued: sending the same (step,
-        rank) again waits for it instead of publishing a second copy.
+        passing it in. Blocks until this rank is ready and while its queue is full, each
+        wait bounded by `send_timeout` (TimeoutError). A (step, rank) handed over that has
+        not left (a `wait_left` timed out) is not queued again: its message is still there.
         """
         self._check_open()
         if not 0 <= rank < self.ranks:
             raise ValueError(f"rank {rank} out of range 0..{self.ranks - 1}")
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        if (step, rank) in self._leaving:
+            return
+        if not self.wait_ready(self._send_timeout, rank=rank):
+            raise TimeoutError(f"rank {rank} step {step}: not ready within send_timeout")
+        try:
+            frames = [topic(step, rank, self.run_id), payload]
+            tracker = self._pub.send_multipart(frames, copy=False, track=True)
+        except zmq.Again as exc:
+            raise TimeoutError(f"rank {rank} step {step}: send queue full past send_timeout") from exc
+        self._leaving[(step, rank)] = tracker
+
+    def wait_left(self, step: int, rank: int) -> None:
+        """Return once the payload handed over for (step, rank) has left the process (module
+        docstring); the wait is bounded by `send_timeout` (TimeoutError, the message still
+        queued), and ends at once if the rank leaves with it queued (TimeoutError, the
+        message gone with the rank's connection: hand it over again)."""
         tracker = self._leaving.get((step, rank))
         if tracker is None:
-            if not self.wait_ready(self._send_timeout, rank=rank):
-                raise TimeoutError(f"rank {rank} step {step}: not ready within send_timeout")
-            try:
-                tracker = self._pub.send_multipart(
-                    [topic(step, rank, self.run_id), payload], copy=False, track=True
-                )
-            except zmq.Again as exc:
-                raise TimeoutError(f"rank {rank} step {step}: send queue full past send_timeout") from exc
-            self._leaving[(step, rank)] = tracker
+            raise ValueError(f"rank {rank} step {step}: nothing handed over to wait for")
         deadline = None if self._send_timeout is None else time.monotonic() + self._send_timeout
         while True:
             try:

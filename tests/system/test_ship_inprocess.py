@@ -173,6 +173,65 @@ def test_a_stage_already_done_is_not_computed_again(client: redis.Redis, run_id:
     assert ctx.get("x") == {"k": [1, 2]}
 
 
+def rank_file(config: ShipConfig, rank: int) -> Path:
+    return Path(config.output_dir) / "rollouts" / "step_0" / f"rank_{rank}.bin"
+
+
+def test_a_send_also_sends_every_rank_whose_payload_is_ready(
+    client: redis.Redis, run_id: str, shipped_step
+) -> None:
+    """Rank 0's send task finds rank 1's payload encoded and sends it too, marked as its own
+    would be; rank 1's own task then sends nothing and records the rank in the step's `sent`
+    set, which alone lets publish follow. The oracle: the files, the marks, the queue."""
+    _, config = shipped_step
+    keys = RunKeys(run_id)
+    ship.finalize(run_id, 0)
+    ship.metrics(run_id, 0)
+    for rank in range(RANKS):
+        ship.encode(run_id, 0, rank)
+    _enqueued(client, config.cpu_queue)
+    _enqueued(client, config.ship_queue)
+    ship.send(run_id, 0, 0)
+    assert rank_file(config, 1).exists(), "rank 1's step sent by rank 0's task"
+    assert [client.get(keys.last_sent(r)) for r in range(RANKS)] == [b"0", b"0"]
+    assert client.hexists(keys.times(0), "send:1")
+    assert client.smembers(keys.sent(0)) == {b"0"} and _enqueued(client, config.cpu_queue) == []
+    rank_file(config, 1).unlink()
+    ship.send(run_id, 0, 1)
+    assert not rank_file(config, 1).exists(), "rank 1's own task did not send it again"
+    assert _enqueued(client, config.cpu_queue) == [("rlship.publish", [run_id, 0])]
+    assert client.hlen(keys.interrupted_sends) == 0
+
+
+def test_a_send_leaves_a_rank_not_encoded_to_its_own_task(client: redis.Redis, run_id: str, shipped_step) -> None:
+    _, config = shipped_step
+    keys = RunKeys(run_id)
+    ship.finalize(run_id, 0)
+    ship.encode(run_id, 0, 0)
+    ship.send(run_id, 0, 0)
+    assert not rank_file(config, 1).exists() and client.get(keys.last_sent(1)) is None
+    ship.encode(run_id, 0, 1)
+    ship.send(run_id, 0, 1)
+    assert rank_file(config, 1).exists() and client.get(keys.last_sent(1)) == b"0"
+
+
+def test_a_send_leaves_a_rank_that_acknowledged_its_step_to_its_own_task(
+    client: redis.Redis, run_id: str, shipped_step
+) -> None:
+    """A rank that acknowledged the step (sent by a process that died before marking it) is
+    not sent it again by another rank's task; its own task marks it sent without sending."""
+    _, config = shipped_step
+    keys = RunKeys(run_id)
+    ship.finalize(run_id, 0)
+    for rank in range(RANKS):
+        ship.encode(run_id, 0, rank)
+    client.hset(keys.received(1), 0, 1)
+    ship.send(run_id, 0, 0)
+    assert not rank_file(config, 1).exists() and client.get(keys.last_sent(1)) is None
+    ship.send(run_id, 0, 1)
+    assert not rank_file(config, 1).exists() and client.get(keys.last_sent(1)) == b"0"
+
+
 class Killed(Exception):
     pass
 

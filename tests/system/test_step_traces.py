@@ -40,7 +40,7 @@ PARENTS = {
     "rlship.pack": {"rlship.prune"},
     "rlship.encode": {"rlship.pack"},
     "rlship.send": {"same rank rlship.encode"},
-    "rlship.zmq_send": {"same rank rlship.send"},
+    "rlship.zmq_send": {"rlship.send"},  # a send task sends every rank whose payload is ready
     "rlship.publish": {"rlship.metrics", "rlship.send"},
     "rlship.release": {"step"},
 }
