@@ -24,6 +24,7 @@ from transport.filesystem import ForeignLayout
 from transport.keys import stage_field
 from transport.port_claims import other_claimants, port_holder
 from transport.rank_contact import SENT, note_contact
+from transport.store import PayloadCorruptError, PayloadMissingError
 from transport.zmq_curve import MissingKey
 
 log = logging.getLogger("rlship.tasks")
@@ -154,7 +155,6 @@ def _send_now(ctx: StepContext, rank: int) -> bool:
         _mark_intent(ctx, step, each)
         ctx.crash_if_armed("sending", each)  # marked, not sent: the redelivery sends it, once
     if rank in _send_side_by_side(ctx, sender, ranks):
-        log.warning("step %d rank %d: trainer not reading; retrying", step, rank)
         raise ctx.retry(countdown=RETRY_SECONDS, queue=config.ship_queue)
     return True
 
@@ -196,8 +196,8 @@ def _send_side_by_side(ctx: StepContext, sender: StepSender, ranks: list[int]) -
     started: dict[int, tuple[float, int]] = {}
     not_left: set[int] = set()
 
-    def failed(each: int, exc: TimeoutError) -> None:
-        log.warning("step %d rank %d: %s", step, each, exc)
+    def failed(each: int, exc: Exception) -> None:
+        log.warning("step %d rank %d: not sent (%s); its own send task tries again", step, each, exc)
         tracing.ended_span(name, started[each][1], str(exc), **{"rlship.step": step, "rlship.rank": each})
         not_left.add(each)
 
@@ -206,6 +206,10 @@ def _send_side_by_side(ctx: StepContext, sender: StepSender, ranks: list[int]) -
         try:
             sender.hand_over(step, each, ctx.store.get_payload(step, each))
         except TimeoutError as exc:
+            failed(each, exc)
+        except (PayloadMissingError, PayloadCorruptError) as exc:
+            if each == ranks[0]:
+                raise  # the task's own rank (first: nothing handed over yet) fails as it did alone
             failed(each, exc)
     handed = [each for each in ranks if each not in not_left]
 

@@ -203,7 +203,9 @@ def test_a_send_also_sends_every_rank_whose_payload_is_ready(
     assert client.hlen(keys.interrupted_sends) == 0
 
 
-def test_a_send_leaves_a_rank_not_encoded_to_its_own_task(client: redis.Redis, run_id: str, shipped_step) -> None:
+def test_a_send_leaves_a_rank_not_encoded_to_its_own_task(
+    client: redis.Redis, run_id: str, shipped_step
+) -> None:
     _, config = shipped_step
     keys = RunKeys(run_id)
     ship.finalize(run_id, 0)
@@ -230,6 +232,24 @@ def test_a_send_leaves_a_rank_that_acknowledged_its_step_to_its_own_task(
     assert not rank_file(config, 1).exists() and client.get(keys.last_sent(1)) is None
     ship.send(run_id, 0, 1)
     assert not rank_file(config, 1).exists() and client.get(keys.last_sent(1)) == b"0"
+
+
+def test_a_companion_whose_payload_is_gone_is_left_to_its_own_task(
+    client: redis.Redis, run_id: str, shipped_step
+) -> None:
+    """Rank 1's payload missing from Redis does not fail rank 0's send; rank 1's own task
+    meets it and fails as it would alone."""
+    _, config = shipped_step
+    keys = RunKeys(run_id)
+    ship.finalize(run_id, 0)
+    for rank in range(RANKS):
+        ship.encode(run_id, 0, rank)
+    client.delete(keys.payload(0, 1))
+    ship.send(run_id, 0, 0)
+    assert rank_file(config, 0).exists() and not rank_file(config, 1).exists()
+    assert client.get(keys.last_sent(1)) is None
+    with pytest.raises(PayloadMissingError):
+        ship.send(run_id, 0, 1)
 
 
 class Killed(Exception):
