@@ -20,6 +20,7 @@ import xxhash
 
 from orchestrator.commands.processes import delete_queues
 from tasks import faults, ship
+from tasks import send as send_module
 from tasks.cohort import NUMERIC_COLUMNS, CohortBuilder
 from tasks.manifest import ShipConfig, StepManifest
 from tests.support.factories import store_rollout_arrays
@@ -313,3 +314,52 @@ def test_a_process_reads_a_steps_manifest_whole_once_per_cut(
     store.client.delete(store.keys.step(0, "manifest"))
     with pytest.raises(PayloadMissingError):
         ship.StepContext(run_id, 0).manifest  # noqa: B018  (released: not served from memory)
+
+
+@pytest.fixture()
+def kills_raise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Faults armed; a fault's kill raises `Killed` in this process instead."""
+    monkeypatch.setattr(faults, "enabled", lambda: True)
+
+    def kill(pid: int, sig: int) -> None:
+        raise Killed(pid, sig)
+
+    monkeypatch.setattr(faults.os, "kill", kill)
+
+
+def test_a_send_killed_after_one_rank_left_marks_the_others_first(
+    client: redis.Redis, run_id: str, shipped_step, kills_raise
+) -> None:
+    """The `send` fault at rank 0 in a task sending ranks 0 and 1: rank 1's payload leaves and
+    is marked before the kill, so only rank 0's step is left in the window (sent again)."""
+    keys = RunKeys(run_id)
+    ship.finalize(run_id, 0)
+    for rank in range(RANKS):
+        ship.encode(run_id, 0, rank)
+    client.hset(keys.faults, faults.fault_field("send", 0, 0), faults.KILL)
+    with pytest.raises(Killed):
+        ship.send(run_id, 0, 0)
+    assert client.get(keys.last_sent(0)) is None, "the armed rank: left, not marked"
+    assert client.get(keys.last_sent(1)) == b"0", "the other rank: marked before the kill"
+
+
+def test_a_send_killed_at_a_ranks_sending_mark_has_handed_nothing_over(
+    client: redis.Redis, run_id: str, shipped_step, kills_raise
+) -> None:
+    """The `sending` fault at rank 1 in rank 0's task: every mark of the batch is written
+    before any payload is handed over, so the kill has sent nothing; each rank's task sends
+    its step again, once, and counts the resend."""
+    _, config = shipped_step
+    keys = RunKeys(run_id)
+    ship.finalize(run_id, 0)
+    for rank in range(RANKS):
+        ship.encode(run_id, 0, rank)
+    client.hset(keys.faults, faults.fault_field("sending", 0, 1), faults.KILL)
+    with pytest.raises(Killed):
+        ship.send(run_id, 0, 0)
+    assert not rank_file(config, 0).exists() and not rank_file(config, 1).exists()
+    assert [client.get(keys.sending(r)) for r in range(RANKS)] == [b"0", b"0"]
+    send_module._intents.clear()  # the killed process's memory
+    ship.send(run_id, 0, 0)
+    assert rank_file(config, 0).exists() and rank_file(config, 1).exists()
+    assert client.hgetall(keys.interrupted_sends) == {b"0:0": b"1", b"0:1": b"1"}
