@@ -77,6 +77,9 @@ VARIANTS: dict[str, Variant] = {
     "celery-moe-inline": Variant("celery", {"workload": "moe-inline"}),
     "celery-moe-inline-dir": Variant("celery", {"workload": "moe-inline", "payload_store": "dir"}),
     "celery-moe-handle-dir": Variant("celery", {"workload": "moe", "payload_store": "dir"}),
+    # The dense step with its per-rank payloads in the run's files (one host shared by the
+    # workers and the ranks): what the payloads' trip through Redis costs the trainers.
+    "celery-dense-dir": Variant("celery", {"workload": "dense", "payload_store": "dir"}),
 }
 DEFAULT_VARIANTS: tuple[str, ...] = (
     "thread-moe-inline",
