@@ -178,6 +178,13 @@ def rank_file(config: ShipConfig, rank: int) -> Path:
     return Path(config.output_dir) / "rollouts" / "step_0" / f"rank_{rank}.bin"
 
 
+def encode_every_rank(run_id: str) -> None:
+    """Step 0 finalized and every rank's payload encoded: what a send task finds."""
+    ship.finalize(run_id, 0)
+    for rank in range(RANKS):
+        ship.encode(run_id, 0, rank)
+
+
 def test_a_send_also_sends_every_rank_whose_payload_is_ready(
     client: redis.Redis, run_id: str, shipped_step
 ) -> None:
@@ -186,10 +193,8 @@ def test_a_send_also_sends_every_rank_whose_payload_is_ready(
     set, which alone lets publish follow. The oracle: the files, the marks, the queue."""
     _, config = shipped_step
     keys = RunKeys(run_id)
-    ship.finalize(run_id, 0)
+    encode_every_rank(run_id)
     ship.metrics(run_id, 0)
-    for rank in range(RANKS):
-        ship.encode(run_id, 0, rank)
     _enqueued(client, config.cpu_queue)
     _enqueued(client, config.ship_queue)
     ship.send(run_id, 0, 0)
@@ -225,9 +230,7 @@ def test_a_send_leaves_a_rank_that_acknowledged_its_step_to_its_own_task(
     not sent it again by another rank's task; its own task marks it sent without sending."""
     _, config = shipped_step
     keys = RunKeys(run_id)
-    ship.finalize(run_id, 0)
-    for rank in range(RANKS):
-        ship.encode(run_id, 0, rank)
+    encode_every_rank(run_id)
     client.hset(keys.received(1), 0, 1)
     ship.send(run_id, 0, 0)
     assert not rank_file(config, 1).exists() and client.get(keys.last_sent(1)) is None
@@ -242,9 +245,7 @@ def test_a_companion_whose_payload_is_gone_is_left_to_its_own_task(
     meets it and fails as it would alone."""
     _, config = shipped_step
     keys = RunKeys(run_id)
-    ship.finalize(run_id, 0)
-    for rank in range(RANKS):
-        ship.encode(run_id, 0, rank)
+    encode_every_rank(run_id)
     client.delete(keys.payload(0, 1))
     ship.send(run_id, 0, 0)
     assert rank_file(config, 0).exists() and not rank_file(config, 1).exists()
@@ -333,9 +334,7 @@ def test_a_send_killed_after_one_rank_left_marks_the_others_first(
     """The `send` fault at rank 0 in a task sending ranks 0 and 1: rank 1's payload leaves and
     is marked before the kill, so only rank 0's step is left in the window (sent again)."""
     keys = RunKeys(run_id)
-    ship.finalize(run_id, 0)
-    for rank in range(RANKS):
-        ship.encode(run_id, 0, rank)
+    encode_every_rank(run_id)
     client.hset(keys.faults, faults.fault_field("send", 0, 0), faults.KILL)
     with pytest.raises(Killed):
         ship.send(run_id, 0, 0)
@@ -351,9 +350,7 @@ def test_a_send_killed_at_a_ranks_sending_mark_has_handed_nothing_over(
     its step again, once, and counts the resend."""
     _, config = shipped_step
     keys = RunKeys(run_id)
-    ship.finalize(run_id, 0)
-    for rank in range(RANKS):
-        ship.encode(run_id, 0, rank)
+    encode_every_rank(run_id)
     client.hset(keys.faults, faults.fault_field("sending", 0, 1), faults.KILL)
     with pytest.raises(Killed):
         ship.send(run_id, 0, 0)
