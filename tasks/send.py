@@ -151,8 +151,8 @@ def _send_now(ctx: StepContext, rank: int) -> bool:
         )
         raise ctx.retry(countdown=RETRY_SECONDS, queue=config.ship_queue)
     ranks = [rank, *_companions(ctx, sender, rank)]
-    for each in ranks:  # every mark before any hand-over: a kill here has sent nothing
-        _mark_intent(ctx, step, each)
+    _mark_intents(ctx, ranks)  # every mark before any hand-over: a kill here has sent nothing
+    for each in ranks:
         ctx.crash_if_armed("sending", each)  # marked, not sent: the redelivery sends it, once
     if rank in _send_side_by_side(ctx, sender, ranks):
         raise ctx.retry(countdown=RETRY_SECONDS, queue=config.ship_queue)
@@ -193,16 +193,22 @@ def _send_side_by_side(ctx: StepContext, sender: StepSender, ranks: list[int]) -
     leaves and is marked, then the sender's close flushes the socket; only the armed rank's
     step is then sent again (see `send`)."""
     step, name = ctx.step, f"rlship.{ctx.manifest.config.transport}_send"
-    started: dict[int, tuple[float, int]] = {}
+    started: dict[int, float] = {}  # perf_counter at each rank's hand-over
     not_left: set[int] = set()
+
+    def span(each: int, error: str | None = None) -> float:
+        """The rank's send span, from its hand-over to now; its seconds."""
+        seconds = time.perf_counter() - started[each]
+        tracing.ended_span(name, seconds, error, **{"rlship.step": step, "rlship.rank": each})
+        return seconds
 
     def failed(each: int, exc: Exception) -> None:
         log.warning("step %d rank %d: not sent (%s); its own send task tries again", step, each, exc)
-        tracing.ended_span(name, started[each][1], str(exc), **{"rlship.step": step, "rlship.rank": each})
+        span(each, str(exc))
         not_left.add(each)
 
     for each in ranks:
-        started[each] = (time.perf_counter(), time.time_ns())
+        started[each] = time.perf_counter()
         try:
             sender.hand_over(step, each, ctx.store.get_payload(step, each))
         except TimeoutError as exc:
@@ -220,21 +226,19 @@ def _send_side_by_side(ctx: StepContext, sender: StepSender, ranks: list[int]) -
         except TimeoutError as exc:
             failed(each, exc)
             return None
-        tracing.ended_span(name, started[each][1], **{"rlship.step": step, "rlship.rank": each})
-        return time.perf_counter() - started[each][0]
+        return span(each)
+
+    def mark_the_rest_and_close(rest: list[int]) -> None:
+        for other in rest:
+            if (seconds := left(other)) is not None:
+                _mark_sent(ctx, other, seconds)
+        sender.close()
 
     for index, each in enumerate(handed):
-        seconds = left(each)
-        if seconds is None:
+        if (seconds := left(each)) is None:
             continue
-
-        def finish_the_rest(rest: list[int] = handed[index + 1 :]) -> None:
-            for other in rest:
-                if (other_seconds := left(other)) is not None:
-                    _mark_sent(ctx, other, other_seconds)
-            sender.close()
-
-        ctx.crash_if_armed("send", each, before=finish_the_rest)
+        rest = handed[index + 1 :]
+        ctx.crash_if_armed("send", each, before=functools.partial(mark_the_rest_and_close, rest))
         _mark_sent(ctx, each, seconds)
     return not_left
 
@@ -261,13 +265,17 @@ def _mark_sent(ctx: StepContext, rank: int, seconds: float) -> None:
     _intents.discard((ctx.run_id, step, rank))
 
 
-def _reads(key: str) -> Callable[[Any], None]:
-    return lambda pipe: pipe.get(key)
+def _reads(*keys: str) -> Callable[[Any], None]:
+    def read(pipe: Any) -> None:
+        for key in keys:
+            pipe.get(key)
+
+    return read
 
 
 def _at_least(step: int) -> Callable[[list[Any]], bool]:
-    """Whether a mark read back (`_reads`) says `step` or later."""
-    return lambda found: found[0] is not None and int(found[0]) >= step
+    """Whether every mark read back (`_reads`) says `step` or later."""
+    return lambda found: all(value is not None and int(value) >= step for value in found)
 
 
 # Per run, since when this process has failed to bind the run's ports (bind_wait_seconds).
@@ -291,27 +299,38 @@ def _bind_problem(ctx: StepContext, config: ShipConfig, exc: zmq.ZMQError) -> st
     )
 
 
-def _mark_intent(ctx: StepContext, step: int, rank: int) -> None:
-    """Write the `sending` mark; if an earlier process wrote it for this step and died
-    before `last_sent`, count the resend that follows (see `send`)."""
-    intent = (ctx.run_id, step, rank)
-    if intent in _intents:
-        return  # this process's own retry: its message is tracked by the sender
-    sending = ctx.keys.sending(rank)
-    # Sent only once a replica holds the mark: the worker that follows a failover must know.
+def _mark_intents(ctx: StepContext, ranks: list[int]) -> None:
+    """Write the `sending` mark of each rank this process has not marked for the step yet,
+    in one round trip; where an earlier process wrote it for this step and died before
+    `last_sent`, count the resend that follows (see `send`)."""
+    step = ctx.step
+    fresh = [rank for rank in ranks if (ctx.run_id, step, rank) not in _intents]
+    if not fresh:
+        return  # this process's own retry: its messages are tracked by the sender
+    keys = [ctx.keys.sending(rank) for rank in fresh]
+
+    def write() -> list[Any]:
+        pipe = ctx.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.set(key, step, ex=ctx.store.ttl, get=True)
+        return pipe.execute()
+
+    # Sent only once a replica holds the marks: the worker that follows a failover must know.
     previous = ctx.durability.replicate(
-        ctx.client,
-        lambda: ctx.client.set(sending, step, ex=ctx.store.ttl, get=True),
-        _reads(sending),
-        f"step {step} rank {rank}'s sending mark",
-        _at_least(step),
+        ctx.client, write, _reads(*keys), f"step {step} ranks {fresh}' sending marks", _at_least(step)
     )
-    _intents.add(intent)
-    if previous is not None and int(previous) == step:
-        pipe = ctx.client.pipeline(transaction=True)
+    _intents.update((ctx.run_id, step, rank) for rank in fresh)
+    resent = [
+        rank for rank, mark in zip(fresh, previous, strict=True) if mark is not None and int(mark) == step
+    ]
+    if not resent:
+        return
+    pipe = ctx.client.pipeline(transaction=True)
+    for rank in resent:
         pipe.hincrby(ctx.keys.interrupted_sends, f"{step}:{rank}", 1)
-        pipe.expire(ctx.keys.interrupted_sends, ctx.store.ttl)
-        pipe.execute()
+    pipe.expire(ctx.keys.interrupted_sends, ctx.store.ttl)
+    pipe.execute()
+    for rank in resent:
         log.warning(
             "step %d rank %d: the previous send died before marking it sent; sending again "
             "(a receiver without duplicate checks gets it twice only if that process died "

@@ -201,14 +201,13 @@ class TaskSpans:
             self._flusher.start()
 
     def ended_child(
-        self, name: str, attributes: dict[str, Any], start_ns: int, error: str | None = None
+        self, name: str, attributes: dict[str, Any], seconds: float, error: str | None = None
     ) -> None:
-        """A span of a part of the current one that began at `start_ns` (`time.time_ns`) and
-        ends now (with an error status if `error`): parts that overlap (the sends of several
-        ranks, side by side) are siblings, where `child` would nest each in the one open
-        before it."""
+        """A span of a part of the current one that took `seconds` and ends now (with an
+        error status if `error`): parts that overlap (the sends of several ranks, side by
+        side) are siblings, where `child` would nest each in the one open before it."""
         span, token = self.start(name, attributes, parent=self.current())
-        span.start_ns = start_ns
+        span.start_ns -= int(seconds * 1e9)
         self.end(span, token, error=error)
 
     @contextlib.contextmanager

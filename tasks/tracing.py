@@ -236,11 +236,11 @@ def span(name: str, **attributes: Any) -> contextlib.AbstractContextManager[None
     return tracing("worker").task_spans.child(name, attributes)
 
 
-def ended_span(name: str, start_ns: int, error: str | None = None, **attributes: Any) -> None:
-    """A span inside the current task's that began at `start_ns` and ends now, with an error
+def ended_span(name: str, seconds: float, error: str | None = None, **attributes: Any) -> None:
+    """A span inside the current task's that took `seconds` and ends now, with an error
     status if `error` (one rank's send among several leaving side by side); free when off."""
     if _worker_tracing:
-        tracing("worker").task_spans.ended_child(name, attributes, start_ns, error)
+        tracing("worker").task_spans.ended_child(name, attributes, seconds, error)
 
 
 # -- Celery: the context in task headers, a span per task --------------------------------------
