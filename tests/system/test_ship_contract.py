@@ -186,27 +186,31 @@ def test_the_sending_mark_counts_a_resend_only_after_another_process_died_mid_se
 ) -> None:
     caplog.set_level(logging.INFO, logger=LOGGER)
     mark, interrupted = f"rlship:{run_id}:sending:1", f"rlship:{run_id}:interrupted_sends"
-    ctx = ship.StepContext(run_id, 5)
-    ctx.durability = Durability(0, 1000, f"rlship:{run_id}:replication_probe")  # no manifest here: one Redis
+
+    def mark_sending(step: int) -> None:
+        ctx = ship.StepContext(run_id, step)
+        ctx.durability = Durability(0, 1000, f"rlship:{run_id}:replication_probe")  # no manifest: one Redis
+        sending._mark_intents(ctx, [1])
+
     monkeypatch.setattr(sending, "_intents", set())  # a fresh process
-    sending._mark_intent(ctx, 5, 1)
+    mark_sending(5)
     assert client.get(mark) == b"5"
-    sending._mark_intent(ctx, 5, 1)  # this process's own retry
-    sending._mark_intent(ctx, 6, 1)  # this process's next step
+    mark_sending(5)  # this process's own retry
+    mark_sending(6)  # this process's next step
     assert client.get(mark) == b"6"
     assert not client.exists(interrupted)
     assert messages(caplog, logging.WARNING) == []
 
     monkeypatch.setattr(sending, "_intents", set())  # a new process finds step 6 marked, not sent
-    sending._mark_intent(ctx, 6, 1)
-    sending._mark_intent(ctx, 6, 1)
+    mark_sending(6)
+    mark_sending(6)
     assert client.hgetall(interrupted) == {b"6:1": b"1"}
     assert messages(caplog, logging.WARNING) == [
         "step 6 rank 1: the previous send died before marking it sent; sending again (a receiver "
         "without duplicate checks gets it twice only if that process died after the message left it)"
     ]
     monkeypatch.setattr(sending, "_intents", set())  # another new process, at the next step
-    sending._mark_intent(ctx, 7, 1)
+    mark_sending(7)
     assert client.get(mark) == b"7" and client.hgetall(interrupted) == {b"6:1": b"1"}
 
 
