@@ -1,6 +1,6 @@
 """The spans of a Celery pool process's tasks (`tasks.tracing` makes them at a task's start
-and end and around a rank's send): recorded as small plain objects and encoded straight
-into OTLP's protobuf messages, not made by the OpenTelemetry SDK, and handed to the run's
+and end and around a rank's send): recorded as small plain objects and written as OTLP's
+protobuf bytes as each ends (`tasks.otlp_wire`), not made by the OpenTelemetry SDK, and handed to the run's
 span list in Redis on the pipeline of the process's next stage task's first read
 (`TaskSpans.ride`), whence the orchestrator relays them to the collector
 (`orchestrator.span_relay`).
@@ -32,23 +32,16 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry import trace
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import (
-    AnyValue,
-    ArrayValue,
-    InstrumentationScope,
-    KeyValue,
-)
-from opentelemetry.proto.resource.v1.resource_pb2 import Resource as ResourceMessage
-from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, SpanFlags, Status
+from opentelemetry.proto.trace.v1.trace_pb2 import Span, SpanFlags
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.sampling import Sampler
 
+from tasks import otlp_wire
 from tasks.tracing import dropped_spans, format_traceparent, queue_spans
 
 log = logging.getLogger("rlship.tracing")
@@ -84,26 +77,6 @@ class TaskSpan:
         return format_traceparent(self.trace_id, self.span_id, int(self.sampled))
 
 
-def _any_value(value: Any) -> AnyValue:
-    if isinstance(value, bool):
-        return AnyValue(bool_value=value)
-    if isinstance(value, int):
-        return AnyValue(int_value=value)
-    if isinstance(value, float):
-        return AnyValue(double_value=value)
-    if isinstance(value, str):
-        return AnyValue(string_value=value)
-    if isinstance(value, bytes):
-        return AnyValue(bytes_value=value)
-    if isinstance(value, list | tuple):
-        return AnyValue(array_value=ArrayValue(values=[_any_value(item) for item in value]))
-    return AnyValue(string_value=str(value))
-
-
-def encode_attributes(attributes: Mapping[str, Any]) -> list[KeyValue]:
-    return [KeyValue(key=key, value=_any_value(value)) for key, value in attributes.items()]
-
-
 class TaskSpans:
     """This pool process's spans: `start` and `end` a task's, `child` around a part of it,
     `current` the one open innermost in this thread (what an enqueued message carries),
@@ -112,13 +85,13 @@ class TaskSpans:
 
     def __init__(self, resource: Resource, sampler: Sampler) -> None:
         self._sampler = sampler
-        self._resource = ResourceMessage(attributes=encode_attributes(resource.attributes))
+        self._resource = otlp_wire.resource(resource.attributes)
         self._resource_schema = resource.schema_url
-        self._scope = InstrumentationScope(name=SCOPE)
+        self._scope = otlp_wire.scope(SCOPE)
         self._current: contextvars.ContextVar[TaskSpan | None] = contextvars.ContextVar(
             "rlship_task_span", default=None
         )
-        self._ended: list[Span] = []
+        self._ended: list[bytes] = []  # each an encoded `Span`
         self._held_since: float | None = None  # when the oldest of `_ended` ended (monotonic)
         self._lock = threading.Lock()
         self._run_id: str | None = None  # of the last task served: where the flusher pushes
@@ -178,17 +151,16 @@ class TaskSpans:
         self._current.reset(token)
         if not span.sampled:
             return
-        status = Status(code=Status.STATUS_CODE_ERROR, message=error) if error is not None else Status()
-        encoded = Span(
-            trace_id=span.trace_id.to_bytes(16, "big"),
-            span_id=span.span_id.to_bytes(8, "big"),
-            parent_span_id=span.parent_id.to_bytes(8, "big") if span.parent_id else None,
+        encoded = otlp_wire.span(
+            trace_id=span.trace_id,
+            span_id=span.span_id,
+            parent_id=span.parent_id,
             name=span.name,
             kind=span.kind,
-            start_time_unix_nano=span.start_ns,
-            end_time_unix_nano=end_ns,
-            attributes=encode_attributes(span.attributes),
-            status=status,
+            start_ns=span.start_ns,
+            end_ns=end_ns,
+            attributes=span.attributes,
+            error=error,
             flags=_FLAGS_REMOTE if span.parent_remote else _FLAGS_LOCAL,
         )
         with self._lock:
@@ -221,21 +193,17 @@ class TaskSpans:
             raise
         self.end(span, token)
 
-    def request(self, spans: list[Span]) -> bytes:
-        """`spans` as one serialized OTLP `ExportTraceServiceRequest` of this process."""
-        scope_spans = ScopeSpans(scope=self._scope, spans=spans)
-        resource_spans = ResourceSpans(
-            resource=self._resource, scope_spans=[scope_spans], schema_url=self._resource_schema
-        )
-        return ExportTraceServiceRequest(resource_spans=[resource_spans]).SerializeToString()
+    def request(self, spans: list[bytes]) -> bytes:
+        """Encoded `spans` as one serialized OTLP `ExportTraceServiceRequest` of this process."""
+        return otlp_wire.export_request(self._resource, self._scope, spans, self._resource_schema)
 
-    def take(self) -> list[Span]:
-        """The spans ended since the last take, encoded, and none held after."""
+    def take(self) -> list[bytes]:
+        """The spans ended since the last take, each an encoded `Span`, and none held after."""
         with self._lock:
             spans, self._ended, self._held_since = self._ended, [], None
         return spans
 
-    def give_back(self, spans: list[Span]) -> None:
+    def give_back(self, spans: list[bytes]) -> None:
         """Spans that did not leave (Redis not answering) wait, before any ended since."""
         with self._lock:
             self._ended[:0] = spans[: max(0, QUEUED_SPANS_MAX - len(self._ended))]
@@ -268,7 +236,7 @@ class TaskSpans:
     def delivered(self) -> None:
         self._failing = False
 
-    def undelivered(self, spans: list[Span]) -> None:
+    def undelivered(self, spans: list[bytes]) -> None:
         """Spans that did not reach Redis wait for the next hand-off (said once until one goes)."""
         if not self._failing:
             log.exception("handing %d spans to Redis failed; they wait for the next hand-off", len(spans))
@@ -295,7 +263,7 @@ class SpansRiding:
     """Spans queued on a first read's pipeline (`TaskSpans.ride`), told how it went."""
 
     spans: TaskSpans
-    taken: list[Span]
+    taken: list[bytes]
     run_id: str
     at: int  # the index of the push's reply: the list's length
 

@@ -40,8 +40,16 @@ TASK_ATTRIBUTES = {
     "rlship.step": 3,
     "rlship.redelivered": True,
     "rlship.ratio": 0.25,
+    # every kind of value the wire encoder writes: negative and many-byte ints, a list, bytes
+    "x.offset": -5,
+    "x.bytes_held": 2**40 + 7,
+    "x.ranks": (0, 1, 300),
+    "x.tags": ("a", "b"),
+    "x.raw": b"\x00\x01",
+    "x.text": "é" * 100,  # a length of two bytes' varint
 }
 SEND_ATTRIBUTES = {"rlship.step": 3, "rlship.rank": 1}
+ERROR = "ValueError('" + "bad " * 48 + "')"  # as long as a failed task's (200 characters)
 
 
 def normalized(body: bytes, window: tuple[int, int]) -> ExportTraceServiceRequest:
@@ -88,7 +96,7 @@ def test_a_tasks_spans_encode_as_the_sdks_spans_encoded_by_its_exporter():
     task.end()
     failed = tracer.start_span("rlship.encode", context=parent_context(PARENT), kind=SpanKind.CONSUMER)
     failed.set_attribute("rlship.state", "FAILURE")
-    failed.set_status(Status(StatusCode.ERROR, "ValueError('bad')"))
+    failed.set_status(Status(StatusCode.ERROR, ERROR))
     failed.end()
     tracer.start_span("rlship.prepare", kind=SpanKind.CONSUMER, attributes={"rlship.rollouts": 4}).end()
     expected = encode_spans(ended.get_finished_spans()).SerializeToString()
@@ -104,7 +112,7 @@ def test_a_tasks_spans_encode_as_the_sdks_spans_encoded_by_its_exporter():
     assert spans.current() is None
     span, token = spans.start("rlship.encode", {}, parent=PARENT, kind=SpanKind.CONSUMER)
     span.attributes["rlship.state"] = "FAILURE"
-    spans.end(span, token, error="ValueError('bad')")
+    spans.end(span, token, error=ERROR)
     span, token = spans.start("rlship.prepare", {"rlship.rollouts": 4}, parent=None, kind=SpanKind.CONSUMER)
     spans.end(span, token)
     got = spans.request(spans.take())
