@@ -168,3 +168,32 @@ def test_the_ratio_sampler_keeps_the_roots_its_rule_keeps():
         assert span.sampled == ((span.trace_id & (2**64 - 1)) < 2**63)
         kept += span.sampled
     assert len(spans.take()) == 2 * kept and 0 < kept < 64
+
+
+def test_attributes_that_never_repeat_keep_the_kept_bytes_bounded_and_every_span_right():
+    """A task's message id is new with every task: the writer's store of attribute bytes
+    stays within its cap, and each span still decodes (by the generated `Span` class) to
+    its own attributes, before and after the store is emptied."""
+    from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+    from tasks import otlp_wire
+
+    for index in range(3 * otlp_wire._ATTRIBUTES_CACHED):
+        message_id = f"task-{index}"
+        encoded = otlp_wire.span(
+            trace_id=index + 1,
+            span_id=index + 1,
+            parent_id=0,
+            name="rlship.encode",
+            kind=Span.SPAN_KIND_CONSUMER,
+            start_ns=1,
+            end_ns=2,
+            attributes={"messaging.message.id": message_id, "rlship.run_id": "run-1", "rlship.step": index},
+            error=None,
+            flags=256,
+        )
+        assert len(otlp_wire._attribute_bytes) <= otlp_wire._ATTRIBUTES_CACHED
+        if index % 1000 == 0 or index == 3 * otlp_wire._ATTRIBUTES_CACHED - 1:
+            decoded = Span.FromString(encoded)
+            got = {kv.key: getattr(kv.value, kv.value.WhichOneof("value")) for kv in decoded.attributes}
+            assert got == {"messaging.message.id": message_id, "rlship.run_id": "run-1", "rlship.step": index}
