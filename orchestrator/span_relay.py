@@ -1,10 +1,11 @@
 """The orchestrator's relay of its run's spans (docs/observability.md, Traces): the Celery
 pool processes push each task's spans onto the run's span list in Redis
-(`tasks.task_spans`); a daemon thread here pops them in batches and POSTs
-each batch to the collector as one request, over OTLP/HTTP or gRPC as the standard `OTEL_*`
-variables say (`tasks.otlp_target`). A batch is the entries' bytes concatenated: each entry is
-a serialized `ExportTraceServiceRequest`, and protobuf parses concatenated messages as
-one with their repeated fields (`resource_spans`) appended, each keeping its resource.
+(`tasks.task_spans`); a daemon thread here pops them in batches, adds the orchestrator's own
+ended since the last batch, and POSTs each batch to the collector as one request, over
+OTLP/HTTP or gRPC as the standard `OTEL_*` variables say (`tasks.otlp_target`). A batch is
+the entries' bytes concatenated: each entry is a serialized `ExportTraceServiceRequest`, and
+protobuf parses concatenated messages as one with their repeated fields (`resource_spans`)
+appended, each keeping its resource.
 
 A batch the collector does not take (down, or answering 429/5xx) goes back to the head of
 the list, logged once, and is tried again; while it waits, the list keeps its newest
@@ -171,6 +172,9 @@ class SpanRelay:
         except Exception:
             self._failed("reading the span list from Redis failed")
             return None
+        own = self._own_spans()
+        if own is not None:
+            batch.append(own)
         if not batch:
             return 0
         try:
@@ -193,6 +197,14 @@ class SpanRelay:
         self._failing = False
         self.relayed += len(batch)
         return len(batch)
+
+    @staticmethod
+    def _own_spans() -> bytes | None:
+        """This process's own spans ended since the last batch (the step roots and prepare
+        enqueues, `orchestrator.step_traces`), as one entry; None when there are none."""
+        spans = tracing.tracing("orchestrator").task_spans
+        taken = spans.take()
+        return spans.request(taken) if taken else None
 
     def _failed(self, what: str) -> None:
         if not self._failing:

@@ -13,7 +13,7 @@ encoding of the same spans.
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 # A field's tag is a varint of (field number << 3) | wire type (0 varint, 1 fixed 64 bits,
@@ -63,6 +63,10 @@ _NAME, _KIND, _START, _END, _ATTRIBUTE, _STATUS = (
     _tag(15, 2),
 )
 _FLAGS = _tag(16, 5)
+# Link: its trace and span ids as a span's (fields 1 and 2), its flags as the exporter writes
+# them for a link to a span of this process (`SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK`)
+_LINK = _tag(13, 2)
+_LINK_FLAGS = _tag(6, 5) + struct.pack("<I", 0x100)
 _STATUS_MESSAGE, _STATUS_CODE_ERROR = _tag(2, 2), _tag(3, 0) + _varint(2)
 _EMPTY_STATUS = _length_delimited(_STATUS, b"")
 # ScopeSpans, ResourceSpans, ExportTraceServiceRequest
@@ -130,11 +134,13 @@ def span(
     start_ns: int,
     end_ns: int,
     attributes: dict[str, Any],
+    links: Sequence[tuple[int, int]] = (),
     error: str | None,
     flags: int,
 ) -> bytes:
-    """A `Span` message's bytes: its ids, name, kind, times, attributes, status (an error's
-    message and code, else empty, as the exporter writes it) and flags."""
+    """A `Span` message's bytes: its ids, name, kind, times, attributes, links (to spans of
+    this process: (trace id, span id)), status (an error's message and code, else empty, as
+    the exporter writes it) and flags."""
     parts = [_TRACE_ID, trace_id.to_bytes(16, "big"), _SPAN_ID, span_id.to_bytes(8, "big")]
     if parent_id:
         parts += (_PARENT_SPAN_ID, parent_id.to_bytes(8, "big"))
@@ -144,6 +150,15 @@ def span(
         parts += (_KIND, _varint(kind))
     parts += (_START, struct.pack("<Q", start_ns), _END, struct.pack("<Q", end_ns))
     parts += [_kept_attribute(key, value) for key, value in attributes.items()]
+    for linked_trace, linked_span in links:
+        link = (
+            _TRACE_ID,
+            linked_trace.to_bytes(16, "big"),
+            _SPAN_ID,
+            linked_span.to_bytes(8, "big"),
+            _LINK_FLAGS,
+        )
+        parts.append(_length_delimited(_LINK, b"".join(link)))
     if error is None:
         parts.append(_EMPTY_STATUS)
     else:

@@ -1,9 +1,10 @@
 """The spans of a Celery pool process's tasks (`tasks.tracing` makes them at a task's start
-and end and around a rank's send): recorded as small plain objects and written as OTLP's
-protobuf bytes as each ends (`tasks.otlp_wire`), not made by the OpenTelemetry SDK, and handed to the run's
-span list in Redis on the pipeline of the process's next stage task's first read
-(`TaskSpans.ride`), whence the orchestrator relays them to the collector
-(`orchestrator.span_relay`).
+and end and around a rank's send), and the orchestrator's (its step roots and prepare
+enqueues, `orchestrator.step_traces`): recorded as small plain objects and written as OTLP's
+protobuf bytes as each ends (`tasks.otlp_wire`), not made by the OpenTelemetry SDK. A pool
+process hands them to the run's span list in Redis on the pipeline of its next stage task's
+first read (`TaskSpans.ride`), whence the orchestrator relays them to the collector
+(`orchestrator.span_relay`), with its own.
 
 Why not the SDK's spans: a pool process makes two spans a task, thousands a minute, and the
 SDK's span objects (their bounded attributes and locks, the processors' hooks, the
@@ -50,10 +51,15 @@ SCOPE = "rlship"  # the instrumentation scope, as the orchestrator's tracer name
 QUEUED_SPANS_MAX = 4096  # spans held between two hand-offs (Redis not answering), the newest dropped
 FLUSH_SECONDS = 0.5  # spans held this long with no stage task's first read to ride on are pushed
 # OTLP's kinds (opentelemetry.proto.trace.v1.Span.SpanKind) of the API's
-_KIND = {trace.SpanKind.INTERNAL: Span.SPAN_KIND_INTERNAL, trace.SpanKind.CONSUMER: Span.SPAN_KIND_CONSUMER}
+_KIND = {
+    trace.SpanKind.INTERNAL: Span.SPAN_KIND_INTERNAL,
+    trace.SpanKind.CONSUMER: Span.SPAN_KIND_CONSUMER,
+    trace.SpanKind.PRODUCER: Span.SPAN_KIND_PRODUCER,
+}
 # The span's flags as the exporter sets them: whether its parent is remote is known.
 _FLAGS_LOCAL = SpanFlags.SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK
 _FLAGS_REMOTE = _FLAGS_LOCAL | SpanFlags.SPAN_FLAGS_CONTEXT_IS_REMOTE_MASK
+_SAMPLED = trace.TraceFlags(trace.TraceFlags.SAMPLED)
 
 
 @dataclass(slots=True)
@@ -71,6 +77,7 @@ class TaskSpan:
     kind: int  # OTLP's
     start_ns: int
     attributes: dict[str, Any] = field(default_factory=dict)
+    links: tuple[tuple[int, int], ...] = ()  # (trace id, span id) of spans of this process
 
     @property
     def traceparent(self) -> str:
@@ -78,13 +85,15 @@ class TaskSpan:
 
 
 class TaskSpans:
-    """This pool process's spans: `start` and `end` a task's, `child` around a part of it,
+    """This process's spans: `start` and `end` a task's, `child` around a part of it,
     `current` the one open innermost in this thread (what an enqueued message carries),
     `ride` what ended on a stage task's first read to a run's span list (else a flusher
-    thread `push`es it)."""
+    thread `push`es it, unless `hand_off_idle` is off: the orchestrator's relay `take`s
+    them); `open` and `close` a span never current (the orchestrator's)."""
 
-    def __init__(self, resource: Resource, sampler: Sampler) -> None:
+    def __init__(self, resource: Resource, sampler: Sampler, *, hand_off_idle: bool = True) -> None:
         self._sampler = sampler
+        self._hand_off_idle = hand_off_idle  # False: taken by the process's relay (`take`)
         self._resource = otlp_wire.resource(resource.attributes)
         self._resource_schema = resource.schema_url
         self._scope = otlp_wire.scope(SCOPE)
@@ -106,18 +115,19 @@ class TaskSpans:
     def current(self) -> TaskSpan | None:
         return self._current.get()
 
-    def start(
+    def open(
         self,
         name: str,
         attributes: dict[str, Any],
         *,
         parent: tuple[int, int, int] | TaskSpan | None,
         kind: trace.SpanKind = trace.SpanKind.INTERNAL,
-    ) -> tuple[TaskSpan, contextvars.Token[Any]]:
-        """A span, current from now on in this thread, child of `parent`: a remote one
-        ((trace id, span id, trace flags) of a message's `traceparent`), a span of this
-        process, or none (the root of a new trace). The sampler decides as the SDK's
-        tracer would ask it; with the token that `end` takes back."""
+        links: tuple[tuple[int, int], ...] = (),
+    ) -> TaskSpan:
+        """A span, child of `parent`: a remote one ((trace id, span id, trace flags) of a
+        message's `traceparent`), a span of this process, or none (the root of a new trace),
+        linked to `links` (sampled spans of this process). The sampler decides as the SDK's
+        tracer would ask it."""
         if isinstance(parent, TaskSpan):
             trace_id, parent_id, flags, remote = parent.trace_id, parent.span_id, int(parent.sampled), False
         elif parent is not None:
@@ -130,25 +140,46 @@ class TaskSpans:
                 trace.SpanContext(trace_id, parent_id, is_remote=remote, trace_flags=trace.TraceFlags(flags))
             )
             parent_context = trace.set_span_in_context(parent_span)
-        decision = self._sampler.should_sample(parent_context, trace_id, name, kind, attributes)
-        span = TaskSpan(
+        sdk_links = [
+            trace.Link(trace.SpanContext(*link, is_remote=False, trace_flags=_SAMPLED)) for link in links
+        ]
+        decision = self._sampler.should_sample(parent_context, trace_id, name, kind, attributes, sdk_links)
+        sampled = decision.decision.is_sampled()
+        return TaskSpan(
             name=name,
             trace_id=trace_id,
             span_id=random.getrandbits(64) or 1,
             parent_id=parent_id,
             parent_remote=remote,
-            sampled=decision.decision.is_sampled(),
+            sampled=sampled,
             kind=_KIND[kind],
             start_ns=time.time_ns(),
-            attributes=dict(decision.attributes) if decision.decision.is_sampled() else {},
+            attributes=dict(decision.attributes) if sampled else {},
+            links=links,
         )
+
+    def start(
+        self,
+        name: str,
+        attributes: dict[str, Any],
+        *,
+        parent: tuple[int, int, int] | TaskSpan | None,
+        kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+    ) -> tuple[TaskSpan, contextvars.Token[Any]]:
+        """`open`, the span current from now on in this thread; with the token that `end`
+        takes back."""
+        span = self.open(name, attributes, parent=parent, kind=kind)
         return span, self._current.set(span)
 
     def end(self, span: TaskSpan, token: contextvars.Token[Any], error: str | None = None) -> None:
-        """The span ends now (with an error status if `error`), is no longer current, and,
-        sampled, waits in its OTLP form for the next `push`."""
-        end_ns = time.time_ns()
+        """The span ends now (`close`) and is no longer current."""
         self._current.reset(token)
+        self.close(span, error)
+
+    def close(self, span: TaskSpan, error: str | None = None) -> None:
+        """The span ends now (with an error status if `error`) and, sampled, waits in its
+        OTLP form to be handed on."""
+        end_ns = time.time_ns()
         if not span.sampled:
             return
         encoded = otlp_wire.span(
@@ -160,6 +191,7 @@ class TaskSpans:
             start_ns=span.start_ns,
             end_ns=end_ns,
             attributes=span.attributes,
+            links=span.links,
             error=error,
             flags=_FLAGS_REMOTE if span.parent_remote else _FLAGS_LOCAL,
         )
@@ -168,7 +200,7 @@ class TaskSpans:
                 self._ended.append(encoded)
             if self._held_since is None:
                 self._held_since = time.monotonic()
-        if self._flusher is None:
+        if self._hand_off_idle and self._flusher is None:
             self._flusher = threading.Thread(target=self._flush_idle, name="rlship-span-flusher", daemon=True)
             self._flusher.start()
 

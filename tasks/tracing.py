@@ -20,12 +20,13 @@ enqueues its successors under its own span, so a fan-in (publish) is the child o
 that completed it. A message that already carries a `traceparent` keeps it: a Celery retry
 and a redelivery after a killed worker are siblings of the first attempt, in the same trace.
 
-A pool process makes its tasks' spans itself, without the SDK's span objects
-(`tasks.task_spans`), and hands them to the run's span list in Redis on the pipeline of its
-next stage task's first read (`ride_spans`), or after `FLUSH_SECONDS` without one (the
-same commands, `queue_spans`, on a pipeline of their own), so one killed later loses only
-the span of the task it was running; the orchestrator relays the list to the collector,
-over HTTP or gRPC (`orchestrator.span_relay`).
+Every process makes its spans itself, without the SDK's span objects (`tasks.task_spans`;
+the orchestrator's leave with its span relay's requests). A pool process hands its tasks'
+spans to the run's span list in Redis on the pipeline of its next stage task's first read
+(`ride_spans`), or after `FLUSH_SECONDS` without one (the same commands, `queue_spans`, on a
+pipeline of their own), so one killed later loses only the span of the task it was running;
+the orchestrator relays the list to the collector, over HTTP or gRPC
+(`orchestrator.span_relay`).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from orchestrator.span_relay import SpanRelay
 from orchestrator.step_traces import StepTraces
 from tasks import tracing
 from tasks.cohort import Cohort
@@ -184,19 +185,22 @@ def test_rlship_run_refuses_in_one_line_when_its_processes_could_not_trace(tmp_p
     refused(done, "OTEL_EXPORTER_OTLP_PROTOCOL: 'http/json'")
 
 
-def test_a_root_taken_back_or_abandoned_ends_with_an_error(receiver, monkeypatch):
+def test_a_root_taken_back_or_abandoned_ends_with_an_error(receiver, monkeypatch, redis_url):
     """A cut taken back (every rollout dropped) ends its root with an error status, and so
-    does a run that stops with steps in flight; the status says which."""
+    does a run that stops with steps in flight; the status says which. The orchestrator's
+    spans leave with its span relay, stopped after the roots end, as `Orchestrator.run` does."""
     for name, value in otel_env(receiver).items():
         monkeypatch.setenv(name, value)
     run_id = f"roots-{uuid.uuid4().hex[:8]}"
     traces = StepTraces(run_id)
+    relay = SpanRelay.for_run(redis_url, run_id).start()
     for step in (5, 6):
         config = ShipConfig(ranks=2, seq_len=512)
         manifest = StepManifest(run_id, step, step - 1, time.time(), config, Cohort(), Cohort())
         assert traces.open(manifest, policy_version=3) is not None
     traces.end(5, "every rollout dropped: the cut is taken back")
     traces.close()
+    relay.stop()
 
     def roots() -> dict[int, ReceivedSpan]:
         found = receiver.received()

@@ -53,7 +53,7 @@ ERROR = "ValueError('" + "bad " * 48 + "')"  # as long as a failed task's (200 c
 
 
 def normalized(body: bytes, window: tuple[int, int]) -> ExportTraceServiceRequest:
-    """The request with ids replaced by their order of first appearance and times zeroed,
+    """The request with ids (links' too) replaced by their order of first appearance and times zeroed,
     after checking they are well-formed and inside `window` (ns)."""
     request = ExportTraceServiceRequest.FromString(body)
     names: dict[bytes, bytes] = {}
@@ -68,6 +68,8 @@ def normalized(body: bytes, window: tuple[int, int]) -> ExportTraceServiceReques
                 assert window[0] <= span.start_time_unix_nano <= span.end_time_unix_nano <= window[1]
                 span.trace_id = renamed(span.trace_id)
                 span.span_id, span.parent_span_id = renamed(span.span_id), renamed(span.parent_span_id)
+                for link in span.links:
+                    link.trace_id, link.span_id = renamed(link.trace_id), renamed(link.span_id)
                 span.start_time_unix_nano = span.end_time_unix_nano = 0
     return request
 
@@ -197,3 +199,47 @@ def test_attributes_that_never_repeat_keep_the_kept_bytes_bounded_and_every_span
             decoded = Span.FromString(encoded)
             got = {kv.key: getattr(kv.value, kv.value.WhichOneof("value")) for kv in decoded.attributes}
             assert got == {"messaging.message.id": message_id, "rlship.run_id": "run-1", "rlship.step": index}
+
+
+def test_the_orchestrators_spans_encode_as_the_sdks_spans_encoded_by_its_exporter():
+    """The orchestrator's spans (`orchestrator.step_traces`): prepare enqueues (producer
+    roots of their own traces) and a step's root linked to them, one ended with an error
+    (a cut taken back), made by `open` and `close` and never current."""
+    resource = Resource.create(RESOURCE)
+    provider = TracerProvider(resource=resource)
+    ended = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(ended))
+    tracer = provider.get_tracer("rlship")
+    started = time.time_ns()
+    prepare_attributes = {"rlship.run_id": "run-1", "rlship.rollouts": 128}
+    root_attributes = {"rlship.run_id": "run-1", "rlship.step": 4, "rlship.prepared_links": 2}
+
+    prepares = []
+    for _ in range(2):
+        span = tracer.start_span("rlship.prepare", kind=SpanKind.PRODUCER, attributes=prepare_attributes)
+        span.end()
+        prepares.append(span.get_span_context())
+    root = tracer.start_span(
+        "rlship.step", links=[trace.Link(c) for c in prepares], attributes=root_attributes
+    )
+    root.end()
+    taken_back = tracer.start_span("rlship.step", attributes=root_attributes)
+    taken_back.set_status(Status(StatusCode.ERROR, "cut again"))
+    taken_back.end()
+    expected = encode_spans(ended.get_finished_spans()).SerializeToString()
+
+    spans = TaskSpans(resource, provider.sampler, hand_off_idle=False)
+    linked = []
+    for _ in range(2):
+        span = spans.open("rlship.prepare", dict(prepare_attributes), parent=None, kind=SpanKind.PRODUCER)
+        spans.close(span)
+        linked.append((span.trace_id, span.span_id))
+    root = spans.open("rlship.step", dict(root_attributes), parent=None, links=tuple(linked))
+    assert spans.current() is None, "an orchestrator's span is never current"
+    spans.close(root)
+    taken_back = spans.open("rlship.step", dict(root_attributes), parent=None)
+    spans.close(taken_back, error="cut again")
+    got = spans.request(spans.take())
+    window = (started, time.time_ns())
+
+    assert normalized(got, window) == normalized(expected, window)

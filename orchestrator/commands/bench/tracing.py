@@ -100,6 +100,7 @@ def run_tasks(count: int, mode: str) -> float:
 
         pushed = InMemorySpanExporter()
         found.provider.add_span_processor(SimpleSpanProcessor(pushed))
+        tracer = found.provider.get_tracer("rlship")
 
     def one(task: Task, index: int) -> None:
         task.request = Context(
@@ -111,7 +112,7 @@ def run_tasks(count: int, mode: str) -> float:
         )
         args = [run_id, index, 0]
         if mode == "sdk":
-            _sdk_task(found.tracer, pushed, task, args)
+            _sdk_task(tracer, pushed, task, args)
             return
         tracing._start(task_id=task.request.id, task=task, args=args)
         with tracing.span("rlship.zmq_send", **{"rlship.step": index, "rlship.rank": 0}):
