@@ -80,12 +80,17 @@ def parent_context(parent: tuple[int, int, int]):
     return trace.set_span_in_context(trace.NonRecordingSpan(context))
 
 
-def test_a_tasks_spans_encode_as_the_sdks_spans_encoded_by_its_exporter():
+def the_sdks_tracer() -> tuple[Resource, TracerProvider, InMemorySpanExporter, trace.Tracer]:
+    """The oracle's side: the SDK's tracer with the test's resource, its ended spans kept."""
     resource = Resource.create(RESOURCE)
     provider = TracerProvider(resource=resource)
     ended = InMemorySpanExporter()
     provider.add_span_processor(SimpleSpanProcessor(ended))
-    tracer = provider.get_tracer("rlship")
+    return resource, provider, ended, provider.get_tracer("rlship")
+
+
+def test_a_tasks_spans_encode_as_the_sdks_spans_encoded_by_its_exporter():
+    resource, provider, ended, tracer = the_sdks_tracer()
     started = time.time_ns()
 
     # The oracle: a task (consumer, remote parent) with a send inside it, a failed task, a root.
@@ -205,11 +210,7 @@ def test_the_orchestrators_spans_encode_as_the_sdks_spans_encoded_by_its_exporte
     """The orchestrator's spans (`orchestrator.step_traces`): prepare enqueues (producer
     roots of their own traces) and a step's root linked to them, one ended with an error
     (a cut taken back), made by `open` and `close` and never current."""
-    resource = Resource.create(RESOURCE)
-    provider = TracerProvider(resource=resource)
-    ended = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(ended))
-    tracer = provider.get_tracer("rlship")
+    resource, provider, ended, tracer = the_sdks_tracer()
     started = time.time_ns()
     prepare_attributes = {"rlship.run_id": "run-1", "rlship.rollouts": 128}
     root_attributes = {"rlship.run_id": "run-1", "rlship.step": 4, "rlship.prepared_links": 2}
