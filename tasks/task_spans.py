@@ -210,9 +210,9 @@ class TaskSpans:
         """A span of a part of the current one that took `seconds` and ends now (with an
         error status if `error`): parts that overlap (the sends of several ranks, side by
         side) are siblings, where `child` would nest each in the one open before it."""
-        span, token = self.start(name, attributes, parent=self.current())
+        span = self.open(name, attributes, parent=self.current())
         span.start_ns -= int(seconds * 1e9)
-        self.end(span, token, error=error)
+        self.close(span, error)
 
     @contextlib.contextmanager
     def child(self, name: str, attributes: dict[str, Any]) -> Iterator[None]:

@@ -169,12 +169,6 @@ def format_traceparent(trace_id: int, span_id: int, flags: int) -> str:
     return f"00-{trace_id:032x}-{span_id:016x}-{flags:02x}"
 
 
-def traceparent(span: Any) -> str:
-    """The W3C `traceparent` of an SDK span: what a task message or the step's trace key carries."""
-    context = span.get_span_context()
-    return format_traceparent(context.trace_id, context.span_id, int(context.trace_flags))
-
-
 _LOWER_HEX = frozenset("0123456789abcdef")
 
 
@@ -211,18 +205,11 @@ def step_trace_id(client: Any, run_id: str, step: int) -> str | None:
 
 
 def _current_traceparent() -> str | None:
-    """The `traceparent` of the span this thread is in: a task's (`tasks.task_spans`), else
-    the SDK's (the orchestrator's); None when off or outside any."""
+    """The `traceparent` of the task span this thread is in (`tasks.task_spans`; no rlship
+    process makes the SDK's spans); None when off or outside any."""
     found = _tracing.get(os.getpid())
-    if found is None:
-        return None
-    task_span = found.task_spans.current()
-    if task_span is not None:
-        return task_span.traceparent
-    from opentelemetry import trace
-
-    current = trace.get_current_span()
-    return traceparent(current) if current.get_span_context().is_valid else None
+    current = found.task_spans.current() if found is not None else None
+    return current.traceparent if current is not None else None
 
 
 def current_trace_id() -> str | None:
