@@ -29,8 +29,9 @@ WORKER_AUTH_ENV = "RLSHIP_REDIS_WORKER_AUTH"
 
 def visibility_timeout() -> int:
     """Seconds before an unacknowledged task is delivered again. Every stage task is short
-    (long waits are retries, not sleeps), so a few minutes bounds the recovery delay of a
-    killed worker without re-running live tasks."""
+    (long waits are retries, not sleeps; a send stays for its step's encodes at most
+    `tasks.send.STAY_SECONDS`), so a few minutes bounds the recovery delay of a killed
+    worker without re-running live tasks."""
     return int(os.environ.get(VISIBILITY_TIMEOUT_ENV, "300"))
 
 

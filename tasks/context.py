@@ -216,6 +216,11 @@ class StepContext:
             pipe.sadd(self.keys.step_keys(self.step), self.keys.times(self.step))
             pipe.set(mark, seconds, ex=self.store.ttl)
             pipe.sadd(self.keys.step_keys(self.step), mark)
+            if rank is not None:
+                marked = self.keys.marked_ranks(self.step, stage)
+                pipe.rpush(marked, rank)
+                pipe.expire(marked, self.store.ttl)
+                pipe.sadd(self.keys.step_keys(self.step), marked)
             pipe.expire(self.keys.step_keys(self.step), self.store.ttl)
             self.count_call(stage, pipe)
             try:

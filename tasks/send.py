@@ -10,7 +10,8 @@ import functools
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Set
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,11 @@ SHIP_PROBLEM_SECONDS = 10
 # A trainer whose queue stays full this long makes the send fail and retry later, so a
 # stuck rank holds back its own step instead of blocking the ship worker forever.
 SEND_TIMEOUT_SECONDS = 30.0
+# A send whose step still has ranks encoding waits this long for the next encode to end
+# (`_send_as_encoded`), and stays at most the second figure in all (far below the broker's
+# visibility timeout), then leaves the rest to their own tasks.
+ENCODE_WAIT_SECONDS = 2.0
+STAY_SECONDS = 60.0
 
 
 @functools.cache
@@ -75,8 +81,9 @@ def send(ctx: StepContext, rank: int) -> None:
     """Send one rank its step, once: the step before must have left (per-rank order), and a
     step already marked `last_sent` (it left the process) or acknowledged is not sent again.
     The same task sends the step to every other rank whose payload is ready
-    (`_companions`), side by side, each between its own two marks; their own tasks, when
-    they come, find their step sent.
+    (`_companions`), side by side, each between its own two marks, and then stays for the
+    ranks still encoding, sending each as its encode ends (`_send_as_encoded`); their own
+    tasks, when they come, find their step sent.
 
     Exactly-once to a receiver that neither drops duplicates nor replays (prime-rl's)
     rests on two marks around a send that returns only once libzmq has taken the message
@@ -150,44 +157,82 @@ def _send_now(ctx: StepContext, rank: int) -> bool:
             "(not started, or pointed at another host or port?)",
         )
         raise ctx.retry(countdown=RETRY_SECONDS, queue=config.ship_queue)
-    ranks = [rank, *_companions(ctx, sender, rank)]
-    _mark_intents(ctx, ranks)  # every mark before any hand-over: a kill here has sent nothing
-    for each in ranks:
-        ctx.crash_if_armed("sending", each)  # marked, not sent: the redelivery sends it, once
-    if rank in _send_side_by_side(ctx, sender, ranks):
+    companions = _companions(ctx, sender, {rank})
+    if rank in _send_ranks(ctx, sender, [rank, *companions.encoded], rank):
         raise ctx.retry(countdown=RETRY_SECONDS, queue=config.ship_queue)
+    if companions.encoding:
+        _send_as_encoded(ctx, sender, rank)
     return True
 
 
-def _companions(ctx: StepContext, sender: StepSender, rank: int) -> list[int]:
-    """The other ranks whose step a send to `rank` also sends: encoded, the rank's step
-    before it left (per-rank order), not acknowledged, and (ZMQ) the rank ready. Sent side
-    by side, their payloads leave together instead of each one after the ship process's
-    turn between two tasks; each one's own send task then finds it sent."""
+def _send_ranks(ctx: StepContext, sender: StepSender, ranks: list[int], own: int | None = None) -> set[int]:
+    """Send `ranks` the step side by side, every `sending` mark written first; the ranks
+    whose payload did not leave (`_send_side_by_side`; `own`: the task's own rank)."""
+    _mark_intents(ctx, ranks)  # every mark before any hand-over: a kill here has sent nothing
+    for each in ranks:
+        ctx.crash_if_armed("sending", each)  # marked, not sent: the redelivery sends it, once
+    return _send_side_by_side(ctx, sender, ranks, own)
+
+
+@dataclass(frozen=True)
+class Companions:
+    """The other ranks a send to one rank may send the step to: their step before it left
+    (per-rank order), not acknowledged and (ZMQ) the rank ready; `encoded` can go now,
+    `encoding` once their encode ends."""
+
+    encoded: list[int]
+    encoding: list[int]
+
+
+def _companions(ctx: StepContext, sender: StepSender, passed: Set[int]) -> Companions:
+    """The ranks a send also sends, but `passed` (its own, and any it could not send). Sent
+    side by side, their payloads leave together instead of each one after the ship
+    process's turn between two tasks; each one's own send task then finds it sent."""
     step, manifest = ctx.step, ctx.manifest
     ready = getattr(sender, "ready_ranks", None)
-    others = [r for r in range(manifest.config.ranks) if r != rank and (ready is None or r in ready)]
+    others = [r for r in range(manifest.config.ranks) if r not in passed and (ready is None or r in ready)]
+    found = Companions([], [])
     if not others:
-        return []
+        return found
     pipe = ctx.client.pipeline(transaction=False)
     for other in others:
         pipe.exists(ctx.keys.done(step, "encode", other))
         pipe.get(ctx.keys.last_sent(other))
         pipe.hexists(ctx.keys.received(other), step)
     replies = pipe.execute()
-    found = []
     for index, other in enumerate(others):
         encoded, last_sent, acknowledged = replies[3 * index : 3 * index + 3]
         left = int(last_sent) if last_sent is not None else -1
-        if encoded and manifest.prev_step <= left < step and not acknowledged:
-            found.append(other)
+        if manifest.prev_step <= left < step and not acknowledged:
+            (found.encoded if encoded else found.encoding).append(other)
     return found
 
 
-def _send_side_by_side(ctx: StepContext, sender: StepSender, ranks: list[int]) -> set[int]:
+def _send_as_encoded(ctx: StepContext, sender: StepSender, rank: int) -> None:
+    """Once its own rank has left, the task stays for the step's encodes still running and
+    sends each rank as its encode's mark is written (`RunKeys.marked_ranks`), until none is
+    left, none ends within `ENCODE_WAIT_SECONDS` or it has stayed `STAY_SECONDS`. The ship
+    process's turn between two tasks (Celery's request, task events, the hand-back to the
+    pool: 4-10 ms on a busy host) is then paid once a step, not once a rank; the ranks' own
+    tasks find them sent. A rank whose payload did not leave is left to its own task."""
+    marked = ctx.keys.marked_ranks(ctx.step, "encode")
+    passed = {rank}
+    until = time.monotonic() + STAY_SECONDS
+    while time.monotonic() < until and ctx.client.brpop([marked], timeout=ENCODE_WAIT_SECONDS) is not None:
+        # Every mark pushed so far is read below; one pushed after this wakes the next wait.
+        ctx.client.unlink(marked)
+        companions = _companions(ctx, sender, passed)
+        if companions.encoded:
+            passed |= _send_ranks(ctx, sender, companions.encoded)
+        if not companions.encoding:
+            return
+
+
+def _send_side_by_side(ctx: StepContext, sender: StepSender, ranks: list[int], own: int | None) -> set[int]:
     """Hand every rank's payload over, then mark each `last_sent` once it has left (the
     order handed over). The ranks whose payload did not leave (its trainer not reading)
-    are returned: each one's own send task retries it, its message still queued if it is.
+    are returned: each one's own send task retries it, its message still queued if it is;
+    the task's `own` rank's payload missing or corrupt fails the task, as it did alone.
 
     The `send` fault keeps the window it names: before the kill, every other rank's payload
     leaves and is marked, then the sender's close flushes the socket; only the armed rank's
@@ -214,8 +259,8 @@ def _send_side_by_side(ctx: StepContext, sender: StepSender, ranks: list[int]) -
         except TimeoutError as exc:
             failed(each, exc)
         except (PayloadMissingError, PayloadCorruptError) as exc:
-            if each == ranks[0]:
-                raise  # the task's own rank (first: nothing handed over yet) fails as it did alone
+            if each == own:
+                raise  # first in its task's ranks: nothing handed over yet
             failed(each, exc)
     handed = [each for each in ranks if each not in not_left]
 

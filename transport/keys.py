@@ -86,6 +86,11 @@ class RunKeys:
         """A stage's completion mark for a step (per rank for a per-rank stage)."""
         return self.step(step, f"done:{stage_field(stage, rank)}")
 
+    def marked_ranks(self, step: int, stage: str) -> str:
+        """A per-rank stage's ranks, pushed as each one's completion mark is written: what a
+        task waiting for them blocks on (a send sends its step's ranks as their encodes end)."""
+        return self.step(step, f"marked:{stage}")
+
     def times(self, step: int) -> str:
         """The step's stage seconds, field `stage_field(stage, rank)`."""
         return self.step(step, "times")

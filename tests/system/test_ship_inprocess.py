@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -153,9 +154,11 @@ def test_one_step_through_every_task(
     assert client.xlen(store.keys.metrics_stream) == 1
     assert client.hgetall(RunKeys(run_id).stage_calls) == raw_calls, "no stage computed again"
 
+    marked = store.keys.marked_ranks(0, "encode")
+    assert client.lrange(marked, 0, -1) == [b"0", b"1"] and client.ttl(marked) > 0
     ship.release(run_id, 0, RANKS, 8)
     assert client.hexists(RunKeys(run_id).released, 0)
-    assert not client.exists(store.keys.step(0, "manifest"), store.keys.step(0, "times"))
+    assert not client.exists(store.keys.step(0, "manifest"), store.keys.step(0, "times"), marked)
 
 
 def test_a_stage_already_done_is_not_computed_again(client: redis.Redis, run_id: str, shipped_step) -> None:
@@ -209,10 +212,42 @@ def test_a_send_also_sends_every_rank_whose_payload_is_ready(
     assert client.hlen(keys.interrupted_sends) == 0
 
 
-def test_a_send_leaves_a_rank_not_encoded_to_its_own_task(
-    client: redis.Redis, run_id: str, shipped_step
+def test_a_send_stays_for_a_rank_still_encoding_and_sends_it_when_its_encode_ends(
+    client: redis.Redis, run_id: str, shipped_step, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Rank 0's send task, its own rank sent, waits while rank 1 encodes and sends rank 1
+    the moment its encode is marked (long before the wait's limit); rank 1's own task
+    then finds it sent. The oracle: the task still running, then the file and the marks."""
     _, config = shipped_step
+    keys = RunKeys(run_id)
+    monkeypatch.setattr(send_module, "ENCODE_WAIT_SECONDS", 60.0)
+    ship.finalize(run_id, 0)
+    ship.encode(run_id, 0, 0)
+    sending = threading.Thread(target=ship.send, args=(run_id, 0, 0))
+    sending.start()
+    sending.join(timeout=1.0)
+    assert sending.is_alive(), "the send waits for rank 1's encode"
+    assert rank_file(config, 0).exists() and not rank_file(config, 1).exists()
+    assert client.get(keys.last_sent(0)) == b"0", "its own rank marked sent before the wait"
+    ship.encode(run_id, 0, 1)
+    sending.join(timeout=20.0)
+    assert not sending.is_alive(), "woken by rank 1's mark, not by the wait's limit"
+    assert rank_file(config, 1).exists() and client.get(keys.last_sent(1)) == b"0"
+    assert client.hexists(keys.times(0), "send:1")
+    rank_file(config, 1).unlink()
+    ship.send(run_id, 0, 1)
+    assert not rank_file(config, 1).exists(), "rank 1's own task did not send it again"
+    assert client.smembers(keys.sent(0)) == {b"0", b"1"}
+    assert client.hlen(keys.interrupted_sends) == 0
+
+
+def test_a_send_leaves_a_rank_not_encoded_to_its_own_task(
+    client: redis.Redis, run_id: str, shipped_step, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No encode ends within the wait's limit: the send returns and the rank's own task
+    sends it once it is encoded."""
+    _, config = shipped_step
+    monkeypatch.setattr(send_module, "ENCODE_WAIT_SECONDS", 0.2)
     keys = RunKeys(run_id)
     ship.finalize(run_id, 0)
     ship.encode(run_id, 0, 0)
