@@ -17,7 +17,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import msgpack
 import redis
@@ -37,6 +37,7 @@ from transport.store import PayloadStore
 from transport.task_metrics import note_failure, note_queue_wait, queue_wait_seconds
 
 log = logging.getLogger("rlship.tasks")
+T = TypeVar("T")
 
 
 @functools.cache
@@ -66,6 +67,13 @@ def read_manifest(client: redis.Redis, store: PayloadStore, step: int) -> StepMa
     while len(_manifests) > MANIFESTS_KEPT:
         del _manifests[next(iter(_manifests))]
     return manifest
+
+
+# Step values decoded by this process, by (run, step, value): the manifest they were decoded
+# under (the cut: a step found empty is cut again under its number) and the value. A step's
+# encodes on one process then read and decode its samples and pack plan once, not a rank each.
+_decoded: dict[tuple[str, int, str], tuple[StepManifest, Any]] = {}
+DECODED_KEPT = 4  # two steps: a seed-sized step's samples are megabytes of labels
 
 
 class StepContext:
@@ -108,6 +116,19 @@ class StepContext:
         return msgpack.unpackb(
             self.store.get_step_value(self.step, name) if packed is None else packed, raw=False
         )
+
+    def decoded(self, name: str, decode: Callable[[Any], T]) -> T:
+        """`decode` of a step value written once per cut (the pruned samples, the pack plan),
+        made once per process and cut."""
+        key = (self.run_id, self.step, name)
+        held = _decoded.get(key)
+        if held is not None and held[0] is self.manifest:
+            return cast(T, held[1])
+        value = decode(self.get(name))
+        _decoded[key] = (self.manifest, value)
+        while len(_decoded) > DECODED_KEPT:
+            del _decoded[next(iter(_decoded))]
+        return value
 
     def crash_if_armed(
         self, stage: str, rank: int | None = None, before: Callable[[], None] | None = None

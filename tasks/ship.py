@@ -124,9 +124,14 @@ def prune(ctx: StepContext) -> None:
     ctx.put(StepValue.DROPPED, worker_drops(finalized["failures"], pruned))
 
 
+def _pruned(ctx: StepContext) -> Cohort:
+    """The step's samples after prune: what metrics, pack and each rank's encode read."""
+    return ctx.decoded(StepValue.PRUNED, lambda pruned: Cohort.from_wire(pruned["samples"]))
+
+
 @stage_task("metrics")
 def metrics(ctx: StepContext) -> None:
-    shipped = Cohort.from_wire(ctx.get(StepValue.PRUNED)["samples"])
+    shipped = _pruned(ctx)
     dropped = list(ctx.get(StepValue.DROPPED).values())
     ctx.put(StepValue.METRICS, step_metrics(ctx.manifest, shipped, dropped))
 
@@ -134,7 +139,7 @@ def metrics(ctx: StepContext) -> None:
 @stage_task("pack")
 def pack(ctx: StepContext) -> None:
     config = ctx.manifest.config
-    samples = Cohort.from_wire(ctx.get(StepValue.PRUNED)["samples"])
+    samples = _pruned(ctx)
     plan = pack_samples(samples.numeric["num_tokens"], config.ranks, config.seq_len, config.pad_to_multiple)
     ctx.put(StepValue.PLAN, plan.to_wire())
 
@@ -144,8 +149,8 @@ def encode(ctx: StepContext, rank: int) -> None:
     """The rank's payload, joined from its samples' wire parts made before the cut
     (`prepare`); a sample without them has its arrays read and its parts made here, and a
     rank holding a sample of optional streams is built from the arrays."""
-    plans = PackPlan.from_wire(ctx.get(StepValue.PLAN)).ranks[rank]
-    samples = Cohort.from_wire(ctx.get(StepValue.PRUNED)["samples"])
+    plans = ctx.decoded(StepValue.PLAN, PackPlan.from_wire).ranks[rank]
+    samples = _pruned(ctx)
     wire = ctx.manifest.config.wire_profile
     ids = rank_rollout_ids(plans, samples)
     wires = {rid: SampleWire.from_bytes(data) for rid, data in ctx.store.get_sample_wires(ids).items()}

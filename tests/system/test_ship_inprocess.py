@@ -22,7 +22,7 @@ import xxhash
 from orchestrator.commands.processes import delete_queues
 from tasks import faults, ship
 from tasks import send as send_module
-from tasks.cohort import NUMERIC_COLUMNS, CohortBuilder
+from tasks.cohort import NUMERIC_COLUMNS, Cohort, CohortBuilder
 from tasks.manifest import ShipConfig, StepManifest
 from tests.support.factories import store_rollout_arrays
 from transport.keys import RunKeys
@@ -94,7 +94,7 @@ def test_one_step_through_every_task(
     ship.finalize(run_id, 0)  # and prune and pack, in its task
     assert read == ["manifest"], "prune and pack took finalize's and prune's outputs from memory"
     encodes = [("rlship.encode", [run_id, 0, r]) for r in range(RANKS)]
-    assert _enqueued(client, cpu) == [("rlship.metrics", [run_id, 0]), *encodes]
+    assert _enqueued(client, cpu) == [*encodes, ("rlship.metrics", [run_id, 0])], "the encodes first"
     ship.metrics(run_id, 0)
     assert _enqueued(client, cpu) == [], "publish waits for every rank's send"
     for rank in range(RANKS):
@@ -165,7 +165,7 @@ def test_a_stage_already_done_is_not_computed_again(client: redis.Redis, run_id:
     _, config = shipped_step
     ship.finalize(run_id, 0)
     ship.finalize(run_id, 0)
-    successors = [("rlship.metrics", [run_id, 0]), *(("rlship.encode", [run_id, 0, r]) for r in range(RANKS))]
+    successors = [*(("rlship.encode", [run_id, 0, r]) for r in range(RANKS)), ("rlship.metrics", [run_id, 0])]
     assert _enqueued(client, config.cpu_queue) == successors * 2, "successors again"
     calls = client.hgetall(RunKeys(run_id).stage_calls)
     assert [int(v) for v in calls.values()] == [1, 1, 1], "finalize, prune and pack computed once"
@@ -315,7 +315,7 @@ def test_a_finalize_redelivered_after_a_kill_in_a_carried_stage_runs_it_from_wha
     assert _enqueued(client, config.cpu_queue) == [], "nothing follows a killed task"
     ship.finalize(run_id, 0)  # the redelivery
     assert client.exists(keys.done(0, "prune"), keys.done(0, "pack")) == 2
-    successors = [("rlship.metrics", [run_id, 0]), *(("rlship.encode", [run_id, 0, r]) for r in range(RANKS))]
+    successors = [*(("rlship.encode", [run_id, 0, r]) for r in range(RANKS)), ("rlship.metrics", [run_id, 0])]
     assert _enqueued(client, config.cpu_queue) == successors
     calls = {k.decode().rsplit(":", 1)[1]: int(v) for k, v in client.hgetall(keys.stage_calls).items()}
     assert calls == {"finalize": 1, "prune": 1, "pack": 1}, "the killed prune left no count"
@@ -395,3 +395,41 @@ def test_a_send_killed_at_a_ranks_sending_mark_has_handed_nothing_over(
     ship.send(run_id, 0, 0)
     assert rank_file(config, 0).exists() and rank_file(config, 1).exists()
     assert client.hgetall(keys.interrupted_sends) == {b"0:0": b"1", b"0:1": b"1"}
+
+
+def test_a_process_decodes_a_steps_samples_and_plan_once_per_cut(
+    client: redis.Redis, run_id: str, shipped_step, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every rank's encode needs the step's pruned samples and pack plan: a process decodes
+    each once (the samples here by pack, carried in finalize's task; the plan by the first
+    encode); under a new cut of the same step number they are read again. The oracle: which
+    step values were read, and the rollout ids each read gave."""
+    store, _ = shipped_step
+    read = []
+    real_read = PayloadStore.get_step_value
+
+    def reading(self: PayloadStore, step: int, name: str) -> bytes:
+        read.append(name)
+        return real_read(self, step, name)
+
+    monkeypatch.setattr(PayloadStore, "get_step_value", reading)
+    ship.finalize(run_id, 0)
+    for rank in range(RANKS):
+        ship.encode(run_id, 0, rank)
+    assert "pruned" not in read and read.count("plan") == 1, "decoded once a process"
+
+    def rollout_ids() -> list[str]:
+        """The rollout ids of the pruned samples a new task of the step gets."""
+        return sorted(ship._pruned(ship.StepContext(run_id, 0)).labels["rollout_id"])
+
+    assert rollout_ids() == ["a", "b", "c"]
+    stored = msgpack.unpackb(client.get(store.keys.step(0, "pruned")), raw=False)
+    only_a = Cohort.from_wire(stored["samples"]).where("rollout_id", "a")
+    store.put_step_value(0, "pruned", msgpack.packb({"samples": only_a.to_wire()}, use_bin_type=True))
+    read.clear()
+    assert rollout_ids() == ["a", "b", "c"], "the same cut's"
+    assert "pruned" not in read
+    manifest = StepManifest.from_bytes(store.get_step_value(0, "manifest"))
+    recut = dataclasses.replace(manifest, cut_id=uuid.uuid4().hex, cut_time=manifest.cut_time + 1)
+    store.put_step_value(0, "manifest", recut.to_bytes())
+    assert rollout_ids() == ["a"], "the new cut's, read again"
