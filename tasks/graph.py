@@ -1,15 +1,13 @@
 """The ship path's stage graph, as data: the one place that says which stages there are,
 which run once per rank, on which queue, and what follows each.
 
-    finalize -> prune -> pack -> encode[rank] -> send[rank] --.
-                      -> metrics ----------------------------+-> publish -> release
+    finalize -> prune -> metrics ----------------------------.
+                      -> pack -> encode[rank] -> send[rank] --+-> publish -> release
 
 A stage follows a per-rank one for the same rank, or (a per-step stage) once every rank
 is done: the fan-in. Prune and pack are *carried*: they run in the task of the stage before
 them, in the same process, right after it (each still marked, timed and traced as a stage):
-two hops fewer between the cut and the first encode. A stage's successors are enqueued in
-the order of its `then`: the encodes before metrics, which only publish waits for, so the
-cpu processes take the encodes first. The stage tasks (`tasks.stage_task`)
+two hops fewer between the cut and the first encode. The stage tasks (`tasks.stage_task`)
 run or enqueue successors from it, `rlship run`'s progress display counts the stages in
 flight from it, and `rlship chaos` picks the stage to kill in from it. Pure data: importing
 it starts nothing.
@@ -46,7 +44,7 @@ class Stage:
 
 STAGES = (
     Stage("finalize", per_rank=False, queue="cpu", then=("prune",), by_orchestrator=True),
-    Stage("prune", per_rank=False, queue="cpu", then=("pack", "metrics"), carried=True),
+    Stage("prune", per_rank=False, queue="cpu", then=("metrics", "pack"), carried=True),
     Stage("metrics", per_rank=False, queue="cpu", then=("publish",)),
     Stage("pack", per_rank=False, queue="cpu", then=("encode",), carried=True),
     Stage("encode", per_rank=True, queue="cpu", then=("send",)),

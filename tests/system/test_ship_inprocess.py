@@ -94,7 +94,7 @@ def test_one_step_through_every_task(
     ship.finalize(run_id, 0)  # and prune and pack, in its task
     assert read == ["manifest"], "prune and pack took finalize's and prune's outputs from memory"
     encodes = [("rlship.encode", [run_id, 0, r]) for r in range(RANKS)]
-    assert _enqueued(client, cpu) == [*encodes, ("rlship.metrics", [run_id, 0])], "the encodes first"
+    assert _enqueued(client, cpu) == [("rlship.metrics", [run_id, 0]), *encodes]
     ship.metrics(run_id, 0)
     assert _enqueued(client, cpu) == [], "publish waits for every rank's send"
     for rank in range(RANKS):
@@ -165,7 +165,7 @@ def test_a_stage_already_done_is_not_computed_again(client: redis.Redis, run_id:
     _, config = shipped_step
     ship.finalize(run_id, 0)
     ship.finalize(run_id, 0)
-    successors = [*(("rlship.encode", [run_id, 0, r]) for r in range(RANKS)), ("rlship.metrics", [run_id, 0])]
+    successors = [("rlship.metrics", [run_id, 0]), *(("rlship.encode", [run_id, 0, r]) for r in range(RANKS))]
     assert _enqueued(client, config.cpu_queue) == successors * 2, "successors again"
     calls = client.hgetall(RunKeys(run_id).stage_calls)
     assert [int(v) for v in calls.values()] == [1, 1, 1], "finalize, prune and pack computed once"
@@ -315,7 +315,7 @@ def test_a_finalize_redelivered_after_a_kill_in_a_carried_stage_runs_it_from_wha
     assert _enqueued(client, config.cpu_queue) == [], "nothing follows a killed task"
     ship.finalize(run_id, 0)  # the redelivery
     assert client.exists(keys.done(0, "prune"), keys.done(0, "pack")) == 2
-    successors = [*(("rlship.encode", [run_id, 0, r]) for r in range(RANKS)), ("rlship.metrics", [run_id, 0])]
+    successors = [("rlship.metrics", [run_id, 0]), *(("rlship.encode", [run_id, 0, r]) for r in range(RANKS))]
     assert _enqueued(client, config.cpu_queue) == successors
     calls = {k.decode().rsplit(":", 1)[1]: int(v) for k, v in client.hgetall(keys.stage_calls).items()}
     assert calls == {"finalize": 1, "prune": 1, "pack": 1}, "the killed prune left no count"
