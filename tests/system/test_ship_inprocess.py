@@ -71,6 +71,20 @@ def shipped_step(
         delete_queues(client, [config.cpu_queue, config.ship_queue])
 
 
+@pytest.fixture()
+def values_read(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the step values read whole from Redis (`PayloadStore.get_step_value`), in order."""
+    read: list[str] = []
+    real_read = PayloadStore.get_step_value
+
+    def reading(self: PayloadStore, step: int, name: str) -> bytes:
+        read.append(name)
+        return real_read(self, step, name)
+
+    monkeypatch.setattr(PayloadStore, "get_step_value", reading)
+    return read
+
+
 def _enqueued(client: redis.Redis, queue: str) -> list[tuple[str, list]]:
     """(task name, arguments) of every message on the queue, oldest first; the queue is emptied."""
     messages = [json.loads(raw) for raw in reversed(client.lrange(queue, 0, -1))]
@@ -79,20 +93,12 @@ def _enqueued(client: redis.Redis, queue: str) -> list[tuple[str, list]]:
 
 
 def test_one_step_through_every_task(
-    client: redis.Redis, run_id: str, shipped_step, monkeypatch: pytest.MonkeyPatch
+    client: redis.Redis, run_id: str, shipped_step, values_read: list[str]
 ) -> None:
     store, config = shipped_step
     cpu, ship_queue = config.cpu_queue, config.ship_queue
-    read = []
-    real_read = PayloadStore.get_step_value
-
-    def reading(self: PayloadStore, step: int, name: str) -> bytes:
-        read.append(name)
-        return real_read(self, step, name)
-
-    monkeypatch.setattr(PayloadStore, "get_step_value", reading)
     ship.finalize(run_id, 0)  # and prune and pack, in its task
-    assert read == ["manifest"], "prune and pack took finalize's and prune's outputs from memory"
+    assert values_read == ["manifest"], "prune and pack took finalize's and prune's outputs from memory"
     encodes = [("rlship.encode", [run_id, 0, r]) for r in range(RANKS)]
     assert _enqueued(client, cpu) == [("rlship.metrics", [run_id, 0]), *encodes]
     ship.metrics(run_id, 0)
@@ -324,29 +330,23 @@ def test_a_finalize_redelivered_after_a_kill_in_a_carried_stage_runs_it_from_wha
 
 
 def test_a_process_reads_a_steps_manifest_whole_once_per_cut(
-    client: redis.Redis, run_id: str, shipped_step, monkeypatch: pytest.MonkeyPatch
+    client: redis.Redis, run_id: str, shipped_step, values_read: list[str]
 ) -> None:
     """Every task of a step needs its manifest: a process reads it whole once, then only its
     opening bytes; a step cut again under the same number (found empty) is read whole again.
     The oracle: the manifests' own cut ids and which step values were read whole."""
     store, _ = shipped_step
-    read = []
-    real_read = PayloadStore.get_step_value
-
-    def reading(self: PayloadStore, step: int, name: str) -> bytes:
-        read.append(name)
-        return real_read(self, step, name)
-
-    monkeypatch.setattr(PayloadStore, "get_step_value", reading)
     first = ship.StepContext(run_id, 0).manifest
-    assert ship.StepContext(run_id, 0).manifest is first and read == ["manifest"], "read whole once"
+    assert ship.StepContext(run_id, 0).manifest is first and values_read == ["manifest"], "read whole once"
     again = StepManifest.from_bytes(store.get_step_value(0, "manifest"))
     recut = dataclasses.replace(again, cut_id=uuid.uuid4().hex, cut_time=again.cut_time + 1)
     assert recut.to_bytes()[: len(first.cut_id) + 16] != first.to_bytes()[: len(first.cut_id) + 16]
-    read.clear()
+    values_read.clear()
     store.put_step_value(0, "manifest", recut.to_bytes())
     got = ship.StepContext(run_id, 0).manifest
-    assert (got.cut_id, got.cut_time, read) == (recut.cut_id, recut.cut_time, ["manifest"]), "the new cut's"
+    assert (got.cut_id, got.cut_time, values_read) == (recut.cut_id, recut.cut_time, ["manifest"]), (
+        "the new cut's"
+    )
     store.client.delete(store.keys.step(0, "manifest"))
     with pytest.raises(PayloadMissingError):
         ship.StepContext(run_id, 0).manifest  # noqa: B018  (released: not served from memory)
@@ -398,25 +398,17 @@ def test_a_send_killed_at_a_ranks_sending_mark_has_handed_nothing_over(
 
 
 def test_a_process_decodes_a_steps_samples_and_plan_once_per_cut(
-    client: redis.Redis, run_id: str, shipped_step, monkeypatch: pytest.MonkeyPatch
+    client: redis.Redis, run_id: str, shipped_step, values_read: list[str]
 ) -> None:
     """Every rank's encode needs the step's pruned samples and pack plan: a process decodes
     each once (the samples here by pack, carried in finalize's task; the plan by the first
     encode); under a new cut of the same step number they are read again. The oracle: which
     step values were read, and the rollout ids each read gave."""
     store, _ = shipped_step
-    read = []
-    real_read = PayloadStore.get_step_value
-
-    def reading(self: PayloadStore, step: int, name: str) -> bytes:
-        read.append(name)
-        return real_read(self, step, name)
-
-    monkeypatch.setattr(PayloadStore, "get_step_value", reading)
     ship.finalize(run_id, 0)
     for rank in range(RANKS):
         ship.encode(run_id, 0, rank)
-    assert "pruned" not in read and read.count("plan") == 1, "decoded once a process"
+    assert "pruned" not in values_read and values_read.count("plan") == 1, "decoded once a process"
 
     def rollout_ids() -> list[str]:
         """The rollout ids of the pruned samples a new task of the step gets."""
@@ -426,9 +418,9 @@ def test_a_process_decodes_a_steps_samples_and_plan_once_per_cut(
     stored = msgpack.unpackb(client.get(store.keys.step(0, "pruned")), raw=False)
     only_a = Cohort.from_wire(stored["samples"]).where("rollout_id", "a")
     store.put_step_value(0, "pruned", msgpack.packb({"samples": only_a.to_wire()}, use_bin_type=True))
-    read.clear()
+    values_read.clear()
     assert rollout_ids() == ["a", "b", "c"], "the same cut's"
-    assert "pruned" not in read
+    assert "pruned" not in values_read
     manifest = StepManifest.from_bytes(store.get_step_value(0, "manifest"))
     recut = dataclasses.replace(manifest, cut_id=uuid.uuid4().hex, cut_time=manifest.cut_time + 1)
     store.put_step_value(0, "manifest", recut.to_bytes())
