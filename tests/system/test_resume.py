@@ -22,7 +22,7 @@ from orchestrator.settings import run_queue
 from tests.support.processes import left_running, refused, wait_for
 from transport.keys import RunKeys
 
-STEPS = 30
+STEPS = 60  # enough that Ctrl-C lands before the last step, on a loaded machine too
 RUN_SECONDS = 240
 
 
