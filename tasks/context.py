@@ -17,6 +17,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 import msgpack
@@ -46,34 +47,36 @@ def redis_client() -> redis.Redis:
     return connect_redis(redis_url(), socket_timeout=120, health_check_interval=30)
 
 
-# The step manifests this process has read, by (run, step): the bytes that open each (its
-# cut's id, `manifest.HEAD_BYTES`) and the manifest. Every task of a step needs it, and a
-# seed-sized one is over a megabyte: a process reads it whole once per cut, then only its
-# head to see it is still the step's. A few steps are in flight at once.
-_manifests: dict[tuple[str, int], tuple[bytes, StepManifest]] = {}
-MANIFESTS_KEPT = 8
+# The step cuts this process holds, by (run, step): the bytes that open each manifest (its
+# cut's id, `manifest.HEAD_BYTES`), the manifest, and the step values decoded under that cut
+# (`StepContext.decoded`). Every task of a step needs the manifest, and a seed-sized one is
+# over a megabyte: a process reads it whole once per cut, then only its head to see it is
+# still the step's. A step cut again under its number (found empty) is a new cut: what was
+# decoded under the old one goes with it. A few steps are in flight at once.
+@dataclass(frozen=True)
+class HeldCut:
+    head: bytes
+    manifest: StepManifest
+    decoded: dict[str, Any] = field(default_factory=dict)
 
 
-def read_manifest(client: redis.Redis, store: PayloadStore, step: int) -> StepManifest:
-    """Step `step`'s manifest, read whole only if this process does not hold its cut's."""
+_cuts: dict[tuple[str, int], HeldCut] = {}
+CUTS_KEPT = 8
+
+
+def held_cut(client: redis.Redis, store: PayloadStore, step: int) -> HeldCut:
+    """Step `step`'s cut, its manifest read whole only if this process does not hold it."""
     key = store.keys.step(step, StepValue.MANIFEST)
     head = client.getrange(key, 0, HEAD_BYTES - 1)
-    held = _manifests.get((store.keys.run_id, step))
-    if held is not None and head and held[0] == head:
-        return held[1]
+    held = _cuts.get((store.keys.run_id, step))
+    if held is not None and head and held.head == head:
+        return held
     data = bytes(store.get_step_value(step, StepValue.MANIFEST))
-    manifest = StepManifest.from_bytes(data)
-    _manifests[(store.keys.run_id, step)] = (data[:HEAD_BYTES], manifest)
-    while len(_manifests) > MANIFESTS_KEPT:
-        del _manifests[next(iter(_manifests))]
-    return manifest
-
-
-# Step values decoded by this process, by (run, step, value): the manifest they were decoded
-# under (the cut: a step found empty is cut again under its number) and the value. A step's
-# encodes on one process then read and decode its samples and pack plan once, not a rank each.
-_decoded: dict[tuple[str, int, str], tuple[StepManifest, Any]] = {}
-DECODED_KEPT = 4  # two steps: a seed-sized step's samples are megabytes of labels
+    held = HeldCut(data[:HEAD_BYTES], StepManifest.from_bytes(data))
+    _cuts[(store.keys.run_id, step)] = held
+    while len(_cuts) > CUTS_KEPT:
+        del _cuts[next(iter(_cuts))]
+    return held
 
 
 class StepContext:
@@ -91,12 +94,17 @@ class StepContext:
         self.stored: dict[str, bytes] = {}
 
     @functools.cached_property
+    def cut(self) -> HeldCut:
+        """The step's cut as this process holds it. Every task reads it before it writes a
+        file, so the process creates files with the run's `file_mode` from here (a worker may
+        serve several runs)."""
+        cut = held_cut(self.client, self.store, self.step)
+        restrict(cut.manifest.config.file_mode)
+        return cut
+
+    @property
     def manifest(self) -> StepManifest:
-        """The step's manifest. Every task reads it before it writes a file, so the process
-        creates files with the run's `file_mode` from here (a worker may serve several runs)."""
-        manifest = read_manifest(self.client, self.store, self.step)
-        restrict(manifest.config.file_mode)
-        return manifest
+        return self.cut.manifest
 
     @functools.cached_property
     def durability(self) -> Durability:
@@ -120,15 +128,10 @@ class StepContext:
     def decoded(self, name: str, decode: Callable[[Any], T]) -> T:
         """`decode` of a step value written once per cut (the pruned samples, the pack plan),
         made once per process and cut."""
-        key = (self.run_id, self.step, name)
-        held = _decoded.get(key)
-        if held is not None and held[0] is self.manifest:
-            return cast(T, held[1])
-        value = decode(self.get(name))
-        _decoded[key] = (self.manifest, value)
-        while len(_decoded) > DECODED_KEPT:
-            del _decoded[next(iter(_decoded))]
-        return value
+        decoded = self.cut.decoded
+        if name not in decoded:
+            decoded[name] = decode(self.get(name))
+        return cast(T, decoded[name])
 
     def crash_if_armed(
         self, stage: str, rank: int | None = None, before: Callable[[], None] | None = None
