@@ -21,6 +21,7 @@ from tasks.stages.pack import (
     MicroBatchPlan,
     PackPlan,
     _best_move_or_swap,
+    _best_swap,
     _split,
     first_fit_decreasing,
     karmarkar_karp,
@@ -196,6 +197,21 @@ def test_best_prefers_a_better_move_over_a_worse_swap():
     assert _best_move_or_swap(heavy, light, lengths, 10, 6) == (4, (heavy[0], 0, light[0], None))
 
 
+def test_best_swap_of_an_odd_gap_takes_the_first_destination_of_either_delta():
+    # Gap 3: moving 1 token leaves |3 - 2| = 1, moving 2 leaves |3 - 4| = 1: both gain 2.
+    # Source length 10 against destinations of 8 (delta 2) and 9 (delta 1): the first
+    # destination wins, whichever delta it takes.
+    rooms = np.array([5, 5])
+    assert _best_swap(np.array([10]), np.array([8, 9]), rooms, 3) == (2, 0, 0)
+    assert _best_swap(np.array([10]), np.array([9, 8]), rooms, 3) == (2, 0, 0)
+    # The first destination's micro-batch has room for 1 token: delta 2 does not fit there.
+    assert _best_swap(np.array([10]), np.array([8, 9]), np.array([1, 5]), 3) == (2, 0, 1)
+    # A later source that reaches the peak does not beat an earlier one that does.
+    assert _best_swap(np.array([12, 10]), np.array([8, 11]), rooms, 3) == (2, 0, 1)
+    # Nothing fits (every delta above its room, or not positive): no swap.
+    assert _best_swap(np.array([10, 3]), np.array([5, 10]), np.array([2, 9]), 3) is None
+
+
 def test_best_is_none_when_nothing_narrows_the_gap():
     # Gap 2 between [#0 #1] 3+3 and [#2] 4: moving 3 leaves |2 - 6| = 4 (worse); swapping a 3
     # for the 4 moves -1 (not heavy to light). Nothing: None, not a zero or negative gain.
@@ -293,6 +309,33 @@ def test_rebalance_moves_and_swaps_as_the_reference_does(seed):
     ref = [[] for _ in range(ranks_n)]
     for k, b in enumerate(bins):
         ref[min(k % ranks_n + (k % 3 == 0), ranks_n - 1)].append(b)
+    ranks = [[mb(b[0], b[1]) for b in rank] for rank in ref]
+    rebalance(ranks, np.array(lengths, dtype=np.int64), capacity)
+    Reference.rebalance(ref, lengths, capacity)
+    assert [[(b.samples, b.tokens) for b in r] for r in ranks] == [[(b[0], b[1]) for b in r] for r in ref]
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_rebalance_over_many_samples_a_rank_picks_swaps_as_the_reference_does(seed):
+    """Ranks of 50-150 samples each, of a few lengths, so that many swaps tie at the best
+    gain, through both of its deltas (an odd gap is narrowed as much by (gap - 1) / 2 as by
+    (gap + 1) / 2): the swap searched for (`_best_swap`), not tried pair by pair, must pick
+    the reference's first best pair, source order then destination order."""
+    rng = random.Random(3000 + seed)
+    capacity = rng.choice([48, 64, 96])
+    run = rng.randint(1, 20)  # three lengths in a row: a source length with both deltas at hand
+    values = sorted({run, run + 1, run + 2, *rng.sample(range(1, 25), rng.randint(1, 3))})
+    ranks_n = rng.choice([2, 3, 4])
+    lengths = [rng.choice(values) for _ in range(ranks_n * rng.randint(50, 150))]
+    ref: list[list[list]] = [[] for _ in range(ranks_n)]
+    current, home = [[], 0, 0], 0
+    for i, length in enumerate(lengths):
+        if current[1] + length > capacity - rng.randint(0, 8):
+            ref[home].append(current)
+            current, home = [[], 0, 0], rng.choice([0, 0, *range(ranks_n)])  # rank 0 the heaviest
+        current[0].append(i)
+        current[1] += length
+    ref[home].append(current)
     ranks = [[mb(b[0], b[1]) for b in rank] for rank in ref]
     rebalance(ranks, np.array(lengths, dtype=np.int64), capacity)
     Reference.rebalance(ref, lengths, capacity)
