@@ -212,6 +212,18 @@ def test_best_swap_of_an_odd_gap_takes_the_first_destination_of_either_delta():
     assert _best_swap(np.array([10, 3]), np.array([5, 10]), np.array([2, 9]), 3) is None
 
 
+def test_best_swap_looks_on_both_sides_of_half_the_gap():
+    # Gap 4, destination 7 (room 5): source 6 moves -1 tokens (no swap), source 10 moves 3,
+    # past the peak at 2, leaving |4 - 6| = 2: gain 2, the only swap there is.
+    assert _best_swap(np.array([6, 10]), np.array([7]), np.array([5]), 4) == (2, 1, 0)
+    # Gap 20, destination 10 (room 20): source 18 moves 8 (gain 16), source 21 moves 11
+    # (|20 - 22| = 2 left: gain 18). The one just past the peak beats the nearest below it.
+    assert _best_swap(np.array([18, 21]), np.array([10]), np.array([20]), 20) == (18, 1, 0)
+    # Gap 20, destination 10 (room 30): the smallest source, 11, moves 1 (gain 2); 30 moves
+    # 20, past the whole gap (gain 0). The best is the first of the sorted lengths.
+    assert _best_swap(np.array([11, 30]), np.array([10]), np.array([30]), 20) == (2, 0, 0)
+
+
 def test_best_is_none_when_nothing_narrows_the_gap():
     # Gap 2 between [#0 #1] 3+3 and [#2] 4: moving 3 leaves |2 - 6| = 4 (worse); swapping a 3
     # for the 4 moves -1 (not heavy to light). Nothing: None, not a zero or negative gain.
