@@ -136,9 +136,8 @@ def _best_move_or_swap(
         best = (int(gain[a, b]), (src[a][0], src[a][1], light[b], None))
     dst = [(mb, j) for mb in light for j in mb.samples]
     if dst:
-        swap = _best_swap(
-            src_len, lengths[[j for _, j in dst]], np.array([capacity - mb.tokens for mb, _ in dst]), gap
-        )
+        dst_room = np.repeat(room, [len(mb.samples) for mb in light])  # its micro-batch's room
+        swap = _best_swap(src_len, lengths[[j for _, j in dst]], dst_room, gap)
         if swap is not None and swap[0] > (best[0] if best else 0):
             found, a, b = swap
             best = (found, (src[a][0], src[a][1], dst[b][0], dst[b][1]))
@@ -173,10 +172,10 @@ def _best_swap(
     # The gain is even (2 delta or 2 gap - 2 delta): these deltas, and only they, reach it.
     deltas = {peak // 2, gap - peak // 2}
     first_dst: dict[tuple[int, int], int] = {}  # (delta, destination length) -> first b taking it
-    for b in range(len(dst_len)):
+    for b, (length, room) in enumerate(zip(dst_len.tolist(), dst_room.tolist(), strict=True)):
         for delta in deltas:
-            if dst_room[b] >= delta:
-                first_dst.setdefault((delta, int(dst_len[b])), b)
+            if room >= delta:
+                first_dst.setdefault((delta, length), b)
     for a, length in enumerate(src_len.tolist()):
         found = [first_dst[key] for delta in deltas if (key := (delta, length - delta)) in first_dst]
         if found:

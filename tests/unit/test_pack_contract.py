@@ -301,6 +301,15 @@ def test_pack_samples_places_every_sample_as_the_reference_does(seed):
     assert placement(plan.ranks) == Reference.pack(lengths, ranks, seq_len, pad)
 
 
+def rebalances_as_the_reference_does(ref: list[list[list]], lengths: list[int], capacity: int) -> None:
+    """`rebalance` and the reference's, each from the same ranks (`ref`, as the reference's
+    lists), end with the same micro-batches."""
+    ranks = [[mb(b[0], b[1]) for b in rank] for rank in ref]
+    rebalance(ranks, np.array(lengths, dtype=np.int64), capacity)
+    Reference.rebalance(ref, lengths, capacity)
+    assert [[(b.samples, b.tokens) for b in r] for r in ranks] == [[(b[0], b[1]) for b in r] for r in ref]
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_rebalance_moves_and_swaps_as_the_reference_does(seed):
     rng = random.Random(1000 + seed)
@@ -321,10 +330,7 @@ def test_rebalance_moves_and_swaps_as_the_reference_does(seed):
     ref = [[] for _ in range(ranks_n)]
     for k, b in enumerate(bins):
         ref[min(k % ranks_n + (k % 3 == 0), ranks_n - 1)].append(b)
-    ranks = [[mb(b[0], b[1]) for b in rank] for rank in ref]
-    rebalance(ranks, np.array(lengths, dtype=np.int64), capacity)
-    Reference.rebalance(ref, lengths, capacity)
-    assert [[(b.samples, b.tokens) for b in r] for r in ranks] == [[(b[0], b[1]) for b in r] for r in ref]
+    rebalances_as_the_reference_does(ref, lengths, capacity)
 
 
 @pytest.mark.parametrize("seed", range(24))
@@ -348,10 +354,7 @@ def test_rebalance_over_many_samples_a_rank_picks_swaps_as_the_reference_does(se
         current[0].append(i)
         current[1] += length
     ref[home].append(current)
-    ranks = [[mb(b[0], b[1]) for b in rank] for rank in ref]
-    rebalance(ranks, np.array(lengths, dtype=np.int64), capacity)
-    Reference.rebalance(ref, lengths, capacity)
-    assert [[(b.samples, b.tokens) for b in r] for r in ranks] == [[(b[0], b[1]) for b in r] for r in ref]
+    rebalances_as_the_reference_does(ref, lengths, capacity)
 
 
 @pytest.mark.parametrize("seed", range(20))
